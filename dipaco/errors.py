@@ -1,0 +1,17 @@
+"""Exceptions the CLI turns into one clear line instead of a traceback."""
+
+
+class DipacoError(Exception):
+    """Base class: a problem with the user's input, config, data or files."""
+
+
+class ConfigError(DipacoError):
+    """An unknown key, a wrong type or an inconsistent value in a config."""
+
+
+class DataError(DipacoError):
+    """A corpus, document or shard that cannot be used as it is."""
+
+
+class CheckpointError(DipacoError):
+    """A checkpoint that is missing, truncated or corrupted."""
