@@ -1,0 +1,257 @@
+"""Typed configuration: dataclass schemas, YAML files and dotlist overrides via omegaconf.
+
+A config file is merged onto the schema, then the CLI's ``key=value`` overrides onto that. Unknown
+keys and wrong types are errors that name the full key; value checks that types cannot express
+(choices, ranges, cross-field rules) live in :func:`validate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dipaco.errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/demo"  # holds the prepared data, the pretrained model and every experiment
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    progress: bool = True  # tqdm bars
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "bbc"  # "bbc" (built in), a local file/dir/glob, or a hub dataset name
+    format: Optional[str] = None  # json | csv | parquet | text; inferred from the extension
+    hub_config: Optional[str] = None
+    hub_split: Optional[str] = None
+    text_field: str = "text"
+    id_field: Optional[str] = "id"
+    label_field: Optional[str] = "label"
+    split_field: Optional[str] = "split"
+    validation_fraction: float = 0.1
+    max_docs: Optional[int] = None
+    strip_headers: bool = False  # drop Usenet-style headers (everything before the first blank line)
+    empty_docs: str = "error"  # error | skip
+    seq_len: int = 128  # packed training sequence length and eval window length
+    prefix_tokens: int = 32  # routing context; never scored at evaluation
+
+
+@dataclass
+class TokenizerConfig:
+    path: Optional[str] = None  # an existing tokenizer directory; None trains a byte-level BPE
+    vocab_size: int = 4096
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of one path (every path is a LlamaForCausalLM of this shape)."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None  # None = num_heads (no grouped-query attention)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+
+@dataclass
+class LevelConfig:
+    blocks: int = 1  # consecutive transformer blocks in this level
+    modules: int = 1  # interchangeable modules at this level (K_l)
+    path_specific: bool = False  # every path owns its copy (never shared); then modules must be 1
+
+
+@dataclass
+class TopologyConfig:
+    # A preset replaces `levels`/`replicas`: dense | diloco:R | moe:P | grid:KxK[xK...]
+    preset: Optional[str] = None
+    levels: List[LevelConfig] = field(default_factory=lambda: [LevelConfig(blocks=4, modules=1)])
+    replicas: int = 1  # paths per module tuple, each on its own shard (DiLoCo data parallelism)
+    embedding: str = "shared"  # shared | path
+    head: str = "shared"  # final norm + LM head: shared | path
+
+
+@dataclass
+class OptimConfig:
+    """Inner AdamW with linear warmup and cosine decay over the whole run."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    grad_clip: float = 1.0  # 0 disables clipping
+    batch_size: int = 16  # sequences per step
+
+
+@dataclass
+class PretrainConfig:
+    steps: int = 200
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class OuterConfig:
+    """Per-module outer optimizer: SGD with Nesterov momentum on averaged path deltas (DiLoCo)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    weighting: str = "tokens"  # tokens (w_p proportional to shard tokens) | uniform
+    rescale: str = "none"  # none | sqrt_paths (x sqrt(n)) | inv_sqrt_paths (/ sqrt(n))
+
+
+@dataclass
+class TrainConfig:
+    name: str = "dipaco"  # experiment directory: <run.dir>/train/<name>
+    rounds: int = 4
+    inner_steps: int = 50
+    init: str = "pretrained"  # pretrained (run `dipaco pretrain` first) | random
+    sharding: str = "iid"  # iid | column | kmeans
+    shard_column: str = "path"  # integer path column, for sharding=column
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    keep_checkpoints: int = 2
+    log_every: int = 10  # inner steps between progress-bar loss updates
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 16
+    max_docs: Optional[int] = None  # evaluate on the first N validation docs only
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+_CHOICES = {
+    "data.empty_docs": ("error", "skip"),
+    "topology.embedding": ("shared", "path"),
+    "topology.head": ("shared", "path"),
+    "outer.weighting": ("tokens", "uniform"),
+    "outer.rescale": ("none", "sqrt_paths", "inv_sqrt_paths"),
+    "train.init": ("pretrained", "random"),
+    "train.sharding": ("iid", "column", "kmeans"),
+}
+
+_POSITIVE = (
+    "data.seq_len", "tokenizer.vocab_size", "model.num_layers", "model.hidden_size",
+    "model.intermediate_size", "model.num_heads", "topology.replicas", "train.rounds",
+    "train.inner_steps", "train.keep_checkpoints", "train.log_every", "train.optim.batch_size",
+    "pretrain.optim.batch_size", "eval.batch_size",
+)
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(cfg: Config) -> Config:
+    """Checks the rules a type annotation cannot; raises ConfigError naming the key."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {', '.join(choices)}")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)}")
+    if not 0.0 < cfg.data.validation_fraction < 1.0:
+        raise ConfigError(f"data.validation_fraction: must be in (0, 1), got {cfg.data.validation_fraction}")
+    if not 0 <= cfg.data.prefix_tokens < cfg.data.seq_len:
+        raise ConfigError(
+            f"data.prefix_tokens: must be in [0, data.seq_len={cfg.data.seq_len}), got {cfg.data.prefix_tokens}"
+        )
+    if cfg.model.hidden_size % cfg.model.num_heads:
+        raise ConfigError(
+            f"model.hidden_size: {cfg.model.hidden_size} is not divisible by model.num_heads={cfg.model.num_heads}"
+        )
+    if cfg.pretrain.steps < 0:
+        raise ConfigError(f"pretrain.steps: must be >= 0, got {cfg.pretrain.steps}")
+    if not cfg.train.name or "/" in cfg.train.name:
+        raise ConfigError(f"train.name: must be a non-empty directory name, got {cfg.train.name!r}")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Schema defaults <- YAML file <- dotlist overrides, then validated."""
+    try:
+        merged = OmegaConf.structured(Config)
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file not found: {path}")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"overrides must look like key=value, got: {' '.join(bad)}")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        where = f" (in {path})" if path else ""
+        msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+        raise ConfigError(f"{key or 'config'}: {msg}{where}") from None
+    return validate(cfg)  # type: ignore[arg-type]
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Writes the resolved config; every run directory gets one."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(to_yaml(cfg))
+
+
+def section_hash(cfg: Config, *sections: str) -> str:
+    """A short stable hash of some config sections, to detect runs that do not match their inputs."""
+    payload = json.dumps({s: asdict(_get(cfg, s)) for s in sections}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+# Keys a resumed run may change without changing what it computes.
+RESUME_MUTABLE = ("run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.")
+
+
+def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTABLE) -> list[str]:
+    """Keys whose values differ, as ``key: old -> new``, skipping keys that start with ``ignore``."""
+    a, b = _flatten(asdict(old)), _flatten(asdict(new))
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not k.startswith(ignore)
+    ]

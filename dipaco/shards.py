@@ -1,0 +1,78 @@
+"""Shards: which path each document belongs to, and each path's packed training sequences.
+
+Shards are one-to-one with paths: shard p holds the documents routed to path p. The same rule
+routes training and validation documents, so a path is evaluated on the kind of text it trained on.
+
+Sharding rules:
+
+* ``iid``: a salted hash of the document id, uniform over paths (for DiLoCo-style baselines);
+* ``column``: an integer path column already in the dataset;
+* ``kmeans``: the ``path`` column written by ``dipaco route``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import datasets
+import numpy as np
+import torch
+
+from dipaco.corpus import stable_hash
+from dipaco.errors import DataError
+from dipaco.packing import pack_documents
+
+
+def iid_paths(ids: Sequence[str], num_paths: int, seed: int) -> np.ndarray:
+    # Salted so the shard does not correlate with the train/validation split, which hashes ids too.
+    return np.array([stable_hash(f"shard:{seed}:{i}") % num_paths for i in ids], dtype=np.int64)
+
+
+def column_paths(ds: datasets.Dataset, column: str, num_paths: int) -> np.ndarray:
+    if column not in ds.column_names:
+        raise DataError(f"sharding=column needs a {column!r} column; the dataset has {ds.column_names}")
+    try:
+        paths = np.asarray(ds[column], dtype=np.int64)
+    except (TypeError, ValueError):
+        raise DataError(f"column {column!r} must hold integer path ids") from None
+    bad = np.flatnonzero((paths < 0) | (paths >= num_paths))
+    if bad.size:
+        ids = [ds["id"][int(i)] for i in bad[:5]]
+        raise DataError(f"column {column!r}: {bad.size} docs have a path outside [0, {num_paths}), e.g. ids {ids}")
+    return paths
+
+
+def assign_paths(ds: datasets.Dataset, num_paths: int, sharding: str, seed: int, column: str = "path") -> np.ndarray:
+    """Path id of every document of ``ds``."""
+    if sharding == "iid":
+        return iid_paths(ds["id"], num_paths, seed)
+    if sharding in ("column", "kmeans"):
+        return column_paths(ds, column, num_paths)
+    raise DataError(f"unknown sharding {sharding!r}")
+
+
+def build_shards(
+    ds: datasets.Dataset, paths: np.ndarray, num_paths: int, seq_len: int, eos_id: int
+) -> list[torch.Tensor]:
+    """One (n_seqs, seq_len) tensor of packed sequences per path; an empty shard is an error."""
+    docs = ds["input_ids"]
+    shards = []
+    for p in range(num_paths):
+        members = np.flatnonzero(paths == p)
+        if members.size == 0:
+            raise DataError(
+                f"shard of path {p} is empty: no training document was routed to it; "
+                f"use fewer paths, more data, or balanced routing"
+            )
+        try:
+            shards.append(pack_documents([docs[int(i)] for i in members], seq_len, eos_id))
+        except DataError as exc:
+            raise DataError(f"shard of path {p} ({members.size} docs): {exc}") from None
+    return shards
+
+
+def path_weights(shards: Sequence[torch.Tensor], weighting: str) -> dict[int, float]:
+    """Outer-step weights w_p: proportional to shard tokens, or uniform."""
+    if weighting == "uniform":
+        return {p: 1.0 for p in range(len(shards))}
+    return {p: float(s.numel()) for p, s in enumerate(shards)}

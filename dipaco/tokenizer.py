@@ -1,0 +1,98 @@
+"""Byte-level BPE tokenizer: train one on the corpus, save/load it, tokenize a dataset.
+
+The tokenizer is trained with HF `tokenizers` and saved with `save_pretrained`, so
+`transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline. Byte-level means every
+string round-trips exactly (no unknown tokens). Encoding never adds BOS/EOS: the packer puts
+one EOS after each document itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import datasets
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dipaco.errors import ConfigError, DataError
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]  # ids 0 and 1
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, out_dir: str | Path, show_progress: bool = True
+) -> transformers.PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on `texts`, save it to `out_dir` and return it.
+
+    The same texts in the same order give the same vocabulary and merges.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ConfigError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least {MIN_VOCAB_SIZE}")
+
+    # add_prefix_space=False: decode(encode(s)) == s exactly, with no space added at the start.
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    n_texts = 0
+
+    def counted(items: Iterable[str]) -> Iterable[str]:
+        nonlocal n_texts
+        for text in items:
+            n_texts += 1
+            yield text
+
+    backend.train_from_iterator(counted(texts), trainer=trainer)
+    if n_texts == 0:
+        raise DataError("cannot train a tokenizer on no texts")
+
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        unk_token=None,  # byte-level: every input is covered
+        add_bos_token=False,
+        add_eos_token=False,
+    )
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerFast:
+    """Load a tokenizer saved by `train_tokenizer` (or any local HF tokenizer directory), offline."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise DataError(f"{path} is not a tokenizer directory (no tokenizer.json in it)")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # a corrupt json or config surfaces as many exception types
+        raise DataError(f"cannot load the tokenizer in {path}: {e}") from e
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise DataError(f"the tokenizer in {path} has no EOS or PAD token; train one with train_tokenizer")
+    return tokenizer
+
+
+def tokenize_corpus(
+    ds: datasets.DatasetDict | datasets.Dataset,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    batch_size: int = 1000,
+    num_proc: int | None = None,
+) -> datasets.DatasetDict | datasets.Dataset:
+    """Add `input_ids` (list[int]) and `num_tokens` (int) to every row; other columns are kept."""
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        input_ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": input_ids, "num_tokens": [len(ids) for ids in input_ids]}
+
+    return ds.map(encode, batched=True, batch_size=batch_size, num_proc=num_proc, desc="Tokenizing")
