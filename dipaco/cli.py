@@ -57,6 +57,14 @@ def _cmd_report(cfg: Config, args: argparse.Namespace) -> None:
     print(comparison_table(cfg.run.dir))
 
 
+def _quiet_library_progress_bars() -> None:
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dipaco", description="Train DiPaCo (Distributed Path Composition) language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if not cfg.run.progress:
+            _quiet_library_progress_bars()
         args.func(cfg, args)
     except DipacoError as exc:
         print(f"error: {exc}", file=sys.stderr)

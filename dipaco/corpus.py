@@ -38,6 +38,8 @@ _FORMAT_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet
 _TRAIN_NAMES = ("train",)
 _VALIDATION_NAMES = ("validation", "valid", "dev", "test")  # in order of preference
 _MAX_LISTED = 20  # ids listed in an error message before "..."
+SPLIT_BY_SOURCE = "source splits"  # CorpusStats.split_method values (a third: "split column '<name>'")
+SPLIT_BY_HASH = "hash of id"
 _HEADER_END = re.compile(r"\r?\n[ \t]*\r?\n")  # the first blank line
 
 
@@ -68,7 +70,7 @@ class CorpusStats:
     n_validation: int
     n_skipped_empty: int  # dropped because empty_docs="skip"
     n_dropped_max_docs: int  # left out by the max_docs subsample
-    split_method: str  # "source splits", "split column 'split'" or "hash of id"
+    split_method: str  # SPLIT_BY_SOURCE, SPLIT_BY_HASH or "split column '<split_field>'"
 
 
 @dataclass
@@ -132,7 +134,7 @@ def load_corpus_with_stats(spec: CorpusSpec) -> tuple[datasets.DatasetDict, Corp
     docs, n_skipped = _handle_empty_docs(docs, spec)
     _check_unique_ids(docs.ids)
 
-    if split_method == "hash of id":
+    if split_method == SPLIT_BY_HASH:
         docs.splits = ["validation" if is_validation(i, spec.validation_fraction) else "train" for i in docs.ids]
     train = [i for i, s in enumerate(docs.splits) if s == "train"]
     validation = [i for i, s in enumerate(docs.splits) if s == "validation"]
@@ -203,7 +205,7 @@ def _check_both_splits(train: list[int], validation: list[int], split_method: st
         return
     n = len(train) + len(validation)
     missing = "train" if not train else "validation"
-    if split_method == "hash of id":
+    if split_method == SPLIT_BY_HASH:
         hint = (
             f"validation_fraction={spec.validation_fraction} is too {'small' if not validation else 'large'} "
             f"for {n} document(s)"
@@ -239,19 +241,19 @@ def _first_by_hash(ids: list[str], rows: list[int], n: int) -> list[int]:
 
 
 def _collect_docs(raw: datasets.DatasetDict, spec: CorpusSpec) -> tuple[_Docs, str]:
-    """Read id/text/label and any existing split out of the loaded splits."""
+    """Read id/text/label and any existing split out of the loaded splits; also say how the split is made."""
     presplit = _find_presplit(list(raw))
     if presplit is not None:
         parts = [(raw[presplit[0]], "train"), (raw[presplit[1]], "validation")]
-        split_method = "source splits"
+        split_method, use_split_column = SPLIT_BY_SOURCE, False
     else:
         parts = [(raw[name], None) for name in raw]
-        has_split_column = spec.split_field is not None and all(spec.split_field in ds.column_names for ds, _ in parts)
-        split_method = f"split column {spec.split_field!r}" if has_split_column else "hash of id"
+        use_split_column = spec.split_field is not None and all(spec.split_field in ds.column_names for ds, _ in parts)
+        split_method = f"split column {spec.split_field!r}" if use_split_column else SPLIT_BY_HASH
 
     docs = _Docs(ids=[], texts=[], labels=[], splits=[])
     for ds, split in parts:
-        _append_columns(docs, ds, spec, split, use_split_column=split_method.startswith("split column"))
+        _append_columns(docs, ds, spec, split, use_split_column)
     return docs, split_method
 
 
@@ -261,7 +263,9 @@ def _find_presplit(split_names: list[str]) -> tuple[str, str] | None:
     return (train, validation) if train and validation else None
 
 
-def _append_columns(docs: _Docs, ds: datasets.Dataset, spec: CorpusSpec, split: str | None, use_split_column: bool) -> None:
+def _append_columns(
+    docs: _Docs, ds: datasets.Dataset, spec: CorpusSpec, split: str | None, use_split_column: bool
+) -> None:
     columns = ds.column_names
     if spec.text_field not in columns:
         raise DataError(
@@ -270,7 +274,8 @@ def _append_columns(docs: _Docs, ds: datasets.Dataset, spec: CorpusSpec, split: 
         )
     texts = ds[spec.text_field][:]
     if any(t is not None and not isinstance(t, str) for t in texts):
-        raise DataError(f"column {spec.text_field!r} of {spec.source!r} does not hold strings ({ds.features[spec.text_field]})")
+        feature = ds.features[spec.text_field]
+        raise DataError(f"column {spec.text_field!r} of {spec.source!r} does not hold strings ({feature})")
     docs.texts.extend(t or "" for t in texts)  # a null text is an empty document
 
     if spec.id_field is not None and spec.id_field in columns:

@@ -1,0 +1,37 @@
+"""Fixtures for trainer tests: a tiny prepared + pretrained run, shared by the session."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dipaco.config import Config
+
+from tiny import SHARED_DATA, tiny_config, write_corpus_slice
+
+
+@pytest.fixture(scope="session")
+def prepared_run(tmp_path_factory) -> Config:
+    """prepare + pretrain once per session; tests copy the run directory before training in it."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared corpora not found at {SHARED_DATA}")
+    from dipaco.prepare import prepare
+    from dipaco.pretrain import pretrain
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    corpus = write_corpus_slice(root / "corpus.jsonl")
+    cfg = tiny_config(root / "run", corpus)
+    prepare(cfg)
+    pretrain(cfg)
+    return cfg
+
+
+@pytest.fixture
+def run_cfg(prepared_run: Config, tmp_path: Path) -> Config:
+    """A private copy of the prepared run, so each test can train without touching the others."""
+    dst = tmp_path / "run"
+    shutil.copytree(prepared_run.run.dir, dst)
+    return replace(prepared_run, run=replace(prepared_run.run, dir=str(dst)))

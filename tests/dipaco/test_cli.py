@@ -1,0 +1,85 @@
+"""The CLI as a user runs it: clear one-line errors for bad input, and a working pipeline."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dipaco.cli import main
+
+from tiny import TINY
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def words(n: int, seed: int) -> str:
+    vocab = ["alpha", "beta", "gamma", "delta", "river", "stone", "market", "vote", "goal", "film"]
+    return " ".join(vocab[(i * 7 + seed) % len(vocab)] + str((i * seed) % 13) for i in range(n))
+
+
+def corpus(tmp_path: Path, extra: list[str] = ()) -> Path:
+    return write_jsonl(tmp_path / "c.jsonl", [words(300, s) for s in range(40)] + list(extra))
+
+
+def run(tmp_path: Path, command: str, corpus_path: Path, *extra: str) -> int:
+    return main([command, *TINY, f"run.dir={tmp_path / 'run'}", f"data.corpus={corpus_path}", *extra])
+
+
+def test_help_for_every_command(capsys):
+    for command in ("prepare", "pretrain", "train", "eval", "report"):
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--help"])
+        assert exc.value.code == 0
+    assert "--resume" in capsys.readouterr().out
+
+
+def test_unknown_config_key_is_one_clear_line(tmp_path, capsys):
+    assert main(["train", "train.inner_stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.inner_stepz") and "Traceback" not in err
+
+
+def test_empty_document_is_named_and_nothing_is_written(tmp_path, capsys):
+    path = corpus(tmp_path, ["   "])
+    assert run(tmp_path, "prepare", path) == 2
+    err = capsys.readouterr().err
+    assert "d40" in err and "data.empty_docs=skip" in err
+    assert not (tmp_path / "run" / "data").exists()
+    assert run(tmp_path, "prepare", path, "data.empty_docs=skip") == 0
+
+
+def test_non_utf8_file_is_named(tmp_path, capsys):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"id": "x", "text": "caf\u00e9"}).encode("latin-1") + b"\n")
+    assert run(tmp_path, "prepare", path) == 2
+    assert "latin1.jsonl" in capsys.readouterr().err
+
+
+def test_short_documents_train_and_are_not_scored(tmp_path, capsys):
+    # Documents shorter than the routing prefix are kept for training and score no tokens.
+    path = corpus(tmp_path, ["tiny", "two words", "x"] * 5)
+    assert run(tmp_path, "prepare", path) == 0
+    assert run(tmp_path, "pretrain", path) == 0
+    assert run(tmp_path, "train", path) == 0
+    assert run(tmp_path, "eval", path) == 0
+    report = json.loads((tmp_path / "run" / "train" / "dipaco" / "eval.json").read_text())
+    assert report["overall"]["scored_tokens"] > 0
+    assert run(tmp_path, "eval", path, "--pretrained") == 0
+    assert run(tmp_path, "report", path) == 0
+    table = capsys.readouterr().out
+    assert "pretrained" in table and "dipaco" in table
+
+
+def test_train_before_prepare_says_what_to_run(tmp_path, capsys):
+    assert run(tmp_path, "train", corpus(tmp_path)) == 2
+    assert "dipaco prepare" in capsys.readouterr().err
+
+
+def test_changed_data_config_after_prepare_is_refused(tmp_path, capsys):
+    path = corpus(tmp_path)
+    assert run(tmp_path, "prepare", path) == 0
+    assert run(tmp_path, "pretrain", path, "tokenizer.vocab_size=600") == 2
+    assert "rerun `dipaco prepare`" in capsys.readouterr().err

@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+
+from dipaco.config import Config, config_diff, load_config, save_config
+from dipaco.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_shipped_configs_load(name):
+    assert isinstance(load_config(CONFIGS / name), Config)
+
+
+def test_overrides_apply():
+    cfg = load_config(CONFIGS / "demo.yaml", ["train.inner_steps=20", "topology.preset=grid:4x4"])
+    assert cfg.train.inner_steps == 20 and cfg.topology.preset == "grid:4x4"
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.inner_stepz=3", "train.inner_stepz"),
+        ("bogus.key=1", "bogus"),
+        ("train.rounds=many", "train.rounds"),
+        ("outer.lr=[1,2]", "outer.lr"),
+        ("train.sharding=random", "train.sharding"),
+        ("data.prefix_tokens=500", "data.prefix_tokens"),
+        ("model.num_heads=3", "model.hidden_size"),
+        ("train.rounds=0", "train.rounds"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  rounds: 2\n  inner_stpes: 4\n")
+    with pytest.raises(ConfigError, match=r"train\.inner_stpes.*bad\.yaml"):
+        load_config(f)
+
+
+def test_missing_file_and_malformed_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("nope.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["train.rounds"])
+
+
+def test_saved_config_reloads_identically(tmp_path):
+    cfg = load_config(CONFIGS / "demo.yaml", ["topology.preset=null", "topology.levels=[{blocks: 2, modules: 3}, {blocks: 2, modules: 1}]"])
+    save_config(cfg, tmp_path / "c.yaml")
+    again = load_config(tmp_path / "c.yaml")
+    assert again == cfg
+    assert config_diff(cfg, again) == []
+    changed = load_config(tmp_path / "c.yaml", ["outer.lr=0.5", "train.log_every=3"])
+    assert config_diff(cfg, changed) == ["outer.lr: 0.7 -> 0.5"]
