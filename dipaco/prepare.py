@@ -104,5 +104,10 @@ def load_prepared(cfg: Config) -> Prepared:
             f"{run.data} was prepared with different data/tokenizer settings than this config "
             f"(see {run.data / 'config.yaml'}); rerun `dipaco prepare` or use the same config"
         )
-    splits = datasets.load_from_disk(str(run.data))
+    if cfg.train.sharding == "kmeans":
+        from dipaco.shards import routed_splits  # routed copies of the same splits, plus a `path` column
+
+        splits = routed_splits(run, info["prepare_hash"])
+    else:
+        splits = datasets.load_from_disk(str(run.data))
     return Prepared(load_tokenizer(run.tokenizer), splits["train"], splits["validation"], info)

@@ -7,11 +7,12 @@ Sharding rules:
 
 * ``iid``: a salted hash of the document id, uniform over paths (for DiLoCo-style baselines);
 * ``column``: an integer path column already in the dataset;
-* ``kmeans``: the ``path`` column written by ``dipaco route``.
+* ``kmeans``: the ``path`` column that ``dipaco route`` adds to both splits (``routing/data``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import datasets
@@ -21,6 +22,9 @@ import torch
 from dipaco.corpus import stable_hash
 from dipaco.errors import DataError
 from dipaco.packing import pack_documents
+from dipaco.run_dir import RunDir
+
+ROUTED_INFO = "routing_info.json"
 
 
 def iid_paths(ids: Sequence[str], num_paths: int, seed: int) -> np.ndarray:
@@ -42,12 +46,25 @@ def column_paths(ds: datasets.Dataset, column: str, num_paths: int) -> np.ndarra
     return paths
 
 
+def routed_splits(run: RunDir, prepare_hash: str) -> datasets.DatasetDict:
+    """The train/validation splits with the ``path`` column written by ``dipaco route``."""
+    info_path = run.routing / "data" / ROUTED_INFO
+    if not info_path.is_file():
+        raise DataError(f"sharding=kmeans needs routed data in {run.routing / 'data'}; run `dipaco route` first")
+    info = json.loads(info_path.read_text())
+    if info.get("prepare_hash") != prepare_hash:
+        raise DataError(f"{run.routing} was routed from different prepared data; rerun `dipaco route`")
+    return datasets.load_from_disk(str(run.routing / "data"))
+
+
 def assign_paths(ds: datasets.Dataset, num_paths: int, sharding: str, seed: int, column: str = "path") -> np.ndarray:
     """Path id of every document of ``ds``."""
     if sharding == "iid":
         return iid_paths(ds["id"], num_paths, seed)
-    if sharding in ("column", "kmeans"):
+    if sharding == "column":
         return column_paths(ds, column, num_paths)
+    if sharding == "kmeans":
+        return column_paths(ds, "path", num_paths)
     raise DataError(f"unknown sharding {sharding!r}")
 
 

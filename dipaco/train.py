@@ -53,15 +53,10 @@ class Experiment:
     checkpoints: CheckpointManager
 
 
-def train_dataset(cfg: Config, prepared: Prepared):
-    """The training split with the columns sharding needs (routing adds a `path` column)."""
-    return prepared.train
-
-
 def build_experiment(cfg: Config, prepared: Prepared) -> Experiment:
     device = resolve_device(cfg.run.device)
     topology = topology_from_config(cfg.topology, cfg.model.num_layers)
-    train_ds = train_dataset(cfg, prepared)
+    train_ds = prepared.train
     paths = assign_paths(train_ds, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
     shards = build_shards(train_ds, paths, topology.num_paths, cfg.data.seq_len, prepared.tokenizer.eos_token_id)
 
