@@ -6,9 +6,16 @@ vector ops per module, and lets modules of one part be reduced together with ``i
 
 The bank composes a path by copying the path's modules into a path model *in place*, so the
 path's inner AdamW state keeps pointing at the same parameter tensors across rounds.
+
+A bank may *hold* only some modules (a rank of a distributed run holds the modules of its own
+paths, as a DiPaCo worker does: Douillard et al., arXiv 2403.10616, section 2.3). The modules it
+does not hold keep an empty placeholder in ``params`` (so ``params[module_id]`` stays valid) and
+are absent from ``state_dict``; composing a path through one of them is an error.
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -20,8 +27,11 @@ from dipaco.topology import Part, Topology
 
 
 class ModuleBank:
-    def __init__(self, topology: Topology, template: PreTrainedModel) -> None:
-        """Shapes come from ``template`` (any path-sized model); every module starts as a copy of it."""
+    def __init__(self, topology: Topology, template: PreTrainedModel, modules: Iterable[int] | None = None) -> None:
+        """Shapes come from ``template`` (any path-sized model); every held module starts as a copy of it.
+
+        ``modules``: global ids of the modules to hold (default: all).
+        """
         check_covers_model(template, topology)
         self.topology = topology
         named = dict(template.named_parameters())
@@ -29,10 +39,16 @@ class ModuleBank:
         self.param_shapes = {
             part.name: [named[n].shape for n in names] for part, names in zip(topology.parts, self.param_names.values())
         }
+        self.held: tuple[int, ...] = tuple(range(len(topology.modules))) if modules is None else tuple(sorted(set(modules)))
+        self._held = held = frozenset(self.held)
+        device = next(template.parameters()).device
         self.params: list[nn.Parameter] = []
         for module in topology.modules:
-            flat = self._flatten([named[n] for n in self.param_names[module.part.name]])
-            self.params.append(nn.Parameter(flat.to(torch.float32), requires_grad=False))
+            if module.id in held:
+                flat = self._flatten([named[n] for n in self.param_names[module.part.name]]).to(torch.float32)
+            else:
+                flat = torch.empty(0, device=device)
+            self.params.append(nn.Parameter(flat, requires_grad=False))
 
     @staticmethod
     def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -47,11 +63,21 @@ class ModuleBank:
         return self.params[0].device
 
     def numel(self, part: Part) -> int:
-        return self.params[part.first_module].numel()
+        return sum(s.numel() for s in self.param_shapes[part.name])
+
+    def holds(self, module_id: int) -> bool:
+        return module_id in self._held
+
+    @property
+    def held_params(self) -> list[nn.Parameter]:
+        return [self.params[m] for m in self.held]
 
     @torch.no_grad()
     def load_path(self, path: int, model: PreTrainedModel) -> None:
         """Overwrites ``model``'s parameters in place with the modules of ``path``."""
+        missing = [self.module_name(m) for m in self.topology.path_modules(path) if not self.holds(m)]
+        if missing:
+            raise ValueError(f"path {path} goes through modules this bank does not hold: {missing}")
         for part, module_id in zip(self.topology.parts, self.topology.path_modules(path)):
             targets = self._path_params(model, part)
             chunks = torch.split(self.params[module_id], [t.numel() for t in targets])
@@ -70,8 +96,9 @@ class ModuleBank:
 
     # --- (de)serialisation: readable names, unflattened tensors -------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """Held modules only, as ``"<module name>/<llama parameter name>"``."""
         out = {}
-        for module in self.topology.modules:
+        for module in (self.topology.modules[m] for m in self.held):
             names = self.param_names[module.part.name]
             shapes = self.param_shapes[module.part.name]
             chunks = torch.split(self.params[module.id], [s.numel() for s in shapes])

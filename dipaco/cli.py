@@ -2,6 +2,8 @@
 
     dipaco prepare  --config configs/demo.yaml            corpus -> tokenizer -> tokenized splits
     dipaco pretrain --config configs/demo.yaml            dense path-sized model (initialises modules)
+    dipaco route    --config configs/demo.yaml            documents -> features -> k-means -> shards
+    dipaco reroute  --config configs/demo.yaml            discriminative re-routing from a checkpoint
     dipaco train    --config configs/demo.yaml [--resume] rounds of inner steps + per-module outer step
     dipaco eval     --config configs/demo.yaml            per-path validation perplexity -> eval.json
     dipaco report   --config configs/demo.yaml            table of every evaluated model of the run
@@ -42,6 +44,18 @@ def _cmd_train(cfg: Config, args: argparse.Namespace) -> None:
     train(cfg, resume=args.resume, resume_from=args.resume_from, until_round=args.until_round)
 
 
+def _cmd_route(cfg: Config, args: argparse.Namespace) -> None:
+    from dipaco.route import route
+
+    route(cfg)
+
+
+def _cmd_reroute(cfg: Config, args: argparse.Namespace) -> None:
+    from dipaco.route import reroute
+
+    reroute(cfg, checkpoint=args.checkpoint)
+
+
 def _cmd_eval(cfg: Config, args: argparse.Namespace) -> None:
     from dipaco.evaluate import evaluate_experiment, evaluate_pretrained
 
@@ -74,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pretrain", help="train the dense path-sized model that initialises every module")
     p.set_defaults(func=_cmd_pretrain)
 
+    p = sub.add_parser("route", help="featurize documents, fit (balanced/product) k-means, write routed shards")
+    p.set_defaults(func=_cmd_route)
+    p = sub.add_parser("reroute", help="discriminative re-routing from the experiment's checkpoint (then train --resume)")
+    p.add_argument("--checkpoint", metavar="CKPT_DIR", help="score paths from this checkpoint instead of the newest")
+    p.set_defaults(func=_cmd_reroute)
+
     p = sub.add_parser("train", help="train the paths: inner AdamW rounds and per-module Nesterov outer steps")
     p.add_argument("--resume", action="store_true", help="continue from the experiment's newest checkpoint")
     p.add_argument("--resume-from", metavar="CKPT_DIR", help="continue from this checkpoint directory")
@@ -89,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="print a table of every evaluated model in the run directory")
     p.set_defaults(func=_cmd_report)
 
-    for name in ("prepare", "pretrain", "train", "eval", "report"):
+    for name in ("prepare", "pretrain", "route", "reroute", "train", "eval", "report"):
         _add_config_args(sub.choices[name])
     return parser
 

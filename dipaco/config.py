@@ -112,6 +112,7 @@ class OuterConfig:
     nesterov: bool = True
     weighting: str = "tokens"  # tokens (w_p proportional to shard tokens) | uniform
     rescale: str = "none"  # none | sqrt_paths (x sqrt(n)) | inv_sqrt_paths (/ sqrt(n))
+    drop_prob: float = 0.0  # each path's contribution is dropped with this probability per round (seeded)
 
 
 @dataclass
@@ -125,6 +126,35 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     keep_checkpoints: int = 2
     log_every: int = 10  # inner steps between progress-bar loss updates
+
+
+@dataclass
+class RouteConfig:
+    """`dipaco route`: document features -> k-means -> one path per document (see routing/)."""
+
+    featurizer: str = "lm_prefix"  # lm_prefix (the pretrained model's prefix states) | tfidf_svd
+    method: str = "kmeans"  # kmeans (P clusters) | product (one k-means per grid level)
+    metric: str = "euclidean"  # euclidean | cosine
+    balance_slack: Optional[float] = 0.1  # shards hold at most ceil(N/P * (1 + slack)) docs; null = unbalanced
+    n_init: int = 3
+    max_iter: int = 100
+    topk: int = 1  # >1 also writes `paths_topk` (overlapping training shards)
+    svd_components: int = 128  # tfidf_svd only
+    batch_size: int = 64  # featurizer batch
+    reroute_holdout: float = 0.05  # `dipaco reroute`: fraction of train docs scored by every path
+    reroute_target: str = "uniform"  # uniform | current: shard sizes the re-routed classifier aims for
+
+
+@dataclass
+class DistConfig:
+    """Multi-worker training under torchrun (ignored by a single process): see dipaco.distributed, dipaco.comm."""
+
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl
+    timeout_s: float = 600.0  # a collective waiting longer than this fails with a clear error
+    comm_dtype: str = "fp32"  # outer-gradient payload: fp32 | bf16 | fp16 | int8
+    chunk_size: int = 1024  # int8: elements per absmax scale
+    error_feedback: bool = True  # lossy comm_dtype: carry each module's quantization residual to the next round
+    check_replicas: bool = False  # debug: compare module checksums across holders every round
 
 
 @dataclass
@@ -143,6 +173,8 @@ class Config:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    route: RouteConfig = field(default_factory=RouteConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -154,13 +186,20 @@ _CHOICES = {
     "outer.rescale": ("none", "sqrt_paths", "inv_sqrt_paths"),
     "train.init": ("pretrained", "random"),
     "train.sharding": ("iid", "column", "kmeans"),
+    "dist.backend": ("auto", "gloo", "nccl"),
+    "dist.comm_dtype": ("fp32", "bf16", "fp16", "int8"),
+    "route.featurizer": ("lm_prefix", "tfidf_svd"),
+    "route.method": ("kmeans", "product"),
+    "route.metric": ("euclidean", "cosine"),
+    "route.reroute_target": ("uniform", "current"),
 }
 
 _POSITIVE = (
     "data.seq_len", "tokenizer.vocab_size", "model.num_layers", "model.hidden_size",
     "model.intermediate_size", "model.num_heads", "topology.replicas", "train.rounds",
     "train.inner_steps", "train.keep_checkpoints", "train.log_every", "train.optim.batch_size",
-    "pretrain.optim.batch_size", "eval.batch_size",
+    "pretrain.optim.batch_size", "eval.batch_size", "route.n_init", "route.max_iter", "route.topk",
+    "route.svd_components", "route.batch_size", "dist.timeout_s", "dist.chunk_size",
 )
 
 
@@ -189,6 +228,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"model.hidden_size: {cfg.model.hidden_size} is not divisible by model.num_heads={cfg.model.num_heads}"
         )
+    if cfg.route.balance_slack is not None and cfg.route.balance_slack < 0:
+        raise ConfigError(f"route.balance_slack: must be >= 0 or null, got {cfg.route.balance_slack}")
+    if not 0.0 < cfg.route.reroute_holdout < 1.0:
+        raise ConfigError(f"route.reroute_holdout: must be in (0, 1), got {cfg.route.reroute_holdout}")
+    if not 0.0 <= cfg.outer.drop_prob < 1.0:
+        raise ConfigError(f"outer.drop_prob: must be in [0, 1), got {cfg.outer.drop_prob}")
     if cfg.pretrain.steps < 0:
         raise ConfigError(f"pretrain.steps: must be >= 0, got {cfg.pretrain.steps}")
     if not cfg.train.name or "/" in cfg.train.name:
@@ -244,7 +289,11 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 # Keys a resumed run may change without changing what it computes.
-RESUME_MUTABLE = ("run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.")
+RESUME_MUTABLE = (
+    "run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.",
+    "route.",  # re-routing between rounds is the point of `dipaco reroute`
+    "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
+)
 
 
 def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTABLE) -> list[str]:

@@ -15,3 +15,7 @@ class DataError(DipacoError):
 
 class CheckpointError(DipacoError):
     """A checkpoint that is missing, truncated or corrupted."""
+
+
+class DistributedError(DipacoError):
+    """A collective that failed or timed out (a peer rank died), or replicas of a module that diverged."""

@@ -128,7 +128,7 @@ def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
 
 def evaluate_pretrained(cfg: Config) -> dict:
     """The dense pretrained model on all validation docs (the initialisation every module starts from)."""
-    prepared = load_prepared(cfg)
+    prepared = load_prepared(cfg, routed=False)
     model = load_pretrained(cfg, prepared).to(resolve_device(cfg.run.device))
     docs, _ = validation_docs(cfg, prepared)
     scores = score_documents(model, docs, cfg.data.seq_len, cfg.data.prefix_tokens, cfg.eval.batch_size,

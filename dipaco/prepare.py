@@ -92,8 +92,12 @@ def prepare(cfg: Config) -> dict:
     return info
 
 
-def load_prepared(cfg: Config) -> Prepared:
-    """The prepared data of ``cfg.run.dir``, checked against ``cfg``."""
+def load_prepared(cfg: Config, routed: bool | None = None) -> Prepared:
+    """The prepared data of ``cfg.run.dir``, checked against ``cfg``.
+
+    ``routed`` (default: whether ``train.sharding`` is kmeans) loads the copies of the splits that
+    ``dipaco route`` wrote with a ``path`` column.
+    """
     run = RunDir(cfg.run.dir)
     info_path = run.data / PREPARE_INFO
     if not info_path.is_file():
@@ -104,7 +108,7 @@ def load_prepared(cfg: Config) -> Prepared:
             f"{run.data} was prepared with different data/tokenizer settings than this config "
             f"(see {run.data / 'config.yaml'}); rerun `dipaco prepare` or use the same config"
         )
-    if cfg.train.sharding == "kmeans":
+    if cfg.train.sharding == "kmeans" if routed is None else routed:
         from dipaco.shards import routed_splits  # routed copies of the same splits, plus a `path` column
 
         splits = routed_splits(run, info["prepare_hash"])

@@ -49,7 +49,7 @@ def pretrain(cfg: Config) -> None:
     seed_everything(cfg.run.seed)
     device = resolve_device(cfg.run.device)
     run = RunDir(cfg.run.dir)
-    prepared = load_prepared(cfg)
+    prepared = load_prepared(cfg, routed=False)  # pretraining comes before routing
     everything = np.zeros(len(prepared.train), dtype=np.int64)  # one shard: all training docs
     sequences = build_shards(prepared.train, everything, 1, cfg.data.seq_len, prepared.tokenizer.eos_token_id)[0]
     model = build_model(path_llama_config(cfg, prepared), seed=cfg.run.seed, device=device)

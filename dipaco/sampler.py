@@ -51,4 +51,7 @@ class ShardSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        if self.position >= self.sequences.shape[0]:
+            # The shard shrank (re-routing between rounds): the interrupted epoch is over.
+            self.epoch, self.position = self.epoch + 1, 0
         self._order = self._permutation(self.epoch)

@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=384)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")

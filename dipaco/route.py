@@ -1,0 +1,233 @@
+"""`dipaco route` and `dipaco reroute`: documents -> features -> paths, stored for training and serving.
+
+``route`` featurizes every train and validation document (by default the DiPaCo way: the
+pretrained dense model's mean last hidden state over the first ``data.prefix_tokens`` tokens),
+fits (balanced, optionally product) k-means on the train features and assigns both splits. It
+writes, under ``<run.dir>/routing/``:
+
+    data/                 the prepared splits plus a `path` column (and `paths_topk`), HF Arrow
+    router/               the Router artifact (safetensors + JSON), reused for new documents
+    features.safetensors  the features, so re-routing does not featurize again
+    routing_report.json   docs/tokens per path, balance, inertia, time, NMI/ARI/purity vs labels
+
+``reroute`` is DiPaCo's discriminative re-routing (section 2.4.2): every path of the current
+checkpoint scores a held-out slice of the training documents, a logistic regression learns
+features -> best path with its biases adjusted to the wanted shard sizes, and all documents are
+re-sharded with it. ``dipaco train --resume`` then continues from the checkpoint on the new shards.
+
+The k-means, balancing and classifier live in the trainer-independent ``routing`` package.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+
+from dipaco.checkpoint import CheckpointManager, load_tensors, resolve_checkpoint, save_tensors
+from dipaco.config import Config
+from dipaco.corpus import stable_hash
+from dipaco.errors import ConfigError, DataError
+from dipaco.evaluate import score_documents
+from dipaco.metrics import echo
+from dipaco.model import build_model
+from dipaco.prepare import Prepared, load_prepared
+from dipaco.pretrain import load_pretrained, path_llama_config
+from dipaco.run_dir import RunDir
+from dipaco.runtime import resolve_device, seed_everything
+from dipaco.shards import ROUTED_INFO
+from dipaco.topology import Topology, topology_from_config
+from dipaco.train import bank_from_checkpoint
+from routing.discriminative import fit_discriminative_router
+from routing.featurize import tfidf_svd_features
+from routing.quality import routing_report
+from routing.router import Router, fit_router
+
+FEATURES = "features.safetensors"
+REPORT = "routing_report.json"
+
+
+def router_radices(cfg: Config, topology: Topology) -> list[int]:
+    """Cluster counts per level: [P] for plain k-means, the grid's K_l for product k-means."""
+    if cfg.route.method == "kmeans":
+        return [topology.num_paths]
+    if topology.replicas != 1:
+        raise ConfigError("route.method=product needs topology.replicas=1 (a replica digit has no feature half)")
+    radices = list(topology.radices[:-1])
+    if len(radices) < 2:
+        raise ConfigError(f"route.method=product needs a grid of >= 2 levels; this topology has radices {radices}")
+    return radices
+
+
+def lm_features(cfg: Config, prepared: Prepared, texts: list[str]) -> torch.Tensor:
+    model = load_pretrained(cfg, prepared).to(resolve_device(cfg.run.device))
+    return router_featurize(Router("kmeans", [1], featurizer={"kind": "lm_prefix", "prefix_tokens": cfg.data.prefix_tokens},
+                                   centroids=[torch.zeros(1, model.config.hidden_size)]),
+                            cfg, prepared, texts, model)
+
+
+def router_featurize(router: Router, cfg: Config, prepared: Prepared, texts: list[str], model=None) -> torch.Tensor:
+    """Features of ``texts`` with the router's own featurizer (the LM kind uses the pretrained model)."""
+    if router.featurizer.get("kind") == "lm_prefix" and model is None:
+        model = load_pretrained(cfg, prepared).to(resolve_device(cfg.run.device))
+    device = next(model.parameters()).device if model is not None else "cpu"
+    extra = dict(batch_size=cfg.route.batch_size, device=device, show_progress=cfg.run.progress) if model is not None else {}
+    return router.featurize(texts, model=model, tokenizer=prepared.tokenizer, **extra).float().cpu()
+
+
+def _check_texts(ds: datasets.Dataset, split: str) -> None:
+    empty = [i for i, n in zip(ds["id"], ds["num_tokens"]) if n == 0]
+    if empty:
+        raise DataError(f"{split}: {len(empty)} documents have no tokens and cannot be routed, e.g. {empty[:10]}")
+
+
+def _write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
+                   topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict) -> None:
+    """Writes the routed splits, artifact, features and report next to the old ones, then swaps."""
+    tmp = run.root / ".routing.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    splits = {}
+    for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
+        ds = ds.remove_columns([c for c in ("path", "paths_topk") if c in ds.column_names])
+        ds = ds.add_column("path", paths[split].tolist())
+        if topk is not None and split == "train":
+            ds = ds.add_column("paths_topk", topk.tolist())
+        splits[split] = ds
+    datasets.DatasetDict(splits).save_to_disk(str(tmp / "data"))
+    info = {"prepare_hash": prepared.info["prepare_hash"], "router": router.kind, "num_paths": router.num_paths}
+    (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
+    router.save(tmp / "router")
+    save_tensors(features, tmp / FEATURES)
+    (tmp / REPORT).write_text(json.dumps(report, indent=2, default=float))
+    if run.routing.exists():
+        previous = run.root / ".routing.previous"
+        shutil.rmtree(previous, ignore_errors=True)
+        run.routing.rename(previous)
+        tmp.rename(run.routing)
+        shutil.rmtree(previous)
+    else:
+        tmp.rename(run.routing)
+
+
+def _report(router: Router, paths: dict[str, np.ndarray], prepared: Prepared, seconds: float, extra: dict) -> dict:
+    labels = {s: (ds["label"] if "label" in ds.column_names else None)
+              for s, ds in (("train", prepared.train), ("validation", prepared.validation))}
+    tokens = {"train": prepared.train["num_tokens"], "validation": prepared.validation["num_tokens"]}
+    report = {
+        "router": router.kind, "featurizer": router.featurizer, "radices": router.radices,
+        "balance_slack": router.balance_slack, "wall_time_s": seconds, **extra,
+    }
+    for split in ("train", "validation"):
+        report[split] = routing_report(paths[split], router.num_paths, tokens[split], labels[split],
+                                       wall_time=seconds if split == "train" else None)
+    return report
+
+
+def _print_report(report: dict) -> None:
+    train = report["train"]
+    echo(f"[route] {report['router']} ({report['featurizer'].get('kind')}): docs per path {train['docs_per_path']}, "
+         f"max/min {train['docs_max_min_ratio']}")
+    if "nmi" in train:
+        echo(f"[route] agreement with labels (train): NMI {train['nmi']:.3f}, ARI {train['ari']:.3f}, purity {train['purity']:.3f}")
+
+
+def route(cfg: Config) -> dict:
+    seed_everything(cfg.run.seed)
+    run = RunDir(cfg.run.dir)
+    prepared = load_prepared(cfg, routed=False)
+    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
+    radices = router_radices(cfg, topology)
+    for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
+        _check_texts(ds, split)
+    if topology.num_paths > len(prepared.train):
+        raise ConfigError(f"topology has {topology.num_paths} paths but the train split has only {len(prepared.train)} documents")
+
+    start = time.perf_counter()
+    texts = {"train": prepared.train["text"], "validation": prepared.validation["text"]}
+    tfidf = None
+    if cfg.route.featurizer == "tfidf_svd":
+        echo(f"[route] TF-IDF + SVD({cfg.route.svd_components}) features")
+        train_x, tfidf = tfidf_svd_features(texts["train"], n_components=cfg.route.svd_components, seed=cfg.run.seed)
+        features = {"train": torch.from_numpy(train_x), "validation": torch.from_numpy(tfidf.transform(texts["validation"]))}
+        spec = tfidf.spec()
+    else:
+        echo(f"[route] LM prefix features ({cfg.data.prefix_tokens} tokens) from {run.pretrain}")
+        features = {s: lm_features(cfg, prepared, t) for s, t in texts.items()}
+        spec = {"kind": "lm_prefix", "prefix_tokens": cfg.data.prefix_tokens}
+    featurize_s = time.perf_counter() - start
+
+    echo(f"[route] {'product ' if len(radices) > 1 else ''}k-means, radices {radices}, slack {cfg.route.balance_slack}")
+    router, train_paths = fit_router(
+        features["train"], radices, metric=cfg.route.metric, slack=cfg.route.balance_slack, featurizer=spec,
+        tfidf=tfidf, topology=topology.to_dict(), seed=cfg.run.seed, n_init=cfg.route.n_init, max_iter=cfg.route.max_iter,
+    )
+    paths = {"train": np.asarray(train_paths, dtype=np.int64),
+             "validation": router.assign(features["validation"]).numpy().astype(np.int64)}
+    topk = router.assign_topk(features["train"], cfg.route.topk).numpy() if cfg.route.topk > 1 else None
+    seconds = time.perf_counter() - start
+    report = _report(router, paths, prepared, seconds, {
+        "featurize_s": featurize_s, "docs_per_s": (len(texts["train"]) + len(texts["validation"])) / seconds,
+        **{k: v for k, v in router.meta.items() if "inertia" in k},
+    })
+    _write_routing(run, prepared, router, paths, topk, features, report)
+    _print_report(report)
+    echo(f"[route] wrote {run.routing} in {seconds:.1f}s; train with train.sharding=kmeans")
+    return report
+
+
+def holdout_mask(ids: list[str], fraction: float, seed: int) -> np.ndarray:
+    return np.array([stable_hash(f"reroute:{seed}:{i}") % 10_000 < fraction * 10_000 for i in ids])
+
+
+def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
+    """Discriminative re-routing from the experiment's checkpoint; writes new routing in place."""
+    seed_everything(cfg.run.seed)
+    if cfg.train.sharding != "kmeans":
+        raise ConfigError("dipaco reroute re-shards routed data: set train.sharding=kmeans (and run `dipaco route` first)")
+    run = RunDir(cfg.run.dir)
+    prepared = load_prepared(cfg, routed=True)
+    exp_dir = run.experiment(cfg.train.name)
+    ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
+    topology, bank = bank_from_checkpoint(cfg, prepared, ckpt)
+    old = Router.load(run.routing / "router")
+    old.check_fits(topology.num_paths)
+    stored = load_tensors(run.routing / FEATURES)
+
+    start = time.perf_counter()
+    mask = holdout_mask(prepared.train["id"], cfg.route.reroute_holdout, cfg.run.seed)
+    rows = np.flatnonzero(mask)
+    docs = [prepared.train["input_ids"][int(i)] for i in rows]
+    if len(docs) < topology.num_paths:
+        raise DataError(f"route.reroute_holdout={cfg.route.reroute_holdout} leaves {len(docs)} documents to score "
+                        f"{topology.num_paths} paths; raise it")
+    model = build_model(path_llama_config(cfg, prepared), device=resolve_device(cfg.run.device))
+    loglik = torch.empty(len(docs), topology.num_paths, dtype=torch.float64)
+    for p in range(topology.num_paths):
+        scores = score_documents(bank.compose(p, model), docs, cfg.data.seq_len, cfg.data.prefix_tokens,
+                                 cfg.eval.batch_size, prepared.tokenizer.pad_token_id)
+        loglik[:, p] = -torch.from_numpy(scores.nll)
+    scored = torch.from_numpy(scores.tokens > 0)  # documents within the prefix carry no signal
+    current = np.asarray(prepared.train["path"])
+    target = "uniform" if cfg.route.reroute_target == "uniform" else np.bincount(current, minlength=topology.num_paths).tolist()
+    weight, bias = fit_discriminative_router(stored["train"][rows][scored], loglik[scored], target)
+    router = Router("linear", [topology.num_paths], weight=weight.float(), bias=bias.float(), featurizer=old.featurizer,
+                    tfidf=old.tfidf, topology=topology.to_dict(), meta={"checkpoint": ckpt.name})
+    paths = {s: router.assign(stored[s]).numpy().astype(np.int64) for s in ("train", "validation")}
+    best = loglik[scored].argmax(dim=1).numpy()
+    seconds = time.perf_counter() - start
+    report = _report(router, paths, prepared, seconds, {
+        "checkpoint": str(ckpt), "holdout_docs": int(scored.sum()),
+        "holdout_best_equals_current": float(np.mean(best == current[rows][scored.numpy()])),
+        "holdout_best_distribution": np.bincount(best, minlength=topology.num_paths).tolist(),
+        "moved_train_docs": float(np.mean(paths["train"] != current)),
+    })
+    _write_routing(run, prepared, router, paths, None, {k: stored[k] for k in ("train", "validation")}, report)
+    _print_report(report)
+    echo(f"[reroute] {report['moved_train_docs']:.1%} of train docs moved; continue with `dipaco train --resume`")
+    return report
