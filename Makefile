@@ -9,7 +9,7 @@ RUN_DIR ?= runs/demo
 # The dense baseline: one path, every part shared, trained for as many steps as each DiPaCo path.
 # With outer lr 1 and no momentum the outer step hands the path's weights back unchanged, so this
 # is plain continued training.
-DENSE := train.name=dense_1x topology.preset=dense outer.lr=1.0 outer.momentum=0.0
+DENSE := train.name=dense_1x topology.preset=dense outer.lr=1.0 outer.momentum=0.0 train.sharding=iid
 
 .PHONY: install demo test clean-demo
 
@@ -28,6 +28,7 @@ demo: install
 	$(DIPACO) prepare  --config $(CONFIG) run.dir=$(RUN_DIR)
 	$(DIPACO) pretrain --config $(CONFIG) run.dir=$(RUN_DIR)
 	$(DIPACO) eval     --config $(CONFIG) run.dir=$(RUN_DIR) --pretrained
+	$(DIPACO) route    --config $(CONFIG) run.dir=$(RUN_DIR)
 	$(DIPACO) train    --config $(CONFIG) run.dir=$(RUN_DIR)
 	$(DIPACO) eval     --config $(CONFIG) run.dir=$(RUN_DIR)
 	$(DIPACO) train    --config $(CONFIG) run.dir=$(RUN_DIR) $(DENSE)

@@ -14,6 +14,13 @@ A checkpoint is written into a temporary sibling directory and renamed into plac
 complete, so a crash mid-write never leaves a half checkpoint under a real name. Loading checks
 every file against the manifest, so a truncated or corrupted file is named in a clear error and
 older checkpoints stay usable. ``.pt`` files are read with ``torch.load(weights_only=True)``.
+
+Several writers (the ranks of a distributed run, see :mod:`dipaco.distributed`) share one
+temporary directory: rank 0 creates it; every rank writes its own files (its paths, and the state
+of the modules it is the lowest holder of), hashes and fsyncs them; the manifests are gathered to
+rank 0, which writes ``MANIFEST.json`` and renames the directory. Rank 0's files keep the names
+above, rank r > 0 writes under ``ranks/rank_RRR/``; a single process therefore writes exactly the
+layout above. ``comm.safetensors`` (error-feedback residuals, per rank) exists only when used.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dipaco.errors import CheckpointError
@@ -51,10 +59,36 @@ def _files(root: Path) -> Iterable[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in [*_files(root), root / MANIFEST]:
-        with path.open("rb") as f:
-            os.fsync(f.fileno())
+def _fsync(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+class Writers(Protocol):
+    """The writers of one checkpoint (``dipaco.distributed.World`` implements it)."""
+
+    rank: int
+    size: int
+    token: str  # the same on every writer: names the shared temporary directory
+
+    def barrier(self, what: str) -> None: ...
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]: ...
+
+
+class SingleWriter:
+    """The one writer of a single-process run."""
+
+    rank, size = 0, 1
+
+    def __init__(self) -> None:
+        self.token = str(os.getpid())
+
+    def barrier(self, what: str) -> None:
+        pass
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        return [obj]
 
 
 class CheckpointManager:
@@ -64,21 +98,43 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep = keep
 
-    def save(self, round_index: int, write: Callable[[Path], None]) -> Path:
-        """``write(tmp_dir)`` fills a temporary directory; it becomes ``round_NNNNNN`` once complete."""
-        self.root.mkdir(parents=True, exist_ok=True)
+    def save(self, round_index: int, write: Callable[[Path], Iterable[Path] | None], writers: Writers | None = None) -> Path:
+        """``write(tmp_dir)`` fills a temporary directory; it becomes ``round_NNNNNN`` once complete.
+
+        With several ``writers`` every one calls ``save`` and ``write`` returns the files it wrote.
+        """
+        writers = writers or SingleWriter()
         final = self.root / round_dir_name(round_index)
-        tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        write(tmp)
-        manifest = {str(p.relative_to(tmp)): {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in _files(tmp)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _fsync_tree(tmp)
-        if final.exists():  # re-running a round after a restart replaces its old checkpoint
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        self._prune()
+        tmp = self.root / f".{final.name}.tmp-{writers.token}"
+        if writers.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        writers.barrier(f"creating {tmp}")
+        written = write(tmp)
+        if written is None:
+            if writers.size > 1:
+                raise ValueError("with several writers, write() must return the files it wrote")
+            written = _files(tmp)
+        manifest = {}
+        for path in sorted(Path(p) for p in written):
+            manifest[str(path.relative_to(tmp))] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+            _fsync(path)
+        parts = writers.all_gather_object(manifest, f"manifest of {final.name}")
+        if writers.rank == 0:
+            merged: dict[str, dict] = {}
+            for rank, part in enumerate(parts):
+                clash = sorted(set(merged) & set(part))
+                if clash:
+                    raise CheckpointError(f"{tmp}: rank {rank} wrote files another rank wrote too: {clash[:3]}")
+                merged.update(part)
+            (tmp / MANIFEST).write_text(json.dumps(merged, indent=1, sort_keys=True))
+            _fsync(tmp / MANIFEST)
+            if final.exists():  # re-running a round after a restart replaces its old checkpoint
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        writers.barrier(f"renaming {final}")
         return final
 
     def checkpoints(self) -> list[Path]:
@@ -99,8 +155,11 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def verify(ckpt: str | Path) -> None:
-    """Raises CheckpointError naming the first missing, truncated or corrupted file."""
+def verify(ckpt: str | Path, select: Callable[[str], bool] | None = None) -> None:
+    """Raises CheckpointError naming the first missing, truncated or corrupted file.
+
+    ``select(relative_path)`` limits the check to the files a reader needs (default: all).
+    """
     ckpt = Path(ckpt)
     manifest_path = ckpt / MANIFEST
     if not manifest_path.is_file():
@@ -110,6 +169,8 @@ def verify(ckpt: str | Path) -> None:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from None
     for rel, entry in manifest.items():
+        if select is not None and not select(rel):
+            continue
         path = ckpt / rel
         if not path.is_file():
             raise CheckpointError(f"{path}: missing from the checkpoint")
@@ -120,15 +181,17 @@ def verify(ckpt: str | Path) -> None:
             raise CheckpointError(f"{path}: corrupted (sha256 does not match the manifest)")
 
 
-def resolve_checkpoint(manager: CheckpointManager, resume_from: str | Path | None = None) -> Path:
-    """The checkpoint to resume from, verified; a bad one names the previous usable checkpoint."""
+def resolve_checkpoint(
+    manager: CheckpointManager, resume_from: str | Path | None = None, select: Callable[[str], bool] | None = None
+) -> Path:
+    """The checkpoint to resume from, verified (``select``: see :func:`verify`); a bad one names the previous one."""
     ckpt = Path(resume_from) if resume_from else manager.latest()
     if ckpt is None:
         raise CheckpointError(f"no checkpoint to resume from under {manager.root}")
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {ckpt}")
     try:
-        verify(ckpt)
+        verify(ckpt, select)
     except CheckpointError as exc:
         older = [p for p in manager.checkpoints() if p.name < ckpt.name]
         hint = f"; the previous checkpoint is {older[-1]} (resume with --resume-from {older[-1]})" if older else ""
@@ -166,24 +229,96 @@ def path_dir(root: Path, path: int) -> Path:
     return root / "paths" / f"path_{path:03d}"
 
 
-def write_training_state(root: Path, round_index: int, bank, outer, loops: dict, rng: dict, config_yaml: str) -> None:
-    """Fills a checkpoint directory; ``loops`` maps path id -> InnerLoop."""
+def rank_dir(root: Path, rank: int) -> Path:
+    """Where a writer puts its module and trainer state: the checkpoint itself for rank 0."""
+    return root if rank == 0 else root / "ranks" / f"rank_{rank:03d}"
+
+
+def rank_files(root: Path, name: str) -> dict[int, Path]:
+    """rank -> its ``name`` file, for every rank that wrote one (rank 0 first)."""
+    found = {0: root / name} if (root / name).is_file() else {}
+    ranks = root / "ranks"
+    for d in sorted(ranks.glob("rank_*")) if ranks.is_dir() else []:
+        if (d / name).is_file():
+            found[int(d.name.split("_")[1])] = d / name
+    return found
+
+
+def load_selected(files: Iterable[Path], wanted: set[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors named in ``wanted`` from whichever of ``files`` hold them; reads nothing else."""
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    if key in wanted and key not in out:
+                        out[key] = f.get_tensor(key)
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    return out
+
+
+def load_bank_state(root: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every module of a checkpoint's bank, whichever writer saved it."""
+    out: dict[str, torch.Tensor] = {}
+    for path in rank_files(root, "bank.safetensors").values():
+        out.update(load_tensors(path, device))
+    return out
+
+
+def write_training_state(
+    root: Path,
+    round_index: int,
+    bank,
+    outer,
+    loops: dict,
+    rng: dict,
+    config_yaml: str,
+    *,
+    rank: int = 0,
+    modules: set[str] | None = None,
+    comm: dict[str, torch.Tensor] | None = None,
+    extra: dict | None = None,
+) -> list[Path]:
+    """Fills one writer's part of a checkpoint directory; returns the files it wrote.
+
+    ``loops`` maps path id -> InnerLoop (this writer's paths); ``modules`` names the modules whose
+    bank rows and momentum it saves (default: every module the bank holds); ``comm`` holds its
+    error-feedback residuals; ``extra`` goes into its ``trainer_state.pt``.
+    """
     meta = {"round": str(round_index)}
-    save_tensors(bank.state_dict(), root / "bank.safetensors", metadata=meta)
-    save_tensors(outer.state_dict(), root / "outer.safetensors", metadata=meta)
+    own = rank_dir(root, rank)
+    written = [own / "bank.safetensors", own / "outer.safetensors"]
+    bank_state = {k: v for k, v in bank.state_dict().items() if modules is None or k.split("/", 1)[0] in modules}
+    save_tensors(bank_state, written[0], metadata=meta)
+    save_tensors({k: v for k, v in outer.state_dict().items() if modules is None or k in modules}, written[1], metadata=meta)
+    if comm:
+        written.append(own / "comm.safetensors")
+        save_tensors(comm, written[-1], metadata=meta)
     for path, loop in loops.items():
         params = {n: p for n, p in loop.model.named_parameters()}
         save_tensors(params, path_dir(root, path) / "model.safetensors", metadata=meta)
         save_state(loop.state_dict(), path_dir(root, path) / "inner.pt")
-    save_state({"round": round_index, "rng": rng}, root / "trainer_state.pt")
-    (root / "config.yaml").write_text(config_yaml)
+        written += [path_dir(root, path) / "model.safetensors", path_dir(root, path) / "inner.pt"]
+    save_state({"round": round_index, "rng": rng, **(extra or {})}, own / "trainer_state.pt")
+    written.append(own / "trainer_state.pt")
+    if rank == 0:
+        (root / "config.yaml").write_text(config_yaml)
+        written.append(root / "config.yaml")
+    return written
 
 
 @torch.no_grad()
-def read_training_state(root: Path, bank, outer, loops: dict) -> dict:
-    """Restores bank, outer state and every path's model + inner state; returns the trainer state."""
-    bank.load_state_dict(load_tensors(root / "bank.safetensors", bank.device))
-    outer.load_state_dict(load_tensors(root / "outer.safetensors", bank.device))
+def read_training_state(root: Path, bank, outer, loops: dict, rank: int = 0) -> dict:
+    """Restores the held modules, their momentum and every path of ``loops``; returns the trainer state.
+
+    Reads only what the caller holds, from whichever writer saved it; the trainer state is the
+    rank's own when it wrote one, else rank 0's.
+    """
+    wanted = set(bank.state_dict())
+    bank.load_state_dict(load_selected(rank_files(root, "bank.safetensors").values(), wanted, bank.device))
+    held = {bank.module_name(m) for m in bank.held}
+    outer.load_state_dict(load_selected(rank_files(root, "outer.safetensors").values(), held, bank.device))
     for path, loop in loops.items():
         params = load_tensors(path_dir(root, path) / "model.safetensors")
         named = dict(loop.model.named_parameters())
@@ -192,4 +327,5 @@ def read_training_state(root: Path, bank, outer, loops: dict) -> dict:
         for name, value in params.items():
             named[name].copy_(value)
         loop.load_state_dict(load_state(path_dir(root, path) / "inner.pt"))
-    return load_state(root / "trainer_state.pt")
+    own = rank_dir(root, rank) / "trainer_state.pt"
+    return load_state(own if own.is_file() else root / "trainer_state.pt")

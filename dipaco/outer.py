@@ -18,7 +18,9 @@ Guarantees of :class:`OuterOptimizer`:
 * with ``lr=1, momentum=0`` the step replaces each module by the weighted average of its paths, and
   a single path with every part shared is plain continued training;
 * the reduction is split into local sums and an apply step (:meth:`local_sums`, :meth:`apply`), so a
-  distributed run all-reduces the same sums and every holder of a module applies the identical update.
+  distributed run all-reduces the same sums and every holder of a module applies the identical update
+  (:mod:`dipaco.comm`); with a bank that holds only some modules, sums, steps and state cover
+  exactly the held ones.
 """
 
 from __future__ import annotations
@@ -38,38 +40,68 @@ from dipaco.topology import Part
 
 @dataclass
 class PartSums:
-    """Per-part partial sums, one row per module of the part."""
+    """Per-part partial sums, one row per module of the part that the bank holds."""
 
-    weighted_delta: torch.Tensor  # (K, numel): sum_p w_p (theta_m - theta_{p,m})
-    weight: torch.Tensor  # (K,): sum_p w_p
-    count: torch.Tensor  # (K,): number of contributing paths
+    modules: list[int]  # index within the part of each row, ascending (all K for a full bank)
+    weighted_delta: torch.Tensor  # (rows, numel): sum_p w_p (theta_m - theta_{p,m})
+    weight: torch.Tensor  # (rows,): sum_p w_p
+    count: torch.Tensor  # (rows,): number of contributing paths
+
+    def row(self, index: int) -> int | None:
+        """The row of the part's module ``index``; None when the bank does not hold it."""
+        try:
+            return self.modules.index(index)
+        except ValueError:
+            return None
+
+
+def dropped_paths(seed: int, round_index: int, num_paths: int, prob: float) -> set[int]:
+    """Paths whose contribution is lost in round ``round_index`` (``outer.drop_prob``), simulating
+    unreliable workers as DiLoCo does (arXiv 2311.08105: dropping 50% of outer gradients at random
+    costs ~2% perplexity). Every rank draws the same set from a private generator seeded by
+    (seed, round), so the decision is identical everywhere and the global RNG is untouched.
+    """
+    if prob <= 0:
+        return set()
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + 7919 * round_index + 17) % 2**63)
+    draws = torch.rand(num_paths, generator=generator)
+    return {p for p in range(num_paths) if draws[p] < prob}
 
 
 class OuterOptimizer:
     def __init__(self, bank: ModuleBank, cfg: OuterConfig) -> None:
         self.bank = bank
         self.cfg = cfg
-        self.sgd = torch.optim.SGD(bank.params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+        self.sgd = torch.optim.SGD(bank.held_params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
 
     # --- reduction ------------------------------------------------------------------------------
     @torch.no_grad()
     def local_sums(self, part: Part, paths: Mapping[int, PreTrainedModel], weights: Mapping[int, float]) -> PartSums:
-        """Sums of weighted deltas of ``paths`` (path id -> trained path model) into ``part``'s modules."""
+        """Sums of weighted deltas of ``paths`` (path id -> trained path model) into ``part``'s modules.
+
+        One row per held module of the part, zero where no given path contributes.
+        """
         bank, topo = self.bank, self.bank.topology
-        k, numel, device = part.num_modules, bank.numel(part), bank.device
+        numel, device = bank.numel(part), bank.device
+        rows = [i for i in range(part.num_modules) if bank.holds(part.first_module + i)]
+        row_of = {i: r for r, i in enumerate(rows)}
         order = sorted(paths)  # fixed order: the sums are bit-reproducible
-        index = torch.tensor([topo.module_index(part, p) for p in order], dtype=torch.long, device=device)
+        used = [topo.module_index(part, p) for p in order]
+        if any(i not in row_of for i in used):
+            raise ValueError(f"a path of {order} goes through a module of {part.name} this bank does not hold")
+        index = torch.tensor([row_of[i] for i in used], dtype=torch.long, device=device)
         w = torch.tensor([float(weights[p]) for p in order], dtype=torch.float32, device=device)
         sums = PartSums(
-            torch.zeros(k, numel, device=device),
-            torch.zeros(k, device=device),
-            torch.zeros(k, device=device),
+            rows,
+            torch.zeros(len(rows), numel, device=device),
+            torch.zeros(len(rows), device=device),
+            torch.zeros(len(rows), device=device),
         )
         if not order:
             return sums
-        bank_rows = torch.stack([bank.params[part.first_module + i] for i in range(k)])
+        bank_rows = torch.stack([bank.params[part.first_module + i] for i in used])
         deltas = torch.stack([bank.path_vector(paths[p], part) for p in order])
-        deltas.neg_().add_(bank_rows.index_select(0, index))  # theta_m - theta_{p,m}
+        deltas.neg_().add_(bank_rows)  # theta_m - theta_{p,m}
         deltas.mul_(w.unsqueeze(1))
         sums.weighted_delta.index_add_(0, index, deltas)
         sums.weight.index_add_(0, index, w)
@@ -77,17 +109,16 @@ class OuterOptimizer:
         return sums
 
     def outer_gradients(self, part: Part, sums: PartSums) -> list[torch.Tensor | None]:
-        """Delta_m for each module of ``part``; None for modules no path contributed to."""
-        grads: list[torch.Tensor | None] = []
-        for i in range(part.num_modules):
-            if sums.weight[i] <= 0:
-                grads.append(None)
+        """Delta_m for each module of ``part``; None for modules no path contributed to (or not held)."""
+        grads: list[torch.Tensor | None] = [None] * part.num_modules
+        for r, i in enumerate(sums.modules):
+            if sums.weight[r] <= 0:
                 continue
-            grad = sums.weighted_delta[i] / sums.weight[i]
+            grad = sums.weighted_delta[r] / sums.weight[r]
             if self.cfg.rescale != "none":
-                factor = math.sqrt(float(sums.count[i]))
+                factor = math.sqrt(float(sums.count[r]))
                 grad = grad * factor if self.cfg.rescale == "sqrt_paths" else grad / factor
-            grads.append(grad)
+            grads[i] = grad
         return grads
 
     # --- the step -------------------------------------------------------------------------------
@@ -97,6 +128,8 @@ class OuterOptimizer:
         norms: dict[str, float] = {}
         for part in self.bank.topology.parts:
             for i, grad in enumerate(self.outer_gradients(part, sums_by_part[part.name])):
+                if not self.bank.holds(part.first_module + i):
+                    continue
                 param = self.bank.params[part.first_module + i]
                 param.grad = grad
                 if grad is not None:
@@ -113,7 +146,7 @@ class OuterOptimizer:
     # --- state: one momentum buffer per module, by module name ----------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
-        for module in self.bank.topology.modules:
+        for module in (self.bank.topology.modules[m] for m in self.bank.held):
             buf = self.sgd.state.get(self.bank.params[module.id], {}).get("momentum_buffer")
             if buf is not None:
                 out[module.name] = buf
@@ -124,6 +157,9 @@ class OuterOptimizer:
         unknown = sorted(set(state) - set(names))
         if unknown:
             raise CheckpointError(f"outer optimizer state names unknown modules: {unknown[:3]}")
+        not_held = sorted(n for n in state if not self.bank.holds(names[n]))
+        if not_held:
+            raise CheckpointError(f"outer optimizer state for modules this bank does not hold: {not_held[:3]}")
         self.sgd.state.clear()
         for name, buf in state.items():
             param = self.bank.params[names[name]]

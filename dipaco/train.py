@@ -2,16 +2,22 @@
 
 This module only wires components together:
 
-    shards (dipaco.shards) -> path models composed from the ModuleBank (dipaco.bank)
-      -> InnerLoop per path (dipaco.inner_loop) -> OuterOptimizer.step (dipaco.outer)
+    torchrun environment, paths of each rank (dipaco.distributed)
+      -> shards (dipaco.shards) -> path models composed from the ModuleBank (dipaco.bank)
+      -> InnerLoop per path of this rank (dipaco.inner_loop)
+      -> OuterOptimizer.local_sums -> sums over each module's holders (dipaco.comm) -> OuterOptimizer.apply
       -> checkpoint (dipaco.checkpoint) -> metrics (dipaco.metrics)
 
-Paths run one after another in this process; every path keeps its own model and AdamW state
-across rounds, and is overwritten in place from the bank at the start of each round.
+A single process is the world_size=1 case of the same code: its one rank owns every path and
+holds every module, so no module is communicated. Under ``torchrun`` every rank trains its own
+paths one after another and holds only the modules they go through (DiPaCo, arXiv 2403.10616,
+section 2.3). Every path keeps its own model and AdamW state across rounds, and is overwritten in
+place from the bank at the start of each round.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,21 +27,35 @@ from tqdm.auto import tqdm
 from dipaco.bank import ModuleBank
 from dipaco.checkpoint import (
     CheckpointManager,
+    load_bank_state,
+    load_state,
     load_tensors,
+    rank_files,
     read_training_state,
     resolve_checkpoint,
     write_training_state,
 )
+from dipaco.comm import CommStats, OuterComm, ddp_bytes
 from dipaco.config import Config, config_diff, load_config, save_config, to_yaml
-from dipaco.errors import ConfigError
+from dipaco.distributed import (
+    World,
+    check_same_config,
+    check_world_size,
+    detect_env,
+    init_world,
+    owners_of,
+    paths_by_rank,
+    rank_device,
+)
+from dipaco.errors import ConfigError, DistributedError
 from dipaco.inner_loop import InnerLoop
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.model import build_model
-from dipaco.outer import OuterOptimizer
+from dipaco.outer import OuterOptimizer, dropped_paths
 from dipaco.prepare import Prepared, load_prepared
 from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
-from dipaco.runtime import resolve_device, rng_state, seed_everything, set_rng_state
+from dipaco.runtime import rng_state, seed_everything, set_rng_state
 from dipaco.sampler import ShardSampler
 from dipaco.shards import assign_paths, build_shards, path_weights
 from dipaco.topology import Topology, topology_from_config
@@ -46,29 +66,38 @@ class Experiment:
     cfg: Config
     dir: Path
     topology: Topology
-    bank: ModuleBank
+    bank: ModuleBank  # the modules this rank's paths go through (all of them in a single process)
     outer: OuterOptimizer
-    loops: dict[int, InnerLoop]  # path id -> its inner loop (model, AdamW, schedule, data cursor)
-    weights: dict[int, float]
+    loops: dict[int, InnerLoop]  # this rank's path id -> its inner loop (model, AdamW, schedule, data cursor)
+    weights: dict[int, float]  # every path's outer weight w_p
     checkpoints: CheckpointManager
+    world: World  # this rank and the job's collectives (one rank in a single process)
+    by_rank: list[tuple[int, ...]]  # the paths of every rank
+    comm: OuterComm  # sums each module's outer-gradient terms over the ranks holding it
 
 
-def build_experiment(cfg: Config, prepared: Prepared) -> Experiment:
-    device = resolve_device(cfg.run.device)
+def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None) -> Experiment:
+    """The experiment as this rank sees it: every shard (to balance ranks), its own paths' loops."""
+    world = world or World(device=rank_device(cfg.run.device, detect_env({})))
+    device = world.device
     topology = topology_from_config(cfg.topology, cfg.model.num_layers)
     train_ds = prepared.train
     paths = assign_paths(train_ds, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
     shards = build_shards(train_ds, paths, topology.num_paths, cfg.data.seq_len, prepared.tokenizer.eos_token_id)
+    by_rank = paths_by_rank([s.numel() for s in shards], world.size)
+    mine = by_rank[world.rank]
 
     llama = path_llama_config(cfg, prepared)
     init = load_pretrained(cfg, prepared) if cfg.train.init == "pretrained" else build_model(llama, seed=cfg.run.seed)
-    bank = ModuleBank(topology, init.to(device))
+    held = {m for p in mine for m in topology.path_modules(p)}
+    bank = ModuleBank(topology, init.to(device), modules=held)
     total_steps = cfg.train.rounds * cfg.train.inner_steps
     loops = {}
-    for p in range(topology.num_paths):
+    for p in mine:
         model = build_model(llama, device=device)
         sampler = ShardSampler(shards[p], cfg.train.optim.batch_size, seed=cfg.run.seed * 7919 + p)
         loops[p] = InnerLoop(bank.compose(p, model), sampler, cfg.train.optim, total_steps, device)
+    weights = path_weights(shards, cfg.outer.weighting)
     exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
     return Experiment(
         cfg=cfg,
@@ -77,69 +106,191 @@ def build_experiment(cfg: Config, prepared: Prepared) -> Experiment:
         bank=bank,
         outer=OuterOptimizer(bank, cfg.outer),
         loops=loops,
-        weights=path_weights(shards, cfg.outer.weighting),
+        weights=weights,
         checkpoints=CheckpointManager(exp_dir / "checkpoints", keep=cfg.train.keep_checkpoints),
+        world=world,
+        by_rank=by_rank,
+        comm=OuterComm(topology, bank, owners_of(by_rank), weights, cfg.dist, world),
     )
 
 
+def _restore_comm(exp: Experiment, ckpt: Path) -> None:
+    """Error-feedback residuals: this rank's own, or, when the ranks' paths changed since the
+    checkpoint, each module's residuals summed onto its lowest holder (error feedback only needs
+    their sum to be carried over)."""
+    files = rank_files(ckpt, "comm.safetensors")
+    if not exp.comm.feedback or not files:
+        return
+    saved = load_state(ckpt / "trainer_state.pt").get("paths_by_rank")
+    if saved == [list(ps) for ps in exp.by_rank]:
+        own = files.get(exp.world.rank)
+        exp.comm.load_state_dict(load_tensors(own, exp.bank.device) if own else {})
+        return
+    summed: dict[str, torch.Tensor] = {}
+    for path in files.values():
+        for name, value in load_tensors(path, exp.bank.device).items():
+            summed[name] = summed[name] + value if name in summed else value
+    ids = {exp.comm.name(m): m for group, _ in exp.comm.mine for m in group.modules}
+    exp.comm.load_state_dict({n: v for n, v in summed.items() if n in ids and exp.comm.lowest_holder(ids[n])})
+
+
 def restore(exp: Experiment, resume_from: str | None) -> int:
-    """Loads the newest (or the given) checkpoint; returns the number of completed rounds."""
-    ckpt = resolve_checkpoint(exp.checkpoints, resume_from)
+    """Loads the newest (or the given) checkpoint; returns the number of completed rounds.
+
+    Each rank verifies and reads the module states and its own paths only.
+    """
+    own = tuple(f"paths/path_{p:03d}/" for p in exp.loops)
+    ckpt = resolve_checkpoint(exp.checkpoints, resume_from, select=lambda rel: not rel.startswith("paths/") or rel.startswith(own))
     saved_cfg = load_config(ckpt / "config.yaml")
     diff = config_diff(saved_cfg, exp.cfg)
     if diff:
         raise ConfigError(f"cannot resume {ckpt}: the config changed ({'; '.join(diff)})")
-    state = read_training_state(ckpt, exp.bank, exp.outer, exp.loops)
+    state = read_training_state(ckpt, exp.bank, exp.outer, exp.loops, rank=exp.world.rank)
+    _restore_comm(exp, ckpt)
     set_rng_state(state["rng"])
-    echo(f"[train] resumed from {ckpt} (round {state['round']})")
+    if exp.world.rank == 0:
+        echo(f"[train] resumed from {ckpt} (round {state['round']})")
     return int(state["round"])
 
 
-def run_round(exp: Experiment, round_index: int, metrics: MetricsLogger) -> dict:
-    cfg = exp.cfg
+def run_round(exp: Experiment, round_index: int) -> dict:
+    """This rank's inner loops, then the outer step of its modules; returns what rank 0 logs."""
+    cfg, world = exp.cfg, exp.world
     steps = cfg.train.inner_steps
-    losses = {}
+    start = time.perf_counter()
+    records = []
     bar = tqdm(total=steps * len(exp.loops), desc=f"round {round_index + 1}/{cfg.train.rounds}",
-               disable=not cfg.run.progress, dynamic_ncols=True, leave=False)
+               disable=not cfg.run.progress or world.rank != 0, dynamic_ncols=True, leave=False)
     for p, loop in exp.loops.items():
         exp.bank.load_path(p, loop.model)
         bar.set_description(f"round {round_index + 1}/{cfg.train.rounds} path {p}")
         stats = loop.run(steps, progress=bar, log_every=cfg.train.log_every)
-        losses[p] = stats.loss
-        metrics.log("path", step=loop.step, round=round_index + 1, path=p, loss=stats.loss,
-                    tokens_per_s=stats.tokens_per_s, lr=stats.lr, tokens=stats.tokens)
+        records.append(dict(step=loop.step, round=round_index + 1, path=p, loss=stats.loss,
+                            tokens_per_s=stats.tokens_per_s, lr=stats.lr, tokens=stats.tokens))
     bar.close()
-    norms = exp.outer.step({p: loop.model for p, loop in exp.loops.items()}, exp.weights)
-    metrics.log("outer", step=round_index + 1, round=round_index + 1, outer_grad_norm=norms)
-    return losses
+
+    outer_start = time.perf_counter()
+    dropped = dropped_paths(cfg.run.seed, round_index, exp.topology.num_paths, cfg.outer.drop_prob)
+    contributing = {p: loop.model for p, loop in exp.loops.items() if p not in dropped}
+    sums = {part.name: exp.outer.local_sums(part, contributing, exp.weights) for part in exp.topology.parts}
+    comm_start = time.perf_counter()
+    comm = exp.comm.reduce(sums)
+    comm_seconds = time.perf_counter() - comm_start
+    norms = exp.outer.apply(sums)
+    if cfg.dist.check_replicas:
+        exp.comm.check_replicas(exp.outer, comm)
+    end = time.perf_counter()
+    return {"paths": records, "norms": norms, "dropped": sorted(dropped),
+            "comm": _comm_record(exp, comm, end - start, end - outer_start, comm_seconds)}
+
+
+def _comm_record(exp: Experiment, comm: CommStats, round_s: float, outer_s: float, comm_s: float) -> dict:
+    steps = exp.cfg.train.inner_steps * len(exp.loops)
+    path_numel = sum(exp.bank.numel(part) for part in exp.topology.parts)
+    ddp = ddp_bytes(path_numel, steps, exp.world.size)
+    return {
+        "rank": exp.world.rank, "world_size": exp.world.size, "comm_dtype": exp.cfg.dist.comm_dtype,
+        "paths": list(exp.loops), "inner_steps": steps,
+        "bytes_sent": comm.bytes_sent, "bytes_received": comm.bytes_received, "check_bytes": comm.check_bytes,
+        "ddp_bytes": ddp, "ddp_over_sent": ddp / comm.bytes_sent if comm.bytes_sent else None,
+        "modules": comm.modules,
+        "round_seconds": round_s, "outer_seconds": outer_s, "comm_seconds": comm_s,
+    }
+
+
+def write_checkpoint(exp: Experiment, root: Path, round_index: int) -> list[Path]:
+    """This rank's part: its paths, its error-feedback residuals, and the state (bank rows and
+    momentum) of the modules it is the lowest holder of, so every module is written exactly once."""
+    modules = {exp.bank.module_name(m) for m in exp.bank.held if exp.comm.lowest_holder(m)}
+    return write_training_state(
+        root, round_index, exp.bank, exp.outer, exp.loops, rng_state(), to_yaml(exp.cfg),
+        rank=exp.world.rank, modules=modules, comm=exp.comm.state_dict(),
+        extra={"world_size": exp.world.size, "paths_by_rank": [list(ps) for ps in exp.by_rank]},
+    )
+
+
+def log_round(exp: Experiment, metrics: MetricsLogger, round_index: int, reports: list[dict], ckpt: Path) -> None:
+    """Rank 0 logs every rank's report of a completed (checkpointed) round."""
+    cfg, r = exp.cfg, round_index + 1
+    records = sorted((rec for rep in reports for rec in rep["paths"]), key=lambda rec: rec["path"])
+    for rec in records:
+        rec = dict(rec)
+        metrics.log("path", step=rec.pop("step"), **rec)
+    merged = {name: v for rep in reports for name, v in rep["norms"].items()}
+    norms = {m.name: merged[m.name] for m in exp.topology.modules if m.name in merged}
+    extra = {"dropped": reports[0]["dropped"]} if cfg.outer.drop_prob > 0 else {}
+    metrics.log("outer", step=r, round=r, outer_grad_norm=norms, **extra)
+    for rep in reports:
+        metrics.log("comm", step=r, round=r, **rep["comm"])
+    loss_text = " ".join(f"p{rec['path']}={rec['loss']:.3f}" for rec in records)
+    comm_text = ""
+    if exp.world.size > 1:
+        sent = max(rep["comm"]["bytes_sent"] for rep in reports)
+        comm_text = f" | comm {sent / 1e6:.2f} MB/rank ({cfg.dist.comm_dtype})"
+    echo(f"[train] round {r}/{cfg.train.rounds} loss {loss_text}{comm_text} -> {ckpt.name}")
 
 
 def train(cfg: Config, resume: bool = False, resume_from: str | None = None, until_round: int | None = None) -> Experiment:
+    """Trains in this process, or as one rank of a torchrun job (WORLD_SIZE > 1)."""
+    env = detect_env()
+    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
+    check_world_size(topology.num_paths, env.world_size)  # on every rank, before any collective
     seed_everything(cfg.run.seed)
-    prepared = load_prepared(cfg)
-    exp = build_experiment(cfg, prepared)
-    echo(f"[train] {cfg.train.name}: {exp.topology.describe()}; {cfg.train.rounds} rounds x {cfg.train.inner_steps} inner steps")
-    start = 0
-    if resume or resume_from:
-        start = restore(exp, resume_from)
-    elif exp.checkpoints.latest() is not None:
-        raise ConfigError(
-            f"{exp.dir} already has checkpoints; pass --resume to continue it, "
-            f"or choose another train.name to start a new experiment"
+    world = init_world(cfg.dist, env, rank_device(cfg.run.device, env))
+    try:
+        return _train(cfg, world, resume, resume_from, until_round)
+    finally:
+        world.close()
+
+
+def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, until_round: int | None) -> Experiment:
+    check_same_config(world, cfg, {"resume": resume, "resume_from": resume_from, "until_round": until_round})
+    exp, error = None, None
+    try:
+        exp = build_experiment(cfg, load_prepared(cfg), world)
+    except Exception as exc:  # shared with every rank, so none waits for a rank that gave up
+        error = exc
+    world.agree(error, "setting up the experiment")
+    if world.rank == 0:
+        ranks = "" if world.size == 1 else "; " + ", ".join(f"rank {r}: paths {list(ps)}" for r, ps in enumerate(exp.by_rank))
+        echo(f"[train] {cfg.train.name}: {exp.topology.describe()}; {cfg.train.rounds} rounds x "
+             f"{cfg.train.inner_steps} inner steps{ranks}")
+
+    start, error = 0, None
+    restarted = world.env.restart_count > 0 and not (resume or resume_from)
+    try:
+        latest = exp.checkpoints.latest()
+        if resume or resume_from or (restarted and latest is not None):
+            if restarted and world.rank == 0:
+                echo(f"[train] restart {world.env.restart_count} of the worker group: continuing from {latest.name}")
+            start = restore(exp, resume_from)
+        elif latest is not None:
+            raise ConfigError(
+                f"{exp.dir} already has checkpoints; pass --resume to continue it, "
+                f"or choose another train.name to start a new experiment"
+            )
+    except Exception as exc:
+        error = exc
+    world.agree(error, "resuming")
+    starts = world.all_gather_object(start, "first round")
+    if len(set(starts)) > 1:
+        raise DistributedError(
+            f"ranks would start from different rounds ({starts}); run.dir must be on storage every rank sees"
         )
-    save_config(cfg, exp.dir / "config.yaml")
+    if world.rank == 0:
+        save_config(cfg, exp.dir / "config.yaml")
     stop = cfg.train.rounds if until_round is None else min(until_round, cfg.train.rounds)
-    metrics = MetricsLogger(exp.dir)
+    metrics = MetricsLogger(exp.dir) if world.rank == 0 else None
     try:
         for r in range(start, stop):
-            losses = run_round(exp, r, metrics)
-            ckpt = exp.checkpoints.save(
-                r + 1, lambda d: write_training_state(d, r + 1, exp.bank, exp.outer, exp.loops, rng_state(), to_yaml(cfg))
-            )
-            loss_text = " ".join(f"p{p}={v:.3f}" for p, v in losses.items())
-            echo(f"[train] round {r + 1}/{cfg.train.rounds} loss {loss_text} -> {ckpt.name}")
+            report = run_round(exp, r)
+            ckpt = exp.checkpoints.save(r + 1, lambda d: write_checkpoint(exp, d, r + 1), world)
+            reports = world.all_gather_object(report, f"round {r + 1} report")
+            if metrics is not None:
+                log_round(exp, metrics, r, reports, ckpt)
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     return exp
 
 
@@ -148,5 +299,5 @@ def bank_from_checkpoint(cfg: Config, prepared: Prepared, ckpt: Path) -> tuple[T
     """Only the bank of a checkpoint (for evaluation and serving; no optimizer state is read)."""
     topology = topology_from_config(cfg.topology, cfg.model.num_layers)
     bank = ModuleBank(topology, build_model(path_llama_config(cfg, prepared), seed=0))
-    bank.load_state_dict(load_tensors(ckpt / "bank.safetensors"))
+    bank.load_state_dict(load_bank_state(ckpt))
     return topology, bank

@@ -1,0 +1,229 @@
+"""Multi-worker setup: the torchrun environment, the process group, and which rank trains which paths.
+
+DiPaCo (Douillard et al., arXiv 2403.10616, section 2.3 and 5) trains every path on its own worker
+and keeps only the modules a worker's paths go through on that worker; DiLoCo (arXiv 2311.08105)
+is the case where every path goes through the same modules. Here a *rank* of a ``torchrun`` job
+trains a fixed set of paths, chosen once by :func:`paths_by_rank`, and :mod:`dipaco.comm` exchanges
+each module's outer-gradient sums among the ranks that hold it.
+
+A single process is the world_size=1 case: :func:`init_world` then creates no process group and
+every :class:`World` collective is a local no-op, so ``dipaco train`` runs the same code either way.
+
+Everything that could make ranks disagree is checked before the first collective that could hang:
+more ranks than paths (:func:`check_world_size`, no communication needed), then a different config
+or command line on some rank (:func:`check_same_config`, one all-gather); errors that happen on
+one rank while setting up are shared with :meth:`World.agree`, so every rank exits with the same
+clear message instead of waiting for a peer that has already given up.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dipaco.config import Config, DistConfig
+from dipaco.errors import CheckpointError, ConfigError, DataError, DistributedError
+
+# Config keys that may differ between ranks without changing what any rank computes.
+RANK_LOCAL_KEYS = ("run.progress",)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun tells a worker (https://pytorch.org/docs/stable/elastic/run.html)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: restarts of the worker group so far
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """RANK / WORLD_SIZE / LOCAL_RANK / TORCHELASTIC_RESTART_COUNT; a plain process is rank 0 of 1."""
+    env = os.environ if environ is None else environ
+    try:
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError as exc:
+        raise ConfigError(f"torchrun environment: {exc}") from None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"torchrun environment: RANK={rank} is not in [0, WORLD_SIZE={world_size})")
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, restart_count=restarts)
+
+
+def check_world_size(num_paths: int, world_size: int) -> None:
+    """Every rank trains at least one path; raised on every rank before any communication."""
+    if num_paths < world_size:
+        raise ConfigError(
+            f"dist: {world_size} ranks but the topology has only {num_paths} paths; every rank trains at "
+            f"least one path, so run at most {num_paths} ranks (--nproc-per-node x --nnodes) or use more paths"
+        )
+
+
+def paths_by_rank(tokens: Sequence[int], world_size: int) -> list[tuple[int, ...]]:
+    """Paths of each rank, balanced by shard tokens.
+
+    Deterministic greedy (longest-processing-time first, Graham 1969): paths in order of decreasing
+    tokens (ties: lower path id first), each to the rank with the fewest tokens so far (ties: lower
+    rank). Every rank computes the same answer from the same shards.
+    """
+    check_world_size(len(tokens), world_size)
+    load = [0] * world_size
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    for p in sorted(range(len(tokens)), key=lambda p: (-tokens[p], p)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owned[r].append(p)
+        load[r] += int(tokens[p])
+    return [tuple(sorted(ps)) for ps in owned]
+
+
+def owners_of(by_rank: Sequence[Sequence[int]]) -> dict[int, int]:
+    """path id -> rank, from :func:`paths_by_rank`."""
+    return {p: r for r, ps in enumerate(by_rank) for p in ps}
+
+
+def rank_device(name: str, env: DistEnv) -> torch.device:
+    """``run.device`` for this rank: ``auto``/``cuda`` mean this rank's GPU (LOCAL_RANK) under torchrun."""
+    from dipaco.runtime import resolve_device
+
+    device = resolve_device(name)
+    if env.distributed and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", env.local_rank)
+    return device
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``dist.backend``: auto -> nccl for CUDA tensors, gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f"dist.backend: nccl needs CUDA, but run.device resolves to {device}; use gloo")
+    return backend
+
+
+_ERRORS = {cls.__name__: cls for cls in (ConfigError, DataError, CheckpointError, DistributedError)}
+
+
+@dataclass
+class World:
+    """The ranks of one job and the few world-wide collectives the trainer needs.
+
+    With ``size == 1`` every method is a local no-op. Failures of a collective (a peer died, or did
+    not answer within ``dist.timeout_s``) become :class:`DistributedError` naming the operation.
+    """
+
+    env: DistEnv = field(default_factory=DistEnv)
+    backend: str = "none"
+    timeout_s: float = 600.0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    token: str = field(default_factory=lambda: str(os.getpid()))  # rank 0's pid: names shared temp dirs
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where collective buffers live: gloo works on CPU tensors, nccl on this rank's GPU."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    @contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as exc:  # torch.distributed.DistError and gloo/nccl errors are RuntimeErrors
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DistributedError(
+                f"rank {self.rank}: {what} failed ({detail}); a peer rank died or did not answer within "
+                f"dist.timeout_s={self.timeout_s:g}s"
+            ) from exc
+
+    def barrier(self, what: str) -> None:
+        if self.size == 1:
+            return
+        with self.collective(f"barrier ({what})"):
+            dist.all_reduce(torch.zeros(1, device=self.comm_device))
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        with self.collective(f"all-gather ({what})"):
+            dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raises on every rank when ``what`` failed on any rank: the rank's own error, or the first one."""
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return
+        gathered = self.all_gather_object(None if error is None else (type(error).__name__, str(error)), what)
+        if error is not None:
+            raise error
+        for r, item in enumerate(gathered):
+            if item is not None:
+                name, message = item
+                raise _ERRORS.get(name, DistributedError)(f"rank {r} failed {what}: {message}")
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_world(cfg: DistConfig, env: DistEnv, device: torch.device) -> World:
+    """Joins the torchrun job (env:// rendezvous: MASTER_ADDR/PORT, RANK, WORLD_SIZE); no-op for one rank."""
+    if not env.distributed:
+        return World(env=env, timeout_s=cfg.timeout_s, device=device)
+    backend = resolve_backend(cfg.backend, device)
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    world = World(env=env, backend=backend, timeout_s=cfg.timeout_s, device=device)
+    with world.collective("init_process_group"):
+        dist.init_process_group(
+            backend, timeout=timedelta(seconds=cfg.timeout_s), rank=env.rank, world_size=env.world_size
+        )
+    return world
+
+
+def _flat(cfg: Config) -> dict[str, Any]:
+    from dipaco.config import _flatten
+
+    return {k: v for k, v in _flatten(asdict(cfg)).items() if not k.startswith(RANK_LOCAL_KEYS)}
+
+
+def check_same_config(world: World, cfg: Config, args: Mapping[str, Any]) -> None:
+    """All ranks must run the same config and command line; the error names the differing keys.
+
+    Also agrees on ``world.token`` (rank 0's pid), used to name the shared temporary checkpoint dir.
+    """
+    mine = {"config": _flat(cfg), "args": dict(args), "pid": os.getpid(), "host": socket.gethostname()}
+    everyone = world.all_gather_object(mine, "config check")
+    world.token = str(everyone[0]["pid"])
+    ref = {**everyone[0]["config"], **{f"--{k}": v for k, v in everyone[0]["args"].items()}}
+    for r, other in enumerate(everyone[1:], start=1):
+        theirs = {**other["config"], **{f"--{k}": v for k, v in other["args"].items()}}
+        diff = [f"{k}: {ref.get(k)!r} (rank 0) vs {theirs.get(k)!r} (rank {r})"
+                for k in sorted(set(ref) | set(theirs)) if ref.get(k) != theirs.get(k)]
+        if diff:
+            raise ConfigError(
+                f"dist: the config differs between ranks ({'; '.join(diff[:5])}"
+                f"{'; ...' if len(diff) > 5 else ''}); every rank must run the same config and arguments"
+            )
