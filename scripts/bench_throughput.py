@@ -1,7 +1,7 @@
 """Tokens/s of one DiPaCo path's inner loop against a plain LlamaForCausalLM + AdamW loop.
 
 Both sides run in this process on the same architecture, batch size and sequence length,
-alternating in blocks (A B A B ...) so that load from other processes on a shared machine hits
+alternating in blocks (A B, B A, A B ...) so that load from other processes on a shared machine hits
 both alike; the reported figure is the median over blocks. The plain loop is what a user would
 write by hand: forward with labels, backward, gradient clipping, AdamW step, zero_grad. Ours is
 ``dipaco.inner_loop.InnerLoop`` on a path composed from a ``ModuleBank`` (2x2 grid), fed by a
@@ -89,8 +89,9 @@ def main() -> None:
     plain.run(args.steps // 2 or 1)
     per_block = args.steps * args.batch * args.seq_len
     rates: dict[str, list[float]] = {"dipaco_path": [], "plain_llama": []}
-    for _ in range(args.blocks):
-        for name, loop in (("dipaco_path", ours), ("plain_llama", plain)):
+    sides = [("dipaco_path", ours), ("plain_llama", plain)]
+    for block in range(args.blocks):
+        for name, loop in sides if block % 2 == 0 else sides[::-1]:  # alternate who goes first
             start = time.perf_counter()
             loop.run(args.steps)
             rates[name].append(per_block / (time.perf_counter() - start))
