@@ -126,6 +126,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     keep_checkpoints: int = 2
     log_every: int = 10  # inner steps between progress-bar loss updates
+    early_stopping_holdout: float = 0.0  # >0: hold out this fraction of train docs; keep each path's best params
 
 
 @dataclass
@@ -161,6 +162,7 @@ class DistConfig:
 class EvalConfig:
     batch_size: int = 16
     max_docs: Optional[int] = None  # evaluate on the first N validation docs only
+    early_stopping: bool = False  # evaluate each path's best (early-stopped) parameters
 
 
 @dataclass
@@ -234,6 +236,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"route.reroute_holdout: must be in (0, 1), got {cfg.route.reroute_holdout}")
     if not 0.0 <= cfg.outer.drop_prob < 1.0:
         raise ConfigError(f"outer.drop_prob: must be in [0, 1), got {cfg.outer.drop_prob}")
+    if not 0.0 <= cfg.train.early_stopping_holdout < 1.0:
+        raise ConfigError(f"train.early_stopping_holdout: must be in [0, 1), got {cfg.train.early_stopping_holdout}")
     if cfg.pretrain.steps < 0:
         raise ConfigError(f"pretrain.steps: must be >= 0, got {cfg.pretrain.steps}")
     if not cfg.train.name or "/" in cfg.train.name:
@@ -241,10 +245,10 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Schema defaults <- YAML file <- dotlist overrides, then validated."""
+def _merge(base: Any, path: str | Path | None, overrides: list[str] | None) -> Config:
+    """base <- YAML file <- dotlist overrides, converted back to dataclasses and validated."""
     try:
-        merged = OmegaConf.structured(Config)
+        merged = OmegaConf.structured(base)
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file not found: {path}")
@@ -261,6 +265,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
         raise ConfigError(f"{key or 'config'}: {msg}{where}") from None
     return validate(cfg)  # type: ignore[arg-type]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Schema defaults <- YAML file <- dotlist overrides, then validated."""
+    return _merge(Config, path, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of ``cfg`` with dotlist overrides applied and validated (for scripts and tests)."""
+    return _merge(cfg, None, overrides)
 
 
 def to_yaml(cfg: Config) -> str:

@@ -10,64 +10,24 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from transformers import PreTrainedModel
 
 from dipaco.checkpoint import CheckpointManager, resolve_checkpoint
 from dipaco.config import Config
+from dipaco.early_stopping import load_best_path
 from dipaco.metrics import echo
 from dipaco.model import build_model
-from dipaco.packing import IGNORE_INDEX, batch_eval_windows, count_scored_tokens, eval_windows
 from dipaco.prepare import Prepared, load_prepared
 from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
+from dipaco.scoring import Scores, score_documents
 from dipaco.shards import assign_paths
 from dipaco.train import bank_from_checkpoint
 
 REPORT = "eval.json"
-
-
-@dataclass
-class Scores:
-    nll: np.ndarray  # (n_docs,) summed NLL of each document's scored tokens
-    tokens: np.ndarray  # (n_docs,) scored tokens per document
-
-    @property
-    def perplexity(self) -> float:
-        total = int(self.tokens.sum())
-        return math.exp(float(self.nll.sum()) / total) if total else float("nan")
-
-
-@torch.no_grad()
-def score_documents(
-    model: PreTrainedModel,
-    docs: Sequence[Sequence[int]],
-    seq_len: int,
-    prefix_tokens: int,
-    batch_size: int,
-    pad_id: int,
-) -> Scores:
-    """Summed NLL over each document's scored tokens (after the prefix) under ``model``."""
-    model.eval()
-    device = next(model.parameters()).device
-    nll = torch.zeros(len(docs), dtype=torch.float64)
-    windows = sorted(eval_windows(docs, seq_len, prefix_tokens), key=lambda w: len(w.input_ids))
-    for batch in batch_eval_windows(windows, batch_size, pad_id):
-        logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
-        targets = batch.labels[:, 1:].to(device)
-        token_nll = F.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
-        )
-        nll.index_add_(0, batch.doc_index, token_nll.sum(dim=1).double().cpu())
-    tokens = np.array([count_scored_tokens(len(d), prefix_tokens) for d in docs], dtype=np.int64)
-    return Scores(nll.numpy(), tokens)
 
 
 def _summary(scores: Scores, n_docs: int) -> dict:
@@ -100,8 +60,12 @@ def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
     per_path, nll_total, tok_total = [], 0.0, 0
     for p in range(topology.num_paths):
         members = np.flatnonzero(routes == p)
+        if cfg.eval.early_stopping:
+            load_best_path(exp_dir / "early_stopping", p, model)
+        else:
+            bank.compose(p, model)
         scores = score_documents(
-            bank.compose(p, model), [docs[int(i)] for i in members], cfg.data.seq_len,
+            model, [docs[int(i)] for i in members], cfg.data.seq_len,
             cfg.data.prefix_tokens, cfg.eval.batch_size, prepared.tokenizer.pad_token_id,
         )
         per_path.append({"path": p, "modules": [topology.modules[m].name for m in topology.path_modules(p)],
@@ -110,7 +74,7 @@ def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
         tok_total += int(scores.tokens.sum())
     report = {
         "experiment": cfg.train.name,
-        "checkpoint": ckpt.name,
+        "checkpoint": ckpt.name + (" (early-stopped paths)" if cfg.eval.early_stopping else ""),
         "topology": topology.describe(),
         "num_paths": topology.num_paths,
         "params_per_path": sum(p.numel() for p in model.parameters()),

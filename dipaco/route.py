@@ -34,13 +34,13 @@ from dipaco.checkpoint import CheckpointManager, load_tensors, resolve_checkpoin
 from dipaco.config import Config
 from dipaco.corpus import stable_hash
 from dipaco.errors import ConfigError, DataError
-from dipaco.evaluate import score_documents
 from dipaco.metrics import echo
 from dipaco.model import build_model
 from dipaco.prepare import Prepared, load_prepared
 from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device, seed_everything
+from dipaco.scoring import score_documents
 from dipaco.shards import ROUTED_INFO
 from dipaco.topology import Topology, topology_from_config
 from dipaco.train import bank_from_checkpoint
@@ -131,6 +131,9 @@ def _report(router: Router, paths: dict[str, np.ndarray], prepared: Prepared, se
 
 def _print_report(report: dict) -> None:
     train = report["train"]
+    if train["empty_paths"]:
+        echo(f"[route] WARNING: paths {train['empty_paths']} received no training document; training will refuse "
+             f"empty shards (use fewer paths, route.method=kmeans, or more data)")
     echo(f"[route] {report['router']} ({report['featurizer'].get('kind')}): docs per path {train['docs_per_path']}, "
          f"max/min {train['docs_max_min_ratio']}")
     if "nmi" in train:

@@ -1,0 +1,54 @@
+"""Scoring documents with a causal LM: summed NLL of each document's tokens after the routing prefix.
+
+Shared by evaluation, per-path early stopping and discriminative re-routing, so that all three
+count exactly the same tokens (see :mod:`dipaco.packing` for which tokens are scored).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from dipaco.packing import IGNORE_INDEX, batch_eval_windows, count_scored_tokens, eval_windows
+
+
+@dataclass
+class Scores:
+    nll: np.ndarray  # (n_docs,) summed NLL of each document's scored tokens
+    tokens: np.ndarray  # (n_docs,) scored tokens per document
+
+    @property
+    def perplexity(self) -> float:
+        total = int(self.tokens.sum())
+        return math.exp(float(self.nll.sum()) / total) if total else float("nan")
+
+
+@torch.no_grad()
+def score_documents(
+    model: PreTrainedModel,
+    docs: Sequence[Sequence[int]],
+    seq_len: int,
+    prefix_tokens: int,
+    batch_size: int,
+    pad_id: int,
+) -> Scores:
+    """Summed NLL over each document's scored tokens (after the prefix) under ``model``."""
+    model.eval()
+    device = next(model.parameters()).device
+    nll = torch.zeros(len(docs), dtype=torch.float64)
+    windows = sorted(eval_windows(docs, seq_len, prefix_tokens), key=lambda w: len(w.input_ids))
+    for batch in batch_eval_windows(windows, batch_size, pad_id):
+        logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+        targets = batch.labels[:, 1:].to(device)
+        token_nll = F.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        nll.index_add_(0, batch.doc_index, token_nll.sum(dim=1).double().cpu())
+    tokens = np.array([count_scored_tokens(len(d), prefix_tokens) for d in docs], dtype=np.int64)
+    return Scores(nll.numpy(), tokens)
