@@ -1,0 +1,288 @@
+"""Document features for routing: texts in, one vector per document out.
+
+Two featurizers:
+
+- `lm_prefix_features`: DiPaCo's generative-routing feature. z(doc) is the mean of
+  the last hidden state of a pretrained causal LM over the first `prefix_tokens`
+  tokens of the document (the paper uses 32; those tokens are the routing context).
+- `tfidf_svd_features`: c-BTM's TF-IDF + truncated SVD (LSA) feature. Needs no model,
+  so it is also the cheap baseline.
+
+The fitted TF-IDF transform is kept as plain arrays (vocabulary, idf, SVD components)
+in `TfidfSvd`, not as pickled scikit-learn objects, so a router artifact stays
+safetensors + JSON and loads with any scikit-learn version (or none).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from routing.validate import check_finite
+
+# scikit-learn's default token pattern: words of 2+ alphanumeric characters.
+DEFAULT_TOKEN_PATTERN = r"(?u)\b\w\w+\b"
+
+
+# ----------------------------------------------------------------------------------------
+# LM prefix features (DiPaCo)
+
+
+def tokenize_prefixes(tokenizer: Any, texts: Sequence[str], prefix_tokens: int) -> list[list[int]]:
+    """Token ids of the first `prefix_tokens` tokens of each text, no special tokens added.
+
+    The tokenizer is only called as `tokenizer(texts, add_special_tokens=False, truncation=True,
+    max_length=prefix_tokens)["input_ids"]`, so any callable honouring that (for example one
+    handing back ids the caller already has) can stand in for a Hugging Face tokenizer.
+    """
+    if prefix_tokens < 1:
+        raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
+    enc = tokenizer(
+        list(texts), add_special_tokens=False, truncation=True, max_length=prefix_tokens
+    )
+    # Some tokenizers ignore max_length when truncation has no strategy; cut again to be sure.
+    return [list(ids)[:prefix_tokens] for ids in enc["input_ids"]]
+
+
+def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest sequence: real tokens keep positions 0..len-1, as unbatched."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[row, : len(s)] = 1
+    return ids, mask
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def lm_prefix_features(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    prefix_tokens: int = 32,
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+    show_progress: bool = True,
+) -> torch.Tensor:
+    """Mean of the LM's last hidden state over each document's first `prefix_tokens` tokens.
+
+    Works with any Hugging Face causal LM: we call it with `output_hidden_states=True` and
+    take `hidden_states[-1]`. For Llama-style models in transformers 5.x that entry is the
+    output of the final norm (transformers overwrites it with `last_hidden_state`), i.e. what
+    the LM head sees; that is the representation we want to cluster.
+
+    A document shorter than the prefix uses the tokens it has. Documents with no tokens at
+    all raise ValueError listing their indices (decide to skip or fail before calling).
+    The model is moved to `device` (in place, as `nn.Module.to` does) and put in eval mode
+    for the call; its train/eval flag is restored afterwards. Returns float32 (N, hidden) on CPU.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    seqs = tokenize_prefixes(tokenizer, texts, prefix_tokens)
+    empty = [i for i, s in enumerate(seqs) if len(s) == 0]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} document(s) have no tokens, cannot featurize them; indices: {empty[:50]}"
+            + (" ..." if len(empty) > 50 else "")
+        )
+    n = len(seqs)
+    if n == 0:
+        raise ValueError("no documents to featurize")
+
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)  # pads are masked out, any valid id works
+    # Only the hidden states matter; skip the (N, T, vocab) logits when the model allows it.
+    extra = {"logits_to_keep": 1} if _accepts(model.forward, "logits_to_keep") else {}
+
+    # Longest first: batches hold similar lengths, so little compute goes to padding.
+    order = sorted(range(n), key=lambda i: -len(seqs[i]))
+    out: torch.Tensor | None = None
+    was_training = model.training
+    model.to(device)
+    model.eval()
+    try:
+        with torch.inference_mode(), tqdm(
+            total=n, disable=not show_progress, unit="doc", desc="lm prefix features"
+        ) as bar:
+            for start in range(0, n, batch_size):
+                idx = order[start : start + batch_size]
+                ids, mask = pad_right([seqs[i] for i in idx], pad_id)
+                ids, mask = ids.to(device), mask.to(device)
+                hidden = model(
+                    input_ids=ids, attention_mask=mask, output_hidden_states=True, **extra
+                ).hidden_states[-1]
+                m = mask.unsqueeze(-1).to(torch.float32)
+                feats = (hidden.float() * m).sum(dim=1) / m.sum(dim=1)
+                if out is None:
+                    out = torch.empty(n, feats.shape[1], dtype=torch.float32)
+                out[torch.tensor(idx)] = feats.cpu()
+                bar.update(len(idx))
+    finally:
+        model.train(was_training)
+    assert out is not None
+    check_finite(out, "lm prefix features")
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# TF-IDF + SVD features (c-BTM)
+
+
+@dataclass
+class TfidfSvd:
+    """A fitted TF-IDF + truncated-SVD transform stored as plain arrays.
+
+    `transform` reproduces scikit-learn's `TfidfVectorizer(sublinear_tf=True)` ->
+    `TruncatedSVD` -> row L2 normalisation, using the same tokenization (lowercase,
+    regex `token_pattern`); words outside `vocabulary` are ignored, as in scikit-learn.
+    """
+
+    vocabulary: list[str]  # term of each column, in column order
+    idf: np.ndarray  # (V,) float64
+    components: np.ndarray  # (n_components, V) float32: SVD right singular vectors
+    token_pattern: str = DEFAULT_TOKEN_PATTERN
+    lowercase: bool = True
+    sublinear_tf: bool = True
+    _index: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.idf = np.asarray(self.idf, dtype=np.float64)
+        self.components = np.asarray(self.components, dtype=np.float32)
+        v = len(self.vocabulary)
+        if self.idf.shape != (v,) or self.components.ndim != 2 or self.components.shape[1] != v:
+            raise ValueError(
+                f"inconsistent TF-IDF arrays: vocabulary {v}, idf {self.idf.shape}, "
+                f"components {self.components.shape}"
+            )
+        self._index = {t: i for i, t in enumerate(self.vocabulary)}
+
+    @property
+    def dim(self) -> int:
+        return int(self.components.shape[0])
+
+    def tfidf(self, texts: Sequence[str]):
+        """Sparse (N, V) TF-IDF matrix with L2-normalised rows, as scikit-learn computes it."""
+        from scipy import sparse
+
+        pattern = re.compile(self.token_pattern)
+        indptr, indices, counts = [0], [], []
+        for text in texts:
+            text = text.lower() if self.lowercase else text
+            c = Counter(self._index[t] for t in pattern.findall(text) if t in self._index)
+            indices.extend(c.keys())
+            counts.extend(c.values())
+            indptr.append(len(indices))
+        x = sparse.csr_matrix(
+            (np.asarray(counts, dtype=np.float64), np.asarray(indices, dtype=np.int64), indptr),
+            shape=(len(texts), len(self.vocabulary)),
+        )
+        if self.sublinear_tf:
+            x.data = 1.0 + np.log(x.data)
+        x.data *= self.idf[x.indices]
+        norms = np.sqrt(np.asarray(x.multiply(x).sum(axis=1)).ravel())
+        norms[norms == 0] = 1.0  # documents with no known word stay all-zero
+        return sparse.diags(1.0 / norms) @ x
+
+    def transform(self, texts: Sequence[str]) -> np.ndarray:
+        """(N, n_components) float32 features with unit-norm rows (zero rows stay zero)."""
+        z = self.tfidf(texts) @ self.components.astype(np.float64).T
+        return _l2_normalize_rows(np.asarray(z)).astype(np.float32)
+
+    def spec(self) -> dict[str, Any]:
+        """Featurizer spec for `Router.featurizer`: small, human-readable, no arrays."""
+        return {
+            "kind": "tfidf_svd",
+            "n_components": self.dim,
+            "vocab_size": len(self.vocabulary),
+            "token_pattern": self.token_pattern,
+            "lowercase": self.lowercase,
+            "sublinear_tf": self.sublinear_tf,
+        }
+
+    # Persistence (see routing.router): JSON-able state + arrays for safetensors.
+    def state(self) -> dict[str, Any]:
+        return {
+            "vocabulary": list(self.vocabulary),
+            "token_pattern": self.token_pattern,
+            "lowercase": self.lowercase,
+            "sublinear_tf": self.sublinear_tf,
+        }
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"idf": self.idf, "components": self.components}
+
+    @classmethod
+    def from_parts(cls, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> "TfidfSvd":
+        return cls(
+            vocabulary=list(state["vocabulary"]),
+            idf=np.asarray(arrays["idf"]),
+            components=np.asarray(arrays["components"]),
+            token_pattern=state.get("token_pattern", DEFAULT_TOKEN_PATTERN),
+            lowercase=bool(state.get("lowercase", True)),
+            sublinear_tf=bool(state.get("sublinear_tf", True)),
+        )
+
+
+def _l2_normalize_rows(z: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(z, axis=1, keepdims=True)
+    norms[norms == 0] = 1.0
+    return z / norms
+
+
+def tfidf_svd_features(
+    texts: Sequence[str],
+    n_components: int = 128,
+    max_features: int = 50000,
+    seed: int = 0,
+    min_df: int | float = 2,
+    max_df: int | float = 0.5,
+    stop_words: str | None = "english",
+) -> tuple[np.ndarray, TfidfSvd]:
+    """Fit TF-IDF (sublinear tf) + TruncatedSVD on `texts`; return unit-norm features and the fit.
+
+    min_df/max_df drop words seen in one document (typos, ids) or in over half of them
+    (boilerplate); they shape the vocabulary only, transform does not need them.
+    """
+    from sklearn.decomposition import TruncatedSVD
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    vec = TfidfVectorizer(
+        sublinear_tf=True,
+        stop_words=stop_words,
+        max_features=max_features,
+        min_df=min_df,
+        max_df=max_df,
+        token_pattern=DEFAULT_TOKEN_PATTERN,
+        lowercase=True,
+        dtype=np.float64,
+    )
+    x = vec.fit_transform(list(texts))
+    if n_components >= x.shape[1]:
+        raise ValueError(
+            f"n_components={n_components} must be smaller than the vocabulary size {x.shape[1]}"
+        )
+    svd = TruncatedSVD(n_components=n_components, random_state=seed)
+    svd.fit(x)
+    fitted = TfidfSvd(
+        vocabulary=[str(t) for t in vec.get_feature_names_out()],
+        idf=vec.idf_,
+        components=svd.components_,
+    )
+    # Project with the stored (float32) components, so training docs and new docs see
+    # the same transform (tests check fitted.transform(texts) matches this).
+    z = np.asarray(x @ fitted.components.astype(np.float64).T)
+    return _l2_normalize_rows(z).astype(np.float32), fitted

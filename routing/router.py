@@ -1,0 +1,355 @@
+"""The Router artifact: what routing learned, saved once and reused by training and serving.
+
+A router maps a document's feature vector to a path id in [0, num_paths). Three kinds:
+
+- "kmeans": one centroid per path (plain k-means, one level with P = radices[0]).
+- "product_kmeans": one centroid set per level over a contiguous group of feature dims
+  (see `routing.kmeans.split_dims`); path = mixed-radix number of the per-level nearest
+  centroids, level 0 most significant, and score(path) = -sum_l d_l(digit_l).
+- "linear": a logistic-regression classifier (discriminative re-routing, DiPaCo §2.4.2):
+  score = x @ weight.T + bias.
+
+On disk a router is a directory with `router.safetensors` (centroids, classifier, TF-IDF
+arrays) and `router.json` (everything else, including the featurizer spec, the TF-IDF
+vocabulary and any topology dict the caller passed, stored verbatim).
+
+Balancing: `assign` is always the unconstrained rule (nearest centroid / best score).
+Capacity-constrained assignment (`assign_balanced`) is for sharding the training set the
+router was fitted on; new documents (validation, serving prompts) are routed one at a time
+and must not depend on which other documents happen to be in the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from routing.assignment import balanced_assign_costs, capacity
+from routing.featurize import TfidfSvd, lm_prefix_features
+from routing.kmeans import (
+    Metric,
+    balanced_kmeans,
+    check_metric,
+    kmeans,
+    mixed_radix_encode,
+    nearest,
+    prepare,
+    product_kmeans,
+    split_dims,
+    sq_distances,
+)
+from routing.validate import Features, as_features
+
+FORMAT = "dipaco-router"
+FORMAT_VERSION = 1
+JSON_NAME = "router.json"
+TENSORS_NAME = "router.safetensors"
+KINDS = ("kmeans", "product_kmeans", "linear")
+
+
+class RouterFileError(ValueError):
+    """A router directory is missing, incomplete, corrupt, or from an unknown format version."""
+
+
+@dataclass
+class Router:
+    kind: str  # one of KINDS
+    radices: list[int]  # per-level ks; plain k-means and linear routers usually have one level
+    metric: str = "euclidean"  # for centroid kinds
+    centroids: list[torch.Tensor] = field(default_factory=list)  # one (radix, dims) per level
+    weight: torch.Tensor | None = None  # linear: (P, D)
+    bias: torch.Tensor | None = None  # linear: (P,)
+    featurizer: dict[str, Any] = field(default_factory=dict)  # e.g. {"kind": "lm_prefix", "prefix_tokens": 32}
+    tfidf: TfidfSvd | None = None  # fitted transform when featurizer kind is "tfidf_svd"
+    balance_slack: float | None = None  # slack used to shard the training set, None = unbalanced
+    topology: dict[str, Any] | None = None  # caller's topology, stored verbatim
+    meta: dict[str, Any] = field(default_factory=dict)  # provenance: seed, inertia, sizes...
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"router kind must be one of {KINDS}, got {self.kind!r}")
+        self.radices = [int(r) for r in self.radices]
+        if not self.radices or min(self.radices) < 1:
+            raise ValueError(f"radices must be a non-empty list of positive ints, got {self.radices}")
+        check_metric(self.metric)
+        if self.kind == "linear":
+            self._check_linear()
+        else:
+            self._check_centroids()
+
+    def _check_centroids(self) -> None:
+        self.centroids = [as_features(c, "centroids").cpu() for c in self.centroids]
+        if self.kind == "kmeans" and len(self.radices) != 1:
+            raise ValueError(f"a kmeans router has one level, got radices {self.radices}")
+        if len(self.centroids) != len(self.radices):
+            raise ValueError(
+                f"{len(self.centroids)} centroid sets for {len(self.radices)} levels {self.radices}"
+            )
+        for level, (c, r) in enumerate(zip(self.centroids, self.radices)):
+            if c.shape[0] != r:
+                raise ValueError(f"level {level}: {c.shape[0]} centroids but radix {r}")
+        dims = [c.shape[1] for c in self.centroids]
+        expected = [b - a for a, b in split_dims(sum(dims), len(dims))]
+        if dims != expected:
+            raise ValueError(f"level feature widths {dims} do not match split_dims: {expected}")
+
+    def _check_linear(self) -> None:
+        if self.weight is None or self.bias is None:
+            raise ValueError("a linear router needs weight (P, D) and bias (P,)")
+        self.weight = as_features(self.weight, "weight").cpu()
+        self.bias = torch.as_tensor(self.bias, dtype=torch.float32).cpu()
+        p = self.weight.shape[0]
+        if self.bias.shape != (p,):
+            raise ValueError(f"bias shape {tuple(self.bias.shape)} does not match weight {tuple(self.weight.shape)}")
+        if p != self.num_paths:
+            raise ValueError(f"classifier has {p} classes but radices {self.radices} give {self.num_paths} paths")
+
+    # ------------------------------------------------------------------------------------
+    # Shape of the artifact
+
+    @property
+    def num_paths(self) -> int:
+        return math.prod(self.radices)
+
+    @property
+    def dim(self) -> int:
+        """Feature width the router expects."""
+        if self.kind == "linear":
+            assert self.weight is not None
+            return int(self.weight.shape[1])
+        return sum(int(c.shape[1]) for c in self.centroids)
+
+    def check_fits(self, num_paths: int, radices: Sequence[int] | None = None) -> None:
+        """Raise ValueError (naming both sides) if this router cannot shard a run with this topology.
+
+        Path ids of "kmeans" and "linear" routers are plain indices, so any topology with the
+        same number of paths fits. A product router's digits are per-level clusters, so its
+        radices must equal the run's levels too.
+        """
+        if num_paths != self.num_paths:
+            raise ValueError(
+                f"router was fitted for {self.num_paths} paths (radices {self.radices}), "
+                f"but the run has {num_paths} paths"
+                + (f" (radices {list(radices)})" if radices is not None else "")
+            )
+        if radices is not None and self.kind == "product_kmeans" and list(radices) != self.radices:
+            raise ValueError(
+                f"product router levels {self.radices} do not match the run's levels {list(radices)}"
+            )
+
+    # ------------------------------------------------------------------------------------
+    # Routing
+
+    def _features(self, features: Features) -> torch.Tensor:
+        x = as_features(features)
+        if x.shape[1] != self.dim:
+            raise ValueError(f"router expects {self.dim}-dim features, got {x.shape[1]}")
+        return x
+
+    def _level_inputs(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(features, centroids) of each level, as the metric sees them, on x's device."""
+        bounds = split_dims(x.shape[1], len(self.centroids))
+        return [
+            (prepare(x[:, a:b], self.metric), prepare(c.to(x.device), self.metric))
+            for (a, b), c in zip(bounds, self.centroids)
+        ]
+
+    def scores(self, features: Features) -> torch.Tensor:
+        """(N, P) scores, higher is better: negative (summed per-level) squared distances or logits."""
+        x = self._features(features)
+        if self.kind == "linear":
+            assert self.weight is not None and self.bias is not None
+            return torch.addmm(self.bias.to(x.device), x, self.weight.to(x.device).T)
+        out: torch.Tensor | None = None
+        for xl, cl in self._level_inputs(x):
+            d = sq_distances(xl, cl)
+            # Appending a level makes it the least significant digit: (N, P_so_far, r) -> flat.
+            out = -d if out is None else (out.unsqueeze(2) - d.unsqueeze(1)).flatten(1)
+        assert out is not None
+        return out
+
+    def assign(self, features: Features) -> torch.Tensor:
+        """Path id of each document by the unconstrained rule (for new documents)."""
+        x = self._features(features)
+        if self.kind == "linear":
+            return self.scores(x).argmax(dim=1).cpu()
+        # Per-level argmin equals the argmax of the summed scores, without the (N, P) matrix.
+        digits = torch.stack([nearest(xl, cl)[0] for xl, cl in self._level_inputs(x)], dim=1)
+        return mixed_radix_encode(digits.cpu(), self.radices)
+
+    def assign_balanced(self, features: Features, slack: float | None = None) -> torch.Tensor:
+        """Capacity-constrained path ids for the training set: each path <= ceil(N/P * (1+slack)).
+
+        Uses the router's own `balance_slack` when `slack` is None (0 if that is None too).
+        Minimises the summed negative score under the capacity; see `balanced_assign_costs`.
+        """
+        slack = self.balance_slack if slack is None else slack
+        slack = 0.0 if slack is None else float(slack)
+        cost = -self.scores(features)
+        n, p = cost.shape
+        floor = n // p if slack == 0 else 0
+        return balanced_assign_costs(cost, capacity(n, p, slack), floor)
+
+    def assign_topk(self, features: Features, k: int) -> torch.Tensor:
+        """(N, k) best paths per document, best first (overlapping training shards only)."""
+        if not 1 <= k <= self.num_paths:
+            raise ValueError(f"k must be in [1, {self.num_paths}], got {k}")
+        return self.scores(features).topk(k, dim=1).indices.cpu()
+
+    def featurize(
+        self,
+        texts: Sequence[str],
+        model: Any = None,
+        tokenizer: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Features of new texts with this router's featurizer (LM kinds need model + tokenizer)."""
+        kind = self.featurizer.get("kind")
+        if kind == "tfidf_svd":
+            if self.tfidf is None:
+                raise ValueError("featurizer is tfidf_svd but the router holds no fitted TF-IDF arrays")
+            return torch.from_numpy(self.tfidf.transform(texts))
+        if kind == "lm_prefix":
+            if model is None or tokenizer is None:
+                raise ValueError("the lm_prefix featurizer needs the caller's model and tokenizer")
+            prefix = int(self.featurizer.get("prefix_tokens", 32))
+            return lm_prefix_features(model, tokenizer, texts, prefix_tokens=prefix, **kwargs)
+        raise ValueError(f"cannot featurize texts with featurizer spec {self.featurizer!r}")
+
+    # ------------------------------------------------------------------------------------
+    # Persistence
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write router.safetensors + router.json into `directory` (created if needed)."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, torch.Tensor] = {}
+        for level, c in enumerate(self.centroids):
+            tensors[f"centroids.{level}"] = c.contiguous()
+        if self.weight is not None and self.bias is not None:
+            tensors["weight"], tensors["bias"] = self.weight.contiguous(), self.bias.contiguous()
+        if self.tfidf is not None:
+            for name, arr in self.tfidf.arrays().items():
+                tensors[f"tfidf.{name}"] = torch.from_numpy(arr).contiguous()
+        doc = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kind": self.kind,
+            "radices": self.radices,
+            "num_paths": self.num_paths,
+            "levels": len(self.centroids),
+            "metric": self.metric,
+            "featurizer": self.featurizer,
+            "balance_slack": self.balance_slack,
+            "topology": self.topology,
+            "meta": self.meta,
+            "tfidf": None if self.tfidf is None else self.tfidf.state(),
+        }
+        # Write to temporary names and rename, so a crash never leaves a half-written router.
+        tmp_t, tmp_j = d / (TENSORS_NAME + ".tmp"), d / (JSON_NAME + ".tmp")
+        save_file(tensors, str(tmp_t), metadata={"format": FORMAT})
+        tmp_j.write_text(json.dumps(doc, indent=1, allow_nan=False))
+        os.replace(tmp_t, d / TENSORS_NAME)
+        os.replace(tmp_j, d / JSON_NAME)
+        return d
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Router":
+        """Read a router saved by `save`; RouterFileError says what is missing or wrong."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        if not d.is_dir():
+            raise RouterFileError(f"router directory {d} does not exist")
+        for name in (JSON_NAME, TENSORS_NAME):
+            if not (d / name).is_file():
+                raise RouterFileError(f"router directory {d} has no {name}")
+        try:
+            doc = json.loads((d / JSON_NAME).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RouterFileError(f"{d / JSON_NAME} is not valid JSON: {e}") from e
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise RouterFileError(f"{d / JSON_NAME} is not a {FORMAT} file")
+        if doc.get("format_version") != FORMAT_VERSION:
+            raise RouterFileError(
+                f"{d / JSON_NAME} has format_version {doc.get('format_version')}, "
+                f"this code reads version {FORMAT_VERSION}"
+            )
+        try:
+            tensors = load_file(str(d / TENSORS_NAME))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise RouterFileError(f"{d / TENSORS_NAME} is corrupt: {e}") from e
+        try:
+            levels = int(doc["levels"])
+            tfidf = None
+            if doc.get("tfidf") is not None:
+                arrays = {k[len("tfidf."):]: v.numpy() for k, v in tensors.items() if k.startswith("tfidf.")}
+                tfidf = TfidfSvd.from_parts(doc["tfidf"], arrays)
+            router = cls(
+                kind=doc["kind"],
+                radices=doc["radices"],
+                metric=doc["metric"],
+                centroids=[tensors[f"centroids.{level}"] for level in range(levels)],
+                weight=tensors.get("weight"),
+                bias=tensors.get("bias"),
+                featurizer=doc.get("featurizer") or {},
+                tfidf=tfidf,
+                balance_slack=doc.get("balance_slack"),
+                topology=doc.get("topology"),
+                meta=doc.get("meta") or {},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise RouterFileError(f"router in {d} is incomplete or inconsistent: {e!r}") from e
+        if doc.get("num_paths") != router.num_paths:
+            raise RouterFileError(
+                f"{d / JSON_NAME} says num_paths={doc.get('num_paths')} but radices give {router.num_paths}"
+            )
+        return router
+
+
+def fit_router(
+    features: Features,
+    radices: Sequence[int],
+    *,
+    metric: Metric = "euclidean",
+    slack: float | None = None,
+    featurizer: dict[str, Any] | None = None,
+    tfidf: TfidfSvd | None = None,
+    topology: dict[str, Any] | None = None,
+    seed: int = 0,
+    **kmeans_kwargs: Any,
+) -> tuple[Router, torch.Tensor]:
+    """Fit a k-means router (product k-means when len(radices) > 1) and shard the training set.
+
+    Returns the router and the training documents' path ids: balanced (capacity
+    ceil(N/P * (1+slack))) when `slack` is not None, nearest-centroid otherwise. For one
+    level with a slack, centroids are refined by balanced k-means so they match the shards.
+    `featurizer` defaults to `tfidf.spec()` when a fitted TF-IDF transform is given.
+    """
+    radices = [int(r) for r in radices]
+    if featurizer is None:
+        featurizer = tfidf.spec() if tfidf is not None else {}
+    common = dict(featurizer=featurizer, tfidf=tfidf, balance_slack=slack, topology=topology)
+    if len(radices) == 1:
+        if slack is None:
+            res = kmeans(features, radices[0], metric=metric, seed=seed, **kmeans_kwargs)
+            meta = {"inertia": res.inertia, "n_iter": res.n_iter}
+        else:
+            res = balanced_kmeans(features, radices[0], slack, metric=metric, seed=seed, **kmeans_kwargs)
+            meta = {"inertia": res.inertia, "unbalanced_inertia": res.unbalanced_inertia}
+        router = Router("kmeans", radices, metric, [res.centroids], meta=meta | {"seed": seed}, **common)
+        return router, res.labels
+    prod = product_kmeans(features, radices, metric=metric, seed=seed, **kmeans_kwargs)
+    meta = {"inertia_per_level": prod.inertia, "seed": seed}
+    router = Router("product_kmeans", radices, metric, prod.centroids, meta=meta, **common)
+    labels = prod.paths if slack is None else router.assign_balanced(features, slack)
+    return router, labels

@@ -1,0 +1,320 @@
+"""Benchmark the routing package (no trainer needed).
+
+1. kmeans:  our torch k-means vs scikit-learn KMeans on the same features, same k and n_init,
+            run alternately in one process: wall time (best and median of --repeats) and inertia.
+            Features: TF-IDF+SVD of 20 Newsgroups (k=20) and synthetic blobs (N=50k, d=64, k=16).
+2. 20ng:    routing quality on 20 Newsgroups: fit the router on the train split, NMI/ARI/purity
+            against the newsgroup labels on train (the fitted shards) and test (nearest centroid),
+            for the TF-IDF+SVD router unbalanced and balanced (--slack), over --seeds.
+3. lm:      with --lm-model DIR, the LM-prefix featurizer on the same documents: its NMI, its docs/s,
+            and the plain forward-pass docs/s of the same model on the same inputs.
+
+    python scripts/bench_routing.py                       # sections 1 and 2
+    python scripts/bench_routing.py --sections 20ng --lm-model runs/demo/pretrain --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from routing.featurize import lm_prefix_features, pad_right, tfidf_svd_features, tokenize_prefixes  # noqa: E402
+from routing.kmeans import kmeans  # noqa: E402
+from routing.quality import routing_report  # noqa: E402
+from routing.router import fit_router  # noqa: E402
+
+SUMMARY_COLS = ["router", "slack", "seeds", "mean_train_nmi", "min_train_nmi", "max_train_nmi",
+                "mean_test_nmi", "min_test_nmi", "max_test_nmi"]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "20news_bydate.jsonl.gz"
+
+
+# ----------------------------------------------------------------------------------------
+# Data
+
+
+def strip_headers(text: str, keep_subject: bool = False) -> str:
+    """Drop the Usenet header block (everything before the first blank line)."""
+    head, sep, body = text.partition("\n\n")
+    if not sep:
+        return text
+    if keep_subject:
+        subject = [line for line in head.split("\n") if line.lower().startswith("subject:")]
+        return "\n".join(subject + [body])
+    return body
+
+
+def load_20ng(path: Path, keep_subject: bool = False) -> dict[str, dict[str, list]]:
+    """{"train"/"test": {"text": [...], "label": [...]}}, headers stripped, empty bodies dropped."""
+    splits: dict[str, dict[str, list]] = {"train": {"text": [], "label": []}, "test": {"text": [], "label": []}}
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)
+            text = strip_headers(doc["text"], keep_subject)
+            if text.strip():
+                splits[doc["split"]]["text"].append(text)
+                splits[doc["split"]]["label"].append(doc["label"])
+    return splits
+
+
+def blobs(n: int, d: int, k: int, seed: int = 0) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    centers = g.normal(scale=4.0, size=(k, d))
+    return (centers[g.integers(k, size=n)] + g.normal(size=(n, d))).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# 1. k-means vs scikit-learn
+
+
+def bench_kmeans(name: str, x: np.ndarray, k: int, n_init: int, repeats: int, seed: int) -> dict[str, Any]:
+    from sklearn.cluster import KMeans
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ours_t, sk_t, ours_i, sk_i, ours_it, sk_it = [], [], [], [], [], []
+    for r in range(repeats):  # alternate, so background load hits both alike
+        sk, t = timed(lambda: KMeans(k, n_init=n_init, random_state=seed + r).fit(x))
+        sk_t.append(t)
+        sk_i.append(float(sk.inertia_))
+        sk_it.append(int(sk.n_iter_))
+        ours, t = timed(lambda: kmeans(x, k, n_init=n_init, seed=seed + r))
+        ours_t.append(t)
+        ours_i.append(ours.inertia)
+        ours_it.append(ours.n_iter)
+    return {
+        "features": name, "N": x.shape[0], "D": x.shape[1], "k": k, "n_init": n_init,
+        "sklearn_s": min(sk_t), "ours_s": min(ours_t),
+        "sklearn_median_s": statistics.median(sk_t), "ours_median_s": statistics.median(ours_t),
+        "time_ratio": min(ours_t) / min(sk_t),
+        "sklearn_inertia": statistics.mean(sk_i), "ours_inertia": statistics.mean(ours_i),
+        "inertia_ratio": statistics.mean(ours_i) / statistics.mean(sk_i),
+        "sklearn_iter": statistics.mean(sk_it), "ours_iter": statistics.mean(ours_it),
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Routing quality on 20 Newsgroups
+
+
+def route_and_score(name: str, train_x, test_x, data, k: int, slack: float | None, seed: int,
+                    n_init: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    (router, train_paths), seconds = timed(
+        lambda: fit_router(train_x, [k], slack=slack, seed=seed, n_init=n_init))
+    train = routing_report(train_paths, k, labels=data["train"]["label"])
+    test = routing_report(router.assign(test_x), k, labels=data["test"]["label"])
+    return {
+        "router": name, "slack": slack, "seed": seed, "fit_s": seconds,
+        "train_nmi": train["nmi"], "test_nmi": test["nmi"], "train_ari": train["ari"],
+        "train_purity": train["purity"], "train_max_min": train["docs_max_min_ratio"],
+        "train_max_docs": max(train["docs_per_path"]), "train_empty": train["num_empty_paths"],
+        **(extra or {}),
+    }
+
+
+def summarize(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("train_nmi", "test_nmi")) -> list[dict[str, Any]]:
+    """Mean (and min/max) over seeds per (router, slack)."""
+    out = []
+    for router, slack in dict.fromkeys((r["router"], r["slack"]) for r in rows):
+        group = [r for r in rows if (r["router"], r["slack"]) == (router, slack)]
+        row: dict[str, Any] = {"router": router, "slack": slack, "seeds": len(group)}
+        for key in keys:
+            vals = [r[key] for r in group]
+            row |= {f"mean_{key}": statistics.mean(vals), f"min_{key}": min(vals), f"max_{key}": max(vals)}
+        out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# 3. LM-prefix featurizer
+
+
+def load_lm(model_dir: str, tokenizer_dir: str | None, device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
+    return model, tokenizer
+
+
+def forward_rate(model, tokenizer, texts: list[str], prefix: int, batch_size: int, device: str) -> float:
+    """docs/s of a plain forward pass (logits, no hidden states) on the featurizer's batches."""
+    seqs = tokenize_prefixes(tokenizer, texts, prefix)
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    batches = [pad_right([seqs[i] for i in order[s : s + batch_size]], 0)
+               for s in range(0, len(order), batch_size)]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for ids, mask in batches:
+            model(input_ids=ids.to(device), attention_mask=mask.to(device))
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return len(texts) / (time.perf_counter() - start)
+
+
+def bench_lm(args, data) -> dict[str, Any]:
+    model, tokenizer = load_lm(args.lm_model, args.lm_tokenizer, args.device)
+    texts = {s: data[s]["text"][: args.lm_max_docs] for s in ("train", "test")}
+    labels = {s: data[s]["label"][: args.lm_max_docs] for s in ("train", "test")}
+    feats, rates = {}, {}
+    for split in ("train", "test"):
+        keep = [i for i, s in enumerate(tokenize_prefixes(tokenizer, texts[split], args.prefix_tokens)) if s]
+        texts[split] = [texts[split][i] for i in keep]
+        labels[split] = [labels[split][i] for i in keep]
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        feats[split], seconds = timed(lambda: lm_prefix_features(
+            model, tokenizer, texts[split], prefix_tokens=args.prefix_tokens,
+            batch_size=args.lm_batch_size, device=args.device, show_progress=False))
+        rates[split] = len(texts[split]) / seconds
+    fwd = forward_rate(model, tokenizer, texts["train"], args.prefix_tokens, args.lm_batch_size, args.device)
+    _, tokenize_s = timed(lambda: tokenize_prefixes(tokenizer, texts["train"], args.prefix_tokens))
+    sub = {s: {"text": texts[s], "label": labels[s]} for s in ("train", "test")}
+    rows = []
+    for seed in args.seeds:
+        for slack in (None, args.slack):
+            for metric in ("euclidean", "cosine"):
+                (router, paths), secs = timed(lambda: fit_router(
+                    feats["train"], [args.k], slack=slack, seed=seed, n_init=args.n_init, metric=metric))
+                rows.append({
+                    "router": f"lm_prefix/{metric}", "slack": slack, "seed": seed, "fit_s": secs,
+                    "train_nmi": routing_report(paths, args.k, labels=sub["train"]["label"])["nmi"],
+                    "test_nmi": routing_report(router.assign(feats["test"]), args.k,
+                                               labels=sub["test"]["label"])["nmi"],
+                })
+    return {
+        "model": args.lm_model, "device": args.device, "prefix_tokens": args.prefix_tokens,
+        "batch_size": args.lm_batch_size, "docs": {s: len(texts[s]) for s in texts},
+        "hidden": int(feats["train"].shape[1]),
+        "featurizer_docs_per_s": rates["train"], "forward_docs_per_s": fwd,
+        "featurizer_fraction_of_forward": rates["train"] / fwd,
+        "tokenize_docs_per_s": len(texts["train"]) / tokenize_s,  # part of the featurizer's time
+        "rows": rows, "summary": summarize(rows),
+    }
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default="kmeans,20ng", help="comma list of kmeans, 20ng (lm runs with --lm-model)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="20news_bydate.jsonl.gz")
+    p.add_argument("--keep-subject", action="store_true", help="keep the Subject: header line (default: body only)")
+    p.add_argument("--k", type=int, default=20)
+    p.add_argument("--svd", type=int, default=128, help="TF-IDF SVD components")
+    p.add_argument("--n-init", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timing repeats per k-means comparison")
+    p.add_argument("--slack", type=float, default=0.1)
+    p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--blobs", default="50000,64,16", help="N,D,k of the synthetic blobs ('' to skip)")
+    p.add_argument("--lm-model", default=None, help="HF causal LM directory: runs the LM-prefix section")
+    p.add_argument("--lm-tokenizer", default=None, help="tokenizer directory (default: --lm-model)")
+    p.add_argument("--lm-max-docs", type=int, default=None, help="cap docs per split for the LM section")
+    p.add_argument("--lm-batch-size", type=int, default=32)
+    p.add_argument("--prefix-tokens", type=int, default=32)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch and BLAS/OpenMP threads (default: as is)")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+
+    if args.threads:
+        from threadpoolctl import threadpool_limits
+
+        torch.set_num_threads(args.threads)
+        threadpool_limits(args.threads)
+    results: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                               "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
+    # Timings on a shared machine are only comparable at similar load: print it with them.
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}")
+
+    need_text = bool(sections & {"kmeans", "20ng"}) or args.lm_model
+    data = load_20ng(args.data, args.keep_subject) if need_text else None
+    tfidf = None
+    if data is not None and sections & {"kmeans", "20ng"}:
+        (train_x, fitted), secs = timed(lambda: tfidf_svd_features(data["train"]["text"], n_components=args.svd))
+        test_x = fitted.transform(data["test"]["text"])
+        tfidf = (train_x, test_x)
+        results["tfidf_fit_s"] = secs
+        print(f"20 Newsgroups: {len(train_x)} train / {len(test_x)} test docs, TF-IDF+SVD({args.svd}) in {secs:.1f}s")
+
+    if "kmeans" in sections:
+        rows = []
+        if tfidf is not None:
+            rows.append(bench_kmeans("20ng tfidf+svd (train)", tfidf[0], args.k, args.n_init, args.repeats, 0))
+        if args.blobs:
+            n, d, k = (int(v) for v in args.blobs.split(","))
+            rows.append(bench_kmeans(f"blobs {n}x{d}", blobs(n, d, k), k, args.n_init, args.repeats, 0))
+        results["kmeans"] = rows
+        print("\n## k-means: ours vs scikit-learn (time: best and median of repeats; inertia, iterations: mean)")
+        print(table(rows, ["features", "N", "D", "k", "n_init", "sklearn_s", "ours_s", "time_ratio",
+                           "sklearn_median_s", "ours_median_s", "sklearn_inertia", "ours_inertia",
+                           "inertia_ratio", "sklearn_iter", "ours_iter"]))
+
+    if "20ng" in sections and tfidf is not None:
+        rows = [route_and_score("tfidf_svd", tfidf[0], tfidf[1], data, args.k, slack, seed, args.n_init)
+                for seed in args.seeds for slack in (None, args.slack)]
+        results["20ng"] = {"rows": rows, "summary": summarize(rows)}
+        print(f"\n## 20 Newsgroups routing, k={args.k} (train = fitted shards, test = nearest centroid)")
+        print(table(rows, ["router", "slack", "seed", "train_nmi", "test_nmi", "train_ari", "train_purity",
+                           "train_max_min", "train_max_docs", "fit_s"]))
+        print(table(results["20ng"]["summary"], SUMMARY_COLS))
+
+    if args.lm_model:
+        lm = bench_lm(args, data)
+        results["lm"] = lm
+        print(f"\n## LM-prefix featurizer ({lm['model']}, {lm['device']}, {lm['docs']} docs, hidden {lm['hidden']})")
+        print(f"featurizer {lm['featurizer_docs_per_s']:.1f} docs/s, plain forward {lm['forward_docs_per_s']:.1f} "
+              f"docs/s, fraction {lm['featurizer_fraction_of_forward']:.2f} "
+              f"(tokenizing alone: {lm['tokenize_docs_per_s']:.1f} docs/s)")
+        print(table(lm["rows"], ["router", "slack", "seed", "train_nmi", "test_nmi", "fit_s"]))
+        print(table(lm["summary"], SUMMARY_COLS))
+
+    results["loadavg_end"] = os.getloadavg()
+    print(f"\nload average at the end {results['loadavg_end'][0]:.2f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1, allow_nan=False))
+        print(f"\nwrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

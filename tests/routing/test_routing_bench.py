@@ -1,0 +1,58 @@
+"""scripts/bench_routing.py: the LM-prefix section runs end to end on a tiny saved model."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from routing_testutil import WORDS
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_routing.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_routing", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_20ng(path: Path) -> None:
+    """A 20-Newsgroups-shaped file: 3 labels with their own words, Usenet headers on top."""
+    groups = {"rec.pets": WORDS[:8], "sci.space": WORDS[8:16], "misc.food": WORDS[16:24]}
+    with gzip.open(path, "wt") as f:
+        for i in range(48):
+            label = list(groups)[i % 3]
+            words = groups[label]
+            body = " ".join(words[(i * j) % len(words)] for j in range(1, 12))
+            doc = {"source": "test", "label": label, "id": f"{label}/{i}", "split": "train" if i < 36 else "test",
+                   "text": f"From: someone@example.com\nSubject: post {i}\n\n{body}\n"}
+            f.write(json.dumps(doc) + "\n")
+        f.write(json.dumps({"source": "test", "label": "misc.food", "id": "x", "split": "train",
+                            "text": "From: a@b\n\n   \n"}) + "\n")  # empty body: dropped
+
+
+def test_strip_headers(bench):
+    assert bench.strip_headers("From: a\nSubject: hi\n\nbody\n\nmore") == "body\n\nmore"
+    assert bench.strip_headers("no header block") == "no header block"
+    assert bench.strip_headers("From: a\nSubject: hi\n\nbody", keep_subject=True) == "Subject: hi\nbody"
+
+
+def test_lm_section_on_tiny_model(bench, tiny_llama, tiny_tokenizer, tmp_path):
+    tiny_llama.save_pretrained(tmp_path / "lm")
+    tiny_tokenizer.save_pretrained(tmp_path / "lm")
+    fake_20ng(tmp_path / "20ng.jsonl.gz")
+    out = tmp_path / "bench.json"
+    res = bench.main(["--sections", "", "--data", str(tmp_path / "20ng.jsonl.gz"), "--lm-model", str(tmp_path / "lm"),
+                      "--k", "3", "--seeds", "0", "--n-init", "1", "--lm-batch-size", "8", "--out", str(out)])
+    lm = res["lm"]
+    assert lm["docs"] == {"train": 36, "test": 12} and lm["hidden"] == 32
+    assert lm["featurizer_docs_per_s"] > 0 and lm["forward_docs_per_s"] > 0
+    assert {r["router"] for r in lm["rows"]} == {"lm_prefix/euclidean", "lm_prefix/cosine"}
+    assert all(0.0 <= r["train_nmi"] <= 1.0 for r in lm["rows"])
+    assert json.loads(out.read_text())["lm"]["docs"]["train"] == 36
