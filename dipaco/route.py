@@ -81,6 +81,16 @@ def router_featurize(router: Router, cfg: Config, prepared: Prepared, texts: lis
     return router.featurize(texts, model=model, tokenizer=prepared.tokenizer, **extra).float().cpu()
 
 
+def routing_context(ds: datasets.Dataset, prepared: Prepared, prefix_tokens: int) -> list[str]:
+    """The text of each document's first ``prefix_tokens`` tokens: all any featurizer may see.
+
+    Routing must not read the tokens evaluation scores (everything after the prefix), or the
+    router would pick a validation document's path from the very text it is judged on. Training
+    documents are cut the same way so the router is fitted on what it will see at test time.
+    """
+    return prepared.tokenizer.batch_decode([ids[:prefix_tokens] for ids in ds["input_ids"]])
+
+
 def _check_texts(ds: datasets.Dataset, split: str) -> None:
     empty = [i for i, n in zip(ds["id"], ds["num_tokens"]) if n == 0]
     if empty:
@@ -152,7 +162,8 @@ def route(cfg: Config) -> dict:
         raise ConfigError(f"topology has {topology.num_paths} paths but the train split has only {len(prepared.train)} documents")
 
     start = time.perf_counter()
-    texts = {"train": prepared.train["text"], "validation": prepared.validation["text"]}
+    texts = {"train": routing_context(prepared.train, prepared, cfg.data.prefix_tokens),
+             "validation": routing_context(prepared.validation, prepared, cfg.data.prefix_tokens)}
     tfidf = None
     if cfg.route.featurizer == "tfidf_svd":
         echo(f"[route] TF-IDF + SVD({cfg.route.svd_components}) features")

@@ -71,3 +71,18 @@ def test_reroute_reshards_and_training_resumes(run_cfg):
     assert min(report["train"]["docs_per_path"]) > 0
     exp = train(cfg, resume=True)
     assert exp.checkpoints.latest().name == "round_000003"
+
+
+def test_routing_sees_only_the_prefix_never_the_scored_tokens(run_cfg):
+    # Regression: TF-IDF routing once read whole documents, so a validation document's path was
+    # chosen from the very tokens its perplexity is measured on.
+    from dipaco.prepare import load_prepared
+    from dipaco.route import routing_context
+
+    prepared = load_prepared(run_cfg, routed=False)
+    prefix = run_cfg.data.prefix_tokens
+    ds = prepared.validation.select(range(5))
+    tail_changed = ds.map(lambda row: {"input_ids": row["input_ids"][:prefix] + [7] * 50})
+    assert routing_context(ds, prepared, prefix) == routing_context(tail_changed, prepared, prefix)
+    for text, ids in zip(routing_context(ds, prepared, prefix), ds["input_ids"]):
+        assert text == prepared.tokenizer.decode(ids[:prefix])
