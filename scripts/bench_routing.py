@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--lm-max-docs", type=int, default=None, help="cap docs per split for the LM section")
     p.add_argument("--lm-batch-size", type=int, default=32)
     p.add_argument("--prefix-tokens", type=int, default=32)
+    p.add_argument("--tfidf-prefix-tokens", type=int, default=None,
+                   help="TF-IDF sees only each doc's first N tokens of --lm-tokenizer/--lm-model (causal routing, "
+                        "as the trainer routes); default: whole documents (c-BTM)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch and BLAS/OpenMP threads (default: as is)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -267,6 +270,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     need_text = bool(sections & {"kmeans", "20ng"}) or args.lm_model
     data = load_20ng(args.data, args.keep_subject) if need_text else None
+    if data is not None and args.tfidf_prefix_tokens:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.lm_tokenizer or args.lm_model, local_files_only=True)
+        for split in data.values():
+            ids = tok(split["text"], add_special_tokens=False)["input_ids"]
+            split["text"] = tok.batch_decode([i[: args.tfidf_prefix_tokens] for i in ids])
+        print(f"TF-IDF sees each document's first {args.tfidf_prefix_tokens} tokens only")
     tfidf = None
     if data is not None and sections & {"kmeans", "20ng"}:
         (train_x, fitted), secs = timed(lambda: tfidf_svd_features(data["train"]["text"], n_components=args.svd))
