@@ -7,6 +7,12 @@
     dipaco train    --config configs/demo.yaml [--resume] rounds of inner steps + per-module outer step
     dipaco eval     --config configs/demo.yaml            per-path validation perplexity -> eval.json
     dipaco report   --config configs/demo.yaml            table of every evaluated model of the run
+    dipaco eval     --config ... --reroute-every 128,64,32 test-time re-routing every W tokens
+    dipaco generate --run runs/demo "prompt"             route the prompt, run its one path
+    dipaco export   --run runs/demo --path 3 --out DIR    a path as a standalone HF model directory
+    dipaco serve    --run runs/demo --port 8000           HTTP API: /v1/route, /v1/generate, /v1/paths
+
+The inference commands take ``--run RUN_DIR`` instead: they use the experiment's stored config.
 
 Problems with the user's input (config, data, checkpoints) print one ``error:`` line and exit 2.
 """
@@ -59,7 +65,13 @@ def _cmd_reroute(cfg: Config, args: argparse.Namespace) -> None:
 def _cmd_eval(cfg: Config, args: argparse.Namespace) -> None:
     from dipaco.evaluate import evaluate_experiment, evaluate_pretrained
 
-    if args.pretrained:
+    if args.reroute_every:
+        from dipaco.reroute_eval import parse_every, reroute_evaluate
+
+        if args.pretrained:
+            raise DipacoError("--reroute-every evaluates an experiment's paths; drop --pretrained")
+        reroute_evaluate(cfg, parse_every(args.reroute_every), checkpoint=args.checkpoint)
+    elif args.pretrained:
         evaluate_pretrained(cfg)
     else:
         evaluate_experiment(cfg, checkpoint=args.checkpoint)
@@ -71,12 +83,42 @@ def _cmd_report(cfg: Config, args: argparse.Namespace) -> None:
     print(comparison_table(cfg.run.dir))
 
 
-def _quiet_library_progress_bars() -> None:
-    import datasets
-    import transformers
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from dipaco.pipeline import Pipeline
 
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
+    pipe = Pipeline.from_run(args.run, experiment=args.experiment, checkpoint=args.checkpoint, device=args.device)
+    out = pipe.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, path=args.path)
+    modules = " ".join(pipe.loaded.module_names(out.path))
+    how = "chosen with --path" if out.scores is None else "routed"
+    print(f"path: {out.path} ({modules}), {how}")
+    if out.scores is not None:
+        best_first = sorted(range(len(out.scores)), key=lambda p: -out.scores[p])
+        print("scores: " + "  ".join(f"{p}:{out.scores[p]:.4g}" for p in best_first))
+    print(f"tokens: {out.prompt_tokens} prompt + {out.completion_tokens} generated ({out.finish_reason}), "
+          f"{out.latency_ms:.0f} ms" + (f", seed {out.seed}" if out.seed is not None else ""))
+    print(f"text: {args.prompt}{out.text}")
+
+
+def _cmd_export(args: argparse.Namespace) -> None:
+    from dipaco.export import export
+
+    export(args.run, args.out, path=args.path, all_paths=args.all, experiment=args.experiment, checkpoint=args.checkpoint)
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from dipaco.serve import serve
+
+    serve(args.run, host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
+          cache_size=args.cache_size, max_prompt_tokens=args.max_prompt_tokens,
+          max_new_tokens_cap=args.max_new_tokens_cap, device=args.device)
+
+
+def _add_run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory (e.g. runs/demo)")
+    parser.add_argument("--experiment", metavar="NAME", help="experiment under RUN_DIR/train (needed when there are several)")
+    parser.add_argument("--checkpoint", metavar="CKPT_DIR", help="use this checkpoint instead of the newest")
+    parser.set_defaults(uses_config=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="validation perplexity per path and overall, routing prefix excluded")
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help="evaluate this checkpoint instead of the newest")
     p.add_argument("--pretrained", action="store_true", help="evaluate the pretrained dense model instead")
+    p.add_argument("--reroute-every", metavar="W[,W...]",
+                   help="test-time re-routing: perplexity with the path re-chosen every W tokens (e.g. 128,64,32), "
+                        "next to once-per-document routing -> reroute_eval.json")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("report", help="print a table of every evaluated model in the run directory")
@@ -111,15 +156,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in ("prepare", "pretrain", "route", "reroute", "train", "eval", "report"):
         _add_config_args(sub.choices[name])
+
+    p = sub.add_parser("generate", help="route a prompt to its path and continue it with that path alone")
+    _add_run_args(p)
+    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("--path", type=int, help="use this path instead of routing (required without a router)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("export", help="write a path (or every path) as a standalone Hugging Face model directory")
+    _add_run_args(p)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--path", type=int, help="the path to export")
+    which.add_argument("--all", action="store_true", help="every path, into OUT/path_NNN")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("serve", help="HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate")
+    _add_run_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--cache-size", type=int, default=4, help="composed path models kept in memory (LRU)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are refused (422)")
+    p.add_argument("--max-new-tokens-cap", type=int, default=256, help="larger max_new_tokens are refused (422)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dipaco.runtime import quiet_library_progress_bars
+
     args = build_parser().parse_args(argv)
     try:
+        if not getattr(args, "uses_config", True):  # generate / export / serve: the run's stored config
+            quiet_library_progress_bars()
+            args.func(args)
+            return 0
         cfg = load_config(args.config, args.overrides)
         if not cfg.run.progress:
-            _quiet_library_progress_bars()
+            quiet_library_progress_bars()
         args.func(cfg, args)
     except DipacoError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -35,3 +35,25 @@ def run_cfg(prepared_run: Config, tmp_path: Path) -> Config:
     dst = tmp_path / "run"
     shutil.copytree(prepared_run.run.dir, dst)
     return replace(prepared_run, run=replace(prepared_run.run, dir=str(dst)))
+
+
+@pytest.fixture(scope="session")
+def served_run(prepared_run: Config, tmp_path_factory) -> Config:
+    """A routed (LM-prefix k-means), trained and evaluated copy of the tiny run, for the inference tests.
+
+    Shared by the session: tests only read it or add report files (reroute_eval.json); a test that
+    changes it works on its own copy.
+    """
+    from dipaco.evaluate import evaluate_experiment
+    from dipaco.route import route
+    from dipaco.train import train
+
+    dst = tmp_path_factory.mktemp("served_run") / "run"
+    shutil.copytree(prepared_run.run.dir, dst)
+    cfg = replace(prepared_run, run=replace(prepared_run.run, dir=str(dst)),
+                  train=replace(prepared_run.train, sharding="kmeans"),
+                  route=replace(prepared_run.route, featurizer="lm_prefix", n_init=1))
+    route(cfg)
+    train(cfg)
+    evaluate_experiment(cfg)
+    return cfg
