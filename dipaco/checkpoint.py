@@ -98,7 +98,9 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep = keep
 
-    def save(self, round_index: int, write: Callable[[Path], Iterable[Path] | None], writers: Writers | None = None) -> Path:
+    def save(
+        self, round_index: int, write: Callable[[Path], Iterable[Path] | None], writers: Writers | None = None
+    ) -> Path:
         """``write(tmp_dir)`` fills a temporary directory; it becomes ``round_NNNNNN`` once complete.
 
         With several ``writers`` every one calls ``save`` and ``write`` returns the files it wrote.
@@ -244,7 +246,9 @@ def rank_files(root: Path, name: str) -> dict[int, Path]:
     return found
 
 
-def load_selected(files: Iterable[Path], wanted: set[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def load_selected(
+    files: Iterable[Path], wanted: set[str], device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """The tensors named in ``wanted`` from whichever of ``files`` hold them; reads nothing else."""
     out: dict[str, torch.Tensor] = {}
     for path in files:
@@ -291,7 +295,8 @@ def write_training_state(
     written = [own / "bank.safetensors", own / "outer.safetensors"]
     bank_state = {k: v for k, v in bank.state_dict().items() if modules is None or k.split("/", 1)[0] in modules}
     save_tensors(bank_state, written[0], metadata=meta)
-    save_tensors({k: v for k, v in outer.state_dict().items() if modules is None or k in modules}, written[1], metadata=meta)
+    outer_state = {k: v for k, v in outer.state_dict().items() if modules is None or k in modules}
+    save_tensors(outer_state, written[1], metadata=meta)
     if comm:
         written.append(own / "comm.safetensors")
         save_tensors(comm, written[-1], metadata=meta)

@@ -13,14 +13,21 @@ up across the ranks holding m, so every holder applies the identical DiLoCo Nest
   module's payload, so a round costs one collective per group.
 * **fp32** (``dist.comm_dtype=fp32``): ring all-reduce (SUM) of the raw sums. The result differs
   from a single process only by the order of the fp32 additions (see README, Multi-worker training).
-* **bf16 / fp16 / int8**: every rank encodes its payload, the group all-gathers the encoded bytes,
-  and every rank decodes and accumulates the n contributions in fp32 in rank order. We all-gather
-  instead of all-reducing in the low-precision type because (a) a ring all-reduce in bf16/fp16 rounds
-  every partial sum to 8/11 mantissa bits, and an int8 all-reduce would overflow or need
-  re-quantization at every hop; (b) summing the same gathered bytes in the same order gives
-  bit-identical results on every holder. Streaming DiLoCo (arXiv 2501.18512) likewise sends
-  low-precision outer gradients and accumulates in fp32. The price: an all-gather sends (n-1) B per
-  rank instead of 2 (n-1)/n B, the same for n = 2 and n/2 times more for larger groups.
+* **bf16 / fp16 / int8**, never summed in the low-precision type (a ring all-reduce in bf16/fp16
+  rounds every partial sum to 8/11 mantissa bits; int8 would overflow or need re-quantization at
+  every hop). Streaming DiLoCo (arXiv 2501.18512) likewise sends low-precision outer gradients and
+  accumulates in fp32.
+
+  - groups of 2 ranks: every rank encodes its payload, the group all-gathers the encoded bytes, and
+    every rank decodes and adds the contributions in fp32 in rank order: the same bits on every
+    holder, and no error beyond each rank's own encoding. An all-gather sends (n-1) B per rank,
+    which equals the 2 (n-1)/n B of a ring all-reduce for n = 2 only;
+  - groups of 3 or more: a reduce-scatter then an all-gather, both on encoded bytes. The flat payload
+    is cut into n slices; an all-to-all sends slice j of every rank to group rank j, which decodes and
+    adds them in fp32 in rank order, re-encodes the sum and all-gathers it. Per rank that is
+    2 (n-1)/n B of encoded bytes, like a ring all-reduce, so int8 stays ~4x cheaper than fp32 for any
+    n. The re-encoding error of slice j is carried by its owner's error feedback, and every holder
+    decodes the same gathered bytes: identical results.
   The payload of module m is its local weighted delta divided by c_m = sum of w_p over every path
   through m (a constant every rank knows), so it has the scale of a parameter change (fp16 does
   not overflow on token-count weights). Weights and counts always travel in fp32, exactly.
@@ -34,7 +41,8 @@ up across the ranks holding m, so every holder applies the identical DiLoCo Nest
 * **Byte accounting** (:class:`CommStats`), per rank, with the bandwidth-optimal ring algorithms
   (Patarasuk & Yuan 2009; Thakur, Rabenseifner & Gropp 2005) for a buffer of B bytes on n ranks:
   ring all-reduce sends 2 (n-1)/n B and receives 2 (n-1)/n B (reduce-scatter, then all-gather);
-  ring all-gather sends (n-1) B and receives (n-1) B (each rank forwards the n-1 other blocks).
+  ring all-gather sends (n-1) B and receives (n-1) B (each rank forwards the n-1 other blocks);
+  all-to-all of n blocks of B/n sends and receives (n-1)/n B.
   The DDP baseline (:func:`ddp_bytes`) is data-parallel training of one path-sized model on all W
   ranks for the same inner steps: one fp32 ring all-reduce of every parameter's gradient per step.
 * **Replica check** (``dist.check_replicas``): after the step, the holders of each module all-gather
@@ -153,9 +161,12 @@ class _Layout:
         return 8 + (self.scales[j][1] - self.scales[j][0]) + (self.payloads[j][1] - self.payloads[j][0])
 
 
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
-    fn(out, inp, group=group)
+def _all_gather(inp: torch.Tensor, n: int, group) -> torch.Tensor:
+    """(n, *inp.shape): every member's ``inp``, in group-rank order (= ascending global rank)."""
+    out = torch.empty(n * inp.numel(), dtype=inp.dtype, device=inp.device)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name is deprecated
+    fn(out, inp.reshape(-1), group=group)
+    return out.view(n, *inp.shape)
 
 
 def checksum(*tensors: torch.Tensor | None) -> int:
@@ -194,8 +205,11 @@ class OuterComm:
         weights: Mapping[int, float],
         cfg: DistConfig,
         world: World,
+        two_phase_from: int = 3,
     ) -> None:
+        """``two_phase_from``: group size from which lossy types use reduce-scatter + all-gather."""
         self.topology, self.bank, self.cfg, self.world = topology, bank, cfg, world
+        self.two_phase_from = two_phase_from
         self.groups = plan_groups(topology, owners)
         self.mine: list[tuple[CommGroup, object]] = []
         for group in self.groups:  # every rank creates every group, in the same order
@@ -238,7 +252,9 @@ class OuterComm:
         stats = CommStats()
         for group, handle in self.mine:
             rows = self._rows(group, sums)
-            if self.lossy:
+            if self.lossy and len(group.ranks) >= self.two_phase_from:
+                self._two_phase_lossy(group, handle, rows, stats)
+            elif self.lossy:
                 self._gather_lossy(group, handle, rows, stats)
             else:
                 self._all_reduce_fp32(group, handle, rows, stats)
@@ -272,20 +288,21 @@ class OuterComm:
         return torch.empty(0, dtype=torch.uint8, device=x.device), low.view(torch.uint8), low.float()
 
     def _decode(self, row: torch.Tensor, layout: _Layout, j: int) -> torch.Tensor:
-        (s0, s1), (p0, p1) = layout.scales[j], layout.payloads[j]
+        return self._decode_at(row, layout.scales[j], layout.payloads[j])
+
+    def _decode_at(self, row: torch.Tensor, scales: tuple[int, int], payload: tuple[int, int]) -> torch.Tensor:
+        (s0, s1), (p0, p1) = scales, payload
         if self.cfg.comm_dtype == "int8":
             return dequantize_int8(row[p0:p1].view(torch.int8), row[s0:s1].view(torch.float32), self.cfg.chunk_size)
         return row[p0:p1].view(_TORCH_16[self.cfg.comm_dtype]).float()
 
     def _gather_lossy(self, group: CommGroup, handle, rows, stats: CommStats) -> None:
         n, k = len(group.ranks), len(rows)
-        layout = _Layout.build(tuple(s.weighted_delta.shape[1] for s, _ in rows), self.cfg.comm_dtype, self.cfg.chunk_size)
+        numels = tuple(s.weighted_delta.shape[1] for s, _ in rows)
+        layout = _Layout.build(numels, self.cfg.comm_dtype, self.cfg.chunk_size)
         meta = torch.stack([torch.stack((s.weight[r], s.count[r])) for s, r in rows]).reshape(-1)
         scales, payloads, carried = [], [], {}
-        for m, (s, r) in zip(group.modules, rows):
-            x = s.weighted_delta[r] / self.norm[m]
-            if self.feedback and m in self.residual:
-                x = x + self.residual[m]
+        for m, x in zip(group.modules, torch.split(self._payload(group, rows), list(layout.numels))):
             scale_bytes, payload_bytes, decoded = self._encode(x)
             scales.append(scale_bytes)
             payloads.append(payload_bytes)
@@ -294,9 +311,8 @@ class OuterComm:
         pad = torch.zeros(layout.nbytes - 8 * k - sum(t.numel() for t in scales + payloads), dtype=torch.uint8,
                           device=meta.device)
         mine = torch.cat([meta.view(torch.uint8), *scales, *payloads, pad]).to(self.world.comm_device)
-        gathered = torch.empty(n, layout.nbytes, dtype=torch.uint8, device=self.world.comm_device)
         with self.world.collective(self._what("all-gather", group)):
-            _all_gather_single(gathered, mine, handle)
+            gathered = _all_gather(mine, n, handle)
         gathered = gathered.to(self.bank.device)
         # Every holder sums the same bytes in the same (rank) order, in fp32: identical results.
         meta_sum = torch.zeros(k, 2, device=self.bank.device)
@@ -317,6 +333,74 @@ class OuterComm:
         stats.bytes_sent += total
         stats.bytes_received += total
 
+    def _payload(self, group: CommGroup, rows) -> torch.Tensor:
+        """The flat local payload of a group: weighted deltas / c_m, plus carried residuals."""
+        xs = []
+        for m, (s, r) in zip(group.modules, rows):
+            x = s.weighted_delta[r] / self.norm[m]
+            if self.feedback and m in self.residual:
+                x = x + self.residual[m]
+            xs.append(x)
+        return torch.cat(xs)
+
+    def _two_phase_lossy(self, group: CommGroup, handle, rows, stats: CommStats) -> None:
+        n, k, me = len(group.ranks), len(rows), group.ranks.index(self.world.rank)
+        numels = [s.weighted_delta.shape[1] for s, _ in rows]
+        step = self.cfg.chunk_size if self.cfg.comm_dtype == "int8" else 1
+        # every module starts on a chunk boundary, so a chunk's scale never mixes two modules
+        spans = [-(-numel // step) * step for numel in numels]
+        starts = [sum(spans[:j]) for j in range(k)]
+        total = sum(spans)
+        meta = torch.stack([torch.stack((s.weight[r], s.count[r])) for s, r in rows]).reshape(-1)
+        x = torch.cat([F.pad(xj, (0, span - xj.numel()))
+                       for xj, span in zip(torch.split(self._payload(group, rows), numels), spans)])
+        per_rank = -(-total // n)
+        length = -(-per_rank // step) * step  # slice length: ceil(total / n), rounded up to whole chunks
+        slices = F.pad(x, (0, n * length - total)).view(n, length)
+        scale_w = 4 * (length // step) if self.cfg.comm_dtype == "int8" else 0
+        payload_w = length * (1 if self.cfg.comm_dtype == "int8" else 2)
+        body = scale_w + payload_w
+        pad = (-(8 * k + body)) % 4
+        sent_slice = 8 * k + body + pad  # every slice carries the rank's (weight, count) rows too
+        out, decoded = [], []
+        for j in range(n):
+            scale_bytes, payload_bytes, dec = self._encode(slices[j])
+            zeros = torch.zeros(pad, dtype=torch.uint8, device=x.device)
+            out += [meta.view(torch.uint8), scale_bytes, payload_bytes, zeros]
+            decoded.append(dec)
+        carried = x - torch.cat(decoded)[:total] if self.feedback else None
+        send = torch.cat(out).to(self.world.comm_device)
+        recv = torch.empty_like(send)
+        with self.world.collective(self._what("reduce-scatter (all-to-all)", group)):
+            dist.all_to_all_single(recv, send, group=handle)
+        recv = recv.to(self.bank.device).view(n, sent_slice)
+        meta_sum = torch.zeros(k, 2, device=self.bank.device)
+        own = torch.zeros(length, device=self.bank.device)
+        scales, payload = (8 * k, 8 * k + scale_w), (8 * k + scale_w, 8 * k + body)
+        for i in range(n):  # rank order: the same sum wherever it is computed
+            meta_sum += recv[i, : 8 * k].view(torch.float32).view(k, 2)
+            own += self._decode_at(recv[i], scales, payload)
+        scale_bytes, payload_bytes, dec = self._encode(own)
+        if self.feedback:  # the owner carries the re-encoding error of its slice
+            lo, hi = me * length, min((me + 1) * length, total)
+            if hi > lo:
+                carried[lo:hi] += (own - dec)[: hi - lo]
+        mine = torch.cat([scale_bytes, payload_bytes, torch.zeros((-body) % 4, dtype=torch.uint8, device=own.device)])
+        with self.world.collective(self._what("all-gather", group)):
+            gathered = _all_gather(mine.to(self.world.comm_device), n, handle).to(self.bank.device)
+        full = torch.cat([self._decode_at(gathered[j], (0, scale_w), (scale_w, body)) for j in range(n)])[:total]
+        sent = (n - 1) * sent_slice + ring_allgather_bytes(mine.numel(), n)
+        for j, (m, (s, r)) in enumerate(zip(group.modules, rows)):
+            lo, hi = starts[j], starts[j] + numels[j]
+            s.weight[r], s.count[r] = meta_sum[j, 0], meta_sum[j, 1]
+            s.weighted_delta[r].copy_(full[lo:hi] * self.norm[m])
+            if self.feedback and meta_sum[j, 0] > 0:  # nothing is applied when nobody contributed
+                self.residual[m] = carried[lo:hi].clone()
+            share = sent * spans[j] / total  # by the module's share of the payload
+            stats.add(self.name(m), group.ranks, share, share)
+        stats.bytes_sent += sent
+        stats.bytes_received += sent
+
     # --- debug: replicas must stay identical ---------------------------------------------------
     @torch.no_grad()
     def check_replicas(self, outer: OuterOptimizer, stats: CommStats | None = None) -> None:
@@ -328,9 +412,8 @@ class OuterComm:
                 [checksum(self.bank.params[m], momentum.get(self.name(m))) for m in group.modules],
                 dtype=torch.int64, device=self.world.comm_device,
             )
-            gathered = torch.empty(n, mine.numel(), dtype=torch.int64, device=self.world.comm_device)
             with self.world.collective(self._what("replica check", group)):
-                _all_gather_single(gathered, mine, handle)
+                gathered = _all_gather(mine, n, handle)
             if stats is not None:
                 stats.check_bytes += ring_allgather_bytes(8 * mine.numel(), n)
             for j, m in enumerate(group.modules):
@@ -356,7 +439,9 @@ class OuterComm:
         for name, value in state.items():
             expected = self.bank.numel(self.topology.modules[ids[name]].part)
             if value.numel() != expected:
-                raise CheckpointError(f"error-feedback residual of {name}: {value.numel()} elements, expected {expected}")
+                raise CheckpointError(
+                    f"error-feedback residual of {name}: {value.numel()} elements, expected {expected}"
+                )
             self.residual[ids[name]] = value.to(self.bank.device, torch.float32).clone()
 
     def lowest_holder(self, module_id: int) -> bool:

@@ -151,7 +151,7 @@ class DistConfig:
     """Multi-worker training under torchrun (ignored by a single process): see dipaco.distributed, dipaco.comm."""
 
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl
-    timeout_s: float = 600.0  # a collective waiting longer than this fails with a clear error
+    timeout_s: float = 1800.0  # a collective waiting longer fails clearly (> the slowest rank's lag)
     comm_dtype: str = "fp32"  # outer-gradient payload: fp32 | bf16 | fp16 | int8
     chunk_size: int = 1024  # int8: elements per absmax scale
     error_feedback: bool = True  # lossy comm_dtype: carry each module's quantization residual to the next round

@@ -101,6 +101,11 @@ def rank_device(name: str, env: DistEnv) -> torch.device:
 
     device = resolve_device(name)
     if env.distributed and device.type == "cuda" and device.index is None:
+        if env.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"run.device: LOCAL_RANK={env.local_rank} needs its own GPU but {torch.cuda.device_count()} are "
+                f"visible; use --nproc-per-node <= the GPUs per node, or run.device=cpu"
+            )
         device = torch.device("cuda", env.local_rank)
     return device
 
@@ -127,7 +132,7 @@ class World:
 
     env: DistEnv = field(default_factory=DistEnv)
     backend: str = "none"
-    timeout_s: float = 600.0
+    timeout_s: float = 1800.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     token: str = field(default_factory=lambda: str(os.getpid()))  # rank 0's pid: names shared temp dirs
 
@@ -151,8 +156,8 @@ class World:
         except RuntimeError as exc:  # torch.distributed.DistError and gloo/nccl errors are RuntimeErrors
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DistributedError(
-                f"rank {self.rank}: {what} failed ({detail}); a peer rank died or did not answer within "
-                f"dist.timeout_s={self.timeout_s:g}s"
+                f"rank {self.rank}: {what} failed: {detail} (a peer rank that died or stopped answering "
+                f"makes this fail; collectives time out after dist.timeout_s={self.timeout_s:g}s)"
             ) from exc
 
     def barrier(self, what: str) -> None:
@@ -188,17 +193,36 @@ class World:
             dist.destroy_process_group()
 
 
+def _attempt_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The job's key-value store (MASTER_ADDR:MASTER_PORT), with keys private to this restart attempt.
+
+    Under torchrun the agent hosts the store and keeps it across restarts of the worker group;
+    with the default (static) rendezvous, keys written by the previous attempt (e.g. gloo's peer
+    addresses) would be read by the new one and point at dead processes (pytorch/pytorch#135712).
+    Prefixing every key with TORCHELASTIC_RESTART_COUNT isolates the attempts.
+    """
+    try:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise ConfigError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT; launch with torchrun") from None
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(addr, port, env.world_size, is_master=not agent_hosts_store and env.rank == 0,
+                          timeout=timeout)
+    return dist.PrefixStore(f"dipaco/attempt_{env.restart_count}", store)
+
+
 def init_world(cfg: DistConfig, env: DistEnv, device: torch.device) -> World:
-    """Joins the torchrun job (env:// rendezvous: MASTER_ADDR/PORT, RANK, WORLD_SIZE); no-op for one rank."""
+    """Joins the torchrun job (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment); no-op for one rank."""
     if not env.distributed:
         return World(env=env, timeout_s=cfg.timeout_s, device=device)
     backend = resolve_backend(cfg.backend, device)
     if backend == "nccl":
         torch.cuda.set_device(device)
     world = World(env=env, backend=backend, timeout_s=cfg.timeout_s, device=device)
-    with world.collective("init_process_group"):
+    timeout = timedelta(seconds=cfg.timeout_s)
+    with world.collective("joining the process group"):
         dist.init_process_group(
-            backend, timeout=timedelta(seconds=cfg.timeout_s), rank=env.rank, world_size=env.world_size
+            backend, store=_attempt_store(env, timeout), timeout=timeout, rank=env.rank, world_size=env.world_size
         )
     return world
 

@@ -12,8 +12,9 @@ own shard (16x16: 12.39 -> 12.22 perplexity). Here:
   ``early_stopping/path_NNN.safetensors`` (written to a temporary file, then renamed);
 * ``dipaco eval`` with ``eval.early_stopping=true`` evaluates each path with those parameters.
 
-The record of best scores lives in ``early_stopping/state.json``, so a resumed run keeps comparing
-against the true best so far.
+Each path's best score lives next to its parameters in ``early_stopping/path_NNN.json``, so a
+resumed run keeps comparing against the true best so far, and ranks that own different paths
+never write the same file.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from dipaco.corpus import stable_hash
 from dipaco.errors import CheckpointError
 from dipaco.scoring import score_documents
 
-STATE = "state.json"
 
 
 def holdout_mask(ids: Sequence[str], fraction: float, seed: int) -> np.ndarray:
@@ -49,8 +49,11 @@ class PathEarlyStopping:
         self.docs = heldout_docs
         self.model = scratch_model
         self.score_args = dict(seq_len=seq_len, prefix_tokens=prefix_tokens, batch_size=batch_size, pad_id=pad_id)
-        state_file = self.dir / STATE
-        self.best: dict[str, dict] = json.loads(state_file.read_text()) if state_file.is_file() else {}
+        self.best: dict[int, dict] = {}
+        for path in heldout_docs:
+            record = self.dir / f"path_{path:03d}.json"
+            if record.is_file():
+                self.best[path] = json.loads(record.read_text())
 
     def update(self, bank: ModuleBank, round_index: int) -> dict[int, float]:
         """Scores every path composed from ``bank``; saves the parameters of those that improved."""
@@ -59,21 +62,21 @@ class PathEarlyStopping:
         for path, docs in self.docs.items():
             scores = score_documents(bank.compose(path, model), docs, **self.score_args)
             ppl[path] = scores.perplexity
-            best = self.best.get(str(path))
+            best = self.best.get(path)
             if np.isfinite(ppl[path]) and (best is None or ppl[path] < best["ppl"]):
-                self._save_params(path, model)
-                self.best[str(path)] = {"round": round_index, "ppl": ppl[path]}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f"{STATE}.tmp"
-        tmp.write_text(json.dumps(self.best, indent=2))
-        os.replace(tmp, self.dir / STATE)
+                self.best[path] = {"round": round_index, "ppl": ppl[path]}
+                self._save(path, model)
         return ppl
 
-    def _save_params(self, path: int, model: PreTrainedModel) -> None:
-        final = self.dir / f"path_{path:03d}.safetensors"
-        tmp = final.with_suffix(".tmp")
-        save_tensors(dict(model.named_parameters()), tmp)
-        os.replace(tmp, final)
+    def _save(self, path: int, model: PreTrainedModel) -> None:
+        """Parameters first, then the record: a crash in between leaves a record that is too old, never
+        one that claims parameters which were not written."""
+        params = self.dir / f"path_{path:03d}.safetensors"
+        save_tensors(dict(model.named_parameters()), params.with_suffix(".tmp"))
+        os.replace(params.with_suffix(".tmp"), params)
+        record = self.dir / f"path_{path:03d}.json"
+        record.with_suffix(".tmp").write_text(json.dumps(self.best[path]))
+        os.replace(record.with_suffix(".tmp"), record)
 
 
 def load_best_path(directory: Path, path: int, model: PreTrainedModel) -> PreTrainedModel:

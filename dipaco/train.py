@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -47,7 +48,8 @@ from dipaco.distributed import (
     paths_by_rank,
     rank_device,
 )
-from dipaco.errors import ConfigError, DistributedError
+from dipaco.early_stopping import PathEarlyStopping, holdout_mask
+from dipaco.errors import ConfigError, DataError, DistributedError
 from dipaco.inner_loop import InnerLoop
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.model import build_model
@@ -74,6 +76,7 @@ class Experiment:
     world: World  # this rank and the job's collectives (one rank in a single process)
     by_rank: list[tuple[int, ...]]  # the paths of every rank
     comm: OuterComm  # sums each module's outer-gradient terms over the ranks holding it
+    early_stopping: PathEarlyStopping | None = None  # this rank's paths' best parameters, if enabled
 
 
 def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None) -> Experiment:
@@ -83,7 +86,12 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
     topology = topology_from_config(cfg.topology, cfg.model.num_layers)
     train_ds = prepared.train
     paths = assign_paths(train_ds, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
-    shards = build_shards(train_ds, paths, topology.num_paths, cfg.data.seq_len, prepared.tokenizer.eos_token_id)
+    heldout = np.zeros(len(paths), dtype=bool)
+    if cfg.train.early_stopping_holdout > 0:
+        heldout = holdout_mask(train_ds["id"], cfg.train.early_stopping_holdout, cfg.run.seed)
+    kept = np.flatnonzero(~heldout)
+    shards = build_shards(train_ds.select(kept), paths[kept], topology.num_paths, cfg.data.seq_len,
+                          prepared.tokenizer.eos_token_id)
     by_rank = paths_by_rank([s.numel() for s in shards], world.size)
     mine = by_rank[world.rank]
 
@@ -99,6 +107,10 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
         loops[p] = InnerLoop(bank.compose(p, model), sampler, cfg.train.optim, total_steps, device)
     weights = path_weights(shards, cfg.outer.weighting)
     exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
+    early_stopping = None
+    if heldout.any():
+        early_stopping = build_early_stopping(cfg, prepared, exp_dir, paths, heldout, mine,
+                                              build_model(llama, device=device))
     return Experiment(
         cfg=cfg,
         dir=exp_dir,
@@ -111,7 +123,21 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
         world=world,
         by_rank=by_rank,
         comm=OuterComm(topology, bank, owners_of(by_rank), weights, cfg.dist, world),
+        early_stopping=early_stopping,
     )
+
+
+def build_early_stopping(cfg: Config, prepared: Prepared, exp_dir: Path, paths: np.ndarray, heldout: np.ndarray,
+                         own_paths: tuple[int, ...], scratch_model) -> PathEarlyStopping:
+    """Early stopping for this rank's paths, each judged on the held-out docs routed to it."""
+    input_ids = prepared.train["input_ids"]
+    docs = {p: [input_ids[int(i)] for i in np.flatnonzero(heldout & (paths == p))] for p in own_paths}
+    starved = [p for p, d in docs.items() if not d]
+    if starved:
+        raise DataError(f"train.early_stopping_holdout={cfg.train.early_stopping_holdout} leaves paths {starved} "
+                        f"without held-out documents; raise it")
+    return PathEarlyStopping(exp_dir / "early_stopping", docs, cfg.data.seq_len, cfg.data.prefix_tokens,
+                             cfg.eval.batch_size, prepared.tokenizer.pad_token_id, scratch_model)
 
 
 def _restore_comm(exp: Experiment, ckpt: Path) -> None:
@@ -180,7 +206,8 @@ def run_round(exp: Experiment, round_index: int) -> dict:
     if cfg.dist.check_replicas:
         exp.comm.check_replicas(exp.outer, comm)
     end = time.perf_counter()
-    return {"paths": records, "norms": norms, "dropped": sorted(dropped),
+    heldout_ppl = exp.early_stopping.update(exp.bank, round_index + 1) if exp.early_stopping else {}
+    return {"paths": records, "norms": norms, "dropped": sorted(dropped), "heldout_ppl": heldout_ppl,
             "comm": _comm_record(exp, comm, end - start, end - outer_start, comm_seconds)}
 
 
@@ -222,6 +249,9 @@ def log_round(exp: Experiment, metrics: MetricsLogger, round_index: int, reports
     metrics.log("outer", step=r, round=r, outer_grad_norm=norms, **extra)
     for rep in reports:
         metrics.log("comm", step=r, round=r, **rep["comm"])
+    if cfg.train.early_stopping_holdout > 0:
+        heldout = {p: v for rep in reports for p, v in rep["heldout_ppl"].items()}
+        metrics.log("early_stopping", step=r, round=r, heldout_ppl=dict(sorted(heldout.items())))
     loss_text = " ".join(f"p{rec['path']}={rec['loss']:.3f}" for rec in records)
     comm_text = ""
     if exp.world.size > 1:
@@ -283,10 +313,9 @@ def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, unt
     metrics = MetricsLogger(exp.dir) if world.rank == 0 else None
     try:
         for r in range(start, stop):
-            report = run_round(exp, r)
+            reports = world.all_gather_object(run_round(exp, r), f"round {r + 1} report")
             ckpt = exp.checkpoints.save(r + 1, lambda d: write_checkpoint(exp, d, r + 1), world)
-            reports = world.all_gather_object(report, f"round {r + 1} report")
-            if metrics is not None:
+            if metrics is not None:  # logged once the round is checkpointed: a restarted round is not logged twice
                 log_round(exp, metrics, r, reports, ckpt)
     finally:
         if metrics is not None:

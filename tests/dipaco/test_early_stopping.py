@@ -33,7 +33,7 @@ def test_keeps_best_parameters_and_ignores_a_worse_round(tmp_path):
             param.add_(torch.randn_like(param) * 5)  # a much worse round
     worse = stopper.update(bank, round_index=2)
     assert all(worse[p] > first[p] for p in range(2))
-    state = json.loads((tmp_path / "state.json").read_text())
+    state = {p: json.loads((tmp_path / f"path_{p:03d}.json").read_text()) for p in range(2)}
     assert {s["round"] for s in state.values()} == {1}
     for p in range(2):
         again = load_best_path(tmp_path, p, tiny()).state_dict()

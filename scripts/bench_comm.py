@@ -1,0 +1,196 @@
+"""Communication of multi-worker DiPaCo training: bytes per round against DDP, outer-step time, int8 quality.
+
+Runs real ``torchrun`` jobs (gloo, CPU) of the same experiment with ``dist.comm_dtype`` = fp32,
+bf16 and int8, then reads the ``comm`` records of ``metrics.jsonl`` and evaluates each experiment:
+
+* bytes sent per rank per round (the cost models of ``dipaco.comm``: ring all-reduce for fp32,
+  ring all-gather for the lossy types), against what DDP would send for the same inner steps
+  (one fp32 ring all-reduce of every gradient of a path-sized model per inner step, on the same
+  ranks); targets: >= inner_steps x less at fp32, >= 4 x inner_steps x less at int8;
+* the outer step's wall time (local sums + exchange + Nesterov step) as a fraction of the round
+  (inner steps + outer step; checkpoint writing excluded), median over the rounds after the first.
+  A rank that finishes its inner steps early waits for its peers inside the exchange, which is
+  load imbalance, not outer-step cost; so the figure is taken on the last rank to arrive (the one
+  with the shortest exchange) and, for reference, as measured on every rank ("incl. wait");
+  target <= 3% at inner_steps=50 with 2 ranks;
+* validation perplexity (routing prefix excluded) of the int8 and bf16 runs against fp32; target:
+  int8 within 1%.
+
+The data is a slice of the shared corpora (``--data``, as the tests use), prepared and pretrained
+once in ``--work``.
+
+    python scripts/bench_comm.py --out /tmp/bench_comm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dipaco.config import load_config, save_config  # noqa: E402
+from dipaco.metrics import read_metrics  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default="/tmp/dipaco_bench_comm", help="run directory (prepared once, reused)")
+    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    p.add_argument("--docs-per-source", type=int, default=300)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--topology", default="grid:2x2")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--batch", type=int, default=8, help="sequences of 128 tokens per inner step")
+    p.add_argument("--dtypes", default="fp32,bf16,int8")
+    p.add_argument("--out", help="write the figures as JSON here")
+    return p.parse_args()
+
+
+def write_corpus(data: Path, out: Path, per_source: int) -> Path:
+    """The first documents of each shared corpus (20 Newsgroups without its Usenet headers)."""
+    from dipaco.corpus import strip_header
+
+    rows = []
+    for name in ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz"):
+        with gzip.open(data / name, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i >= per_source:
+                    break
+                doc = json.loads(line)
+                text = strip_header(doc["text"]) if name.startswith("20news") else doc["text"]
+                if text.strip():
+                    rows.append({"id": f"{doc['source']}/{doc['id']}", "label": doc["label"], "text": text[:4000]})
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return out
+
+
+def base_overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
+    return [
+        f"run.dir={work / 'run'}", f"data.corpus={corpus}", "run.progress=false",
+        "run.device=cpu", "model.num_layers=4", "model.hidden_size=128", "model.intermediate_size=384",
+        "model.num_heads=4", "tokenizer.vocab_size=2048", "data.seq_len=128", "data.prefix_tokens=32",
+        "pretrain.steps=150", "pretrain.optim.warmup_steps=15", "pretrain.optim.batch_size=16",
+        f"topology.preset={args.topology}", f"train.rounds={args.rounds}", f"train.inner_steps={args.inner_steps}",
+        f"train.optim.batch_size={args.batch}", "train.optim.warmup_steps=20", "eval.batch_size=32", "eval.max_docs=300",
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(cfg_file: Path, nproc: int, name: str, dtype: str) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "dipaco", "train", "--config", str(cfg_file), f"train.name={name}", f"dist.comm_dtype={dtype}"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        out = proc.communicate()[0]
+    finally:  # interrupted: take the agent's workers down with it
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{out[-4000:]}")
+    return time.perf_counter() - start
+
+
+def summarize(exp_dir: Path, inner_steps: int) -> dict:
+    comm = read_metrics(exp_dir / "metrics.jsonl", "comm")
+    later = [r for r in comm if r["round"] > 1] or comm
+    by_round: dict[int, list[dict]] = {}
+    for r in later:
+        by_round.setdefault(r["round"], []).append(r)
+    last = [min(rs, key=lambda r: r["comm_seconds"]) for rs in by_round.values()]
+    sent = statistics.mean(r["bytes_sent"] for r in comm)
+    ddp = statistics.mean(r["ddp_bytes"] for r in comm)
+    return {
+        "bytes_sent_per_rank_round": sent,
+        "bytes_received_per_rank_round": statistics.mean(r["bytes_received"] for r in comm),
+        "ddp_bytes_per_rank_round": ddp,
+        "ddp_over_ours": ddp / sent if sent else None,
+        "inner_steps_per_rank_round": statistics.mean(r["inner_steps"] for r in comm),
+        "outer_fraction_median": statistics.median(r["outer_seconds"] / r["round_seconds"] for r in last),
+        "outer_seconds_median": statistics.median(r["outer_seconds"] for r in last),
+        "comm_seconds_median": statistics.median(r["comm_seconds"] for r in last),
+        "outer_fraction_incl_wait_median": statistics.median(r["outer_seconds"] / r["round_seconds"] for r in later),
+        "round_seconds_median": statistics.median(r["round_seconds"] for r in later),
+        "modules_communicated": sorted(comm[0]["modules"]),
+        "inner_steps": inner_steps,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / "corpus.jsonl"
+    if not corpus.is_file():
+        write_corpus(Path(args.data), corpus, args.docs_per_source)
+    cfg = load_config(None, base_overrides(args, work, corpus))
+    if not (work / "run" / "pretrain" / "config.json").is_file():
+        from dipaco.prepare import prepare
+        from dipaco.pretrain import pretrain
+
+        prepare(cfg)
+        pretrain(cfg)
+    cfg_file = work / "bench.yaml"
+    save_config(cfg, cfg_file)
+
+    from dipaco.evaluate import evaluate_experiment
+
+    results = {}
+    for dtype in args.dtypes.split(","):
+        name = f"comm_{dtype}_{args.nproc}r_{args.inner_steps}s"
+        exp_dir = work / "run" / "train" / name
+        shutil.rmtree(exp_dir, ignore_errors=True)
+        wall = run_job(cfg_file, args.nproc, name, dtype)
+        row = summarize(exp_dir, args.inner_steps)
+        run_cfg = replace(cfg, train=replace(cfg.train, name=name), dist=replace(cfg.dist, comm_dtype=dtype))
+        row["val_ppl"] = evaluate_experiment(run_cfg)["overall"]["ppl"]
+        row["job_wall_seconds"] = wall
+        results[dtype] = row
+
+    fp32 = results.get("fp32")
+    h = args.inner_steps
+    print(f"{args.nproc} ranks, {args.topology}, {args.rounds} rounds x {h} inner steps, gloo on CPU "
+          f"(bytes per rank per round; DDP = fp32 gradient all-reduce of a path every inner step)")
+    print(f"{'dtype':<6} {'sent':>10} {'DDP':>12} {'DDP/ours':>9} {'target':>7} {'outer s':>8} {'round s':>8} "
+          f"{'outer %':>8} {'incl. wait':>10} {'val ppl':>8} {'vs fp32':>8}")
+    for dtype, r in results.items():
+        target = {"fp32": h, "int8": 4 * h}.get(dtype)
+        rel = f"{(r['val_ppl'] / fp32['val_ppl'] - 1) * 100:+.2f}%" if fp32 else "-"
+        print(f"{dtype:<6} {r['bytes_sent_per_rank_round'] / 1e6:>8.3f}MB "
+              f"{r['ddp_bytes_per_rank_round'] / 1e6:>10.1f}MB {r['ddp_over_ours']:>8.0f}x "
+              f"{target or '-':>6}{'x' if target else ' '} {r['outer_seconds_median']:>8.3f} "
+              f"{r['round_seconds_median']:>8.2f} "
+              f"{r['outer_fraction_median'] * 100:>7.2f}% {r['outer_fraction_incl_wait_median'] * 100:>9.2f}% "
+              f"{r['val_ppl']:>8.2f} {rel:>8}")
+        r["target_ddp_over_ours"] = target
+    if args.out:
+        import torch
+
+        meta = {"nproc": args.nproc, "topology": args.topology, "rounds": args.rounds, "inner_steps": h,
+                "torch": torch.__version__, "threads_per_rank": 1, "backend": "gloo", "command": " ".join(sys.argv)}
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
