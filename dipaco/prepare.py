@@ -11,7 +11,6 @@ import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import datasets
 from transformers import PreTrainedTokenizerFast

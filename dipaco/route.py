@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import replace
-from pathlib import Path
 
 import datasets
 import numpy as np
@@ -45,7 +43,7 @@ from dipaco.shards import ROUTED_INFO
 from dipaco.topology import Topology, topology_from_config
 from dipaco.train import bank_from_checkpoint
 from routing.discriminative import fit_discriminative_router
-from routing.featurize import tfidf_svd_features
+from routing.featurize import lm_prefix_features, tfidf_svd_features
 from routing.quality import routing_report
 from routing.router import Router, fit_router
 
@@ -65,20 +63,16 @@ def router_radices(cfg: Config, topology: Topology) -> list[int]:
     return radices
 
 
-def lm_features(cfg: Config, prepared: Prepared, texts: list[str]) -> torch.Tensor:
-    model = load_pretrained(cfg, prepared).to(resolve_device(cfg.run.device))
-    return router_featurize(Router("kmeans", [1], featurizer={"kind": "lm_prefix", "prefix_tokens": cfg.data.prefix_tokens},
-                                   centroids=[torch.zeros(1, model.config.hidden_size)]),
-                            cfg, prepared, texts, model)
-
-
-def router_featurize(router: Router, cfg: Config, prepared: Prepared, texts: list[str], model=None) -> torch.Tensor:
-    """Features of ``texts`` with the router's own featurizer (the LM kind uses the pretrained model)."""
-    if router.featurizer.get("kind") == "lm_prefix" and model is None:
-        model = load_pretrained(cfg, prepared).to(resolve_device(cfg.run.device))
-    device = next(model.parameters()).device if model is not None else "cpu"
-    extra = dict(batch_size=cfg.route.batch_size, device=device, show_progress=cfg.run.progress) if model is not None else {}
-    return router.featurize(texts, model=model, tokenizer=prepared.tokenizer, **extra).float().cpu()
+def lm_features(cfg: Config, prepared: Prepared, texts: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """LM-prefix features of each split's texts, from one load of the pretrained model."""
+    device = resolve_device(cfg.run.device)
+    model = load_pretrained(cfg, prepared).to(device)
+    return {
+        split: lm_prefix_features(model, prepared.tokenizer, t, prefix_tokens=cfg.data.prefix_tokens,
+                                  batch_size=cfg.route.batch_size, device=device,
+                                  show_progress=cfg.run.progress).float().cpu()
+        for split, t in texts.items()
+    }
 
 
 def routing_context(ds: datasets.Dataset, prepared: Prepared, prefix_tokens: int) -> list[str]:
@@ -172,7 +166,7 @@ def route(cfg: Config) -> dict:
         spec = tfidf.spec()
     else:
         echo(f"[route] LM prefix features ({cfg.data.prefix_tokens} tokens) from {run.pretrain}")
-        features = {s: lm_features(cfg, prepared, t) for s, t in texts.items()}
+        features = lm_features(cfg, prepared, texts)
         spec = {"kind": "lm_prefix", "prefix_tokens": cfg.data.prefix_tokens}
     featurize_s = time.perf_counter() - start
 
