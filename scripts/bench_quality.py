@@ -8,8 +8,11 @@ steps differ. Rows (P = paths of the small grid, Q = paths of the large one):
     dense_Px            one path for P times the steps                             compute Px
     diloco_P            P replicas of the dense model on k-means shards            compute Px
     moe_P               P independent models on k-means shards (flat MoE)          compute Px
-    dipaco_2x2_*        kmeans / product k-means / + discriminative re-routing     compute Px
-    diloco_Q, dipaco_4x4_*                                                         compute Qx
+    dipaco_2x2_*        kmeans / product k-means / + discriminative re-routing /
+                        + per-path early stopping                                  compute Px
+    dense_deep_Px       dense with DiPaCo 2x2's total parameter count (twice the layers,
+                        its own pretraining), trained on as many tokens as DiPaCo  compute ~1.45Px
+    diloco_Q, dipaco_4x4_*  (kmeans / product k-means / + early stopping)          compute Qx
 
 Outputs (in --out-dir): results.json (every row, every round), a markdown table, and PNG plots of
 validation perplexity against training tokens and of shard sizes.
@@ -17,6 +20,7 @@ validation perplexity against training tokens and of shard sizes.
     python scripts/bench_quality.py                 # default scale, ~2 h on 2 CPU cores
     python scripts/bench_quality.py --smoke         # ~1 min, for CI
     python scripts/bench_quality.py --scale 4       # wider model, more steps: for a GPU (run.device=auto)
+    python scripts/bench_quality.py --resume        # keep the rows results.json already holds, run the rest
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dipaco.checkpoint import CheckpointManager  # noqa: E402
-from dipaco.config import Config, apply_overrides, load_config  # noqa: E402
+from dipaco.config import Config, apply_overrides, config_diff, load_config  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from dipaco.corpus import strip_header  # noqa: E402
 from dipaco.evaluate import evaluate_experiment, evaluate_pretrained  # noqa: E402
 from dipaco.metrics import echo  # noqa: E402
@@ -56,10 +61,15 @@ class Row:
     routing: str | None  # None = iid (one path: every doc), else a routing variant name
     rounds_factor: int = 1  # dense_Px trains P times the rounds
     reroute: bool = False  # discriminative re-routing half-way, then resume
+    early_stopping: bool = False  # hold out train docs, score each path's best round
+    model: list[str] = field(default_factory=list)  # another architecture: own run dir and pretraining
     overrides: list[str] = field(default_factory=list)
 
 
-def rows(small: int, large: int, include_large: bool) -> list[Row]:
+EARLY_STOP_HOLDOUT = "train.early_stopping_holdout=0.05"
+
+
+def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[Row]:
     dense = ["outer.lr=1.0", "outer.momentum=0.0"]
     out = [
         Row("dense_1x", "dense", None, overrides=dense),
@@ -69,12 +79,18 @@ def rows(small: int, large: int, include_large: bool) -> list[Row]:
         Row("dipaco_2x2_kmeans", "grid:2x2", f"kmeans{small}"),
         Row("dipaco_2x2_product", "grid:2x2", "product2x2"),
         Row("dipaco_2x2_reroute", "grid:2x2", f"kmeans{small}", reroute=True),
+        Row("dipaco_2x2_early_stop", "grid:2x2", f"kmeans{small}", early_stopping=True, overrides=[EARLY_STOP_HOLDOUT]),
+        # A 2x2 grid holds two modules per level, so its total count is a dense model with twice the layers.
+        Row(f"dense_deep_{small}x", "dense", None, rounds_factor=small, model=[f"model.num_layers={2 * num_layers}"],
+            overrides=dense),
     ]
     if include_large:
         out += [
             Row(f"diloco_{large}", f"diloco:{large}", f"kmeans{large}"),
             Row("dipaco_4x4_kmeans", "grid:4x4", f"kmeans{large}"),
             Row("dipaco_4x4_product", "grid:4x4", "product4x4"),
+            Row("dipaco_4x4_early_stop", "grid:4x4", f"kmeans{large}", early_stopping=True,
+                overrides=[EARLY_STOP_HOLDOUT]),
         ]
     return out
 
@@ -137,7 +153,30 @@ def variant_run(base: Config, variant: str | None, out_dir: Path) -> Config:
     return apply_overrides(base, [f"run.dir={run_dir}", "train.sharding=kmeans"])
 
 
+def architecture_run(base: Config, name: str, model_overrides: list[str], out_dir: Path) -> tuple[Config, float]:
+    """A row with another model shape shares the data and tokenizer but needs its own pretraining;
+    returns its config and the pretrained init's validation perplexity."""
+    run_dir = out_dir / f"run_{name}"
+    cfg = apply_overrides(base, [f"run.dir={run_dir}", *model_overrides])
+    if not (run_dir / "pretrain" / "config.json").is_file():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for sub in ("data", "tokenizer"):
+            shutil.copytree(Path(base.run.dir) / sub, run_dir / sub)
+        pretrain(cfg)
+    return cfg, evaluate_pretrained(cfg)["overall"]["ppl"]
+
+
+def curve_rounds(last: int) -> list[int]:
+    """Rounds 1, 2, 4, 8, ... and the last: evenly spaced on the plot's log axis, and a full
+    validation pass per point instead of one per round (each pass scores every validation token)."""
+    return sorted({2**k for k in range(last.bit_length()) if 2**k <= last} | {last})
+
+
 def run_row(row: Row, base: Config, out_dir: Path) -> dict:
+    init_ppl = None
+    if row.model:
+        assert row.routing is None, "rows with their own architecture are dense (no routing)"
+        base, init_ppl = architecture_run(base, row.name, row.model, out_dir)
     cfg = apply_overrides(variant_run(base, row.routing, out_dir), [
         f"topology.preset={row.preset}", f"train.name={row.name}",
         f"train.rounds={base.train.rounds * row.rounds_factor}", *row.overrides,
@@ -154,16 +193,23 @@ def run_row(row: Row, base: Config, out_dir: Path) -> dict:
     wall = time.perf_counter() - start
     curve = []
     tokens_per_round = exp.topology.num_paths * cfg.train.inner_steps * cfg.train.optim.batch_size * cfg.data.seq_len
-    for ckpt in CheckpointManager(exp.dir / "checkpoints").checkpoints():
-        report = evaluate_experiment(cfg, checkpoint=str(ckpt))
-        rnd = int(ckpt.name.split("_")[-1])
+    checkpoints = {int(c.name.split("_")[-1]): c for c in CheckpointManager(exp.dir / "checkpoints").checkpoints()}
+    for rnd in curve_rounds(max(checkpoints)):
+        report = evaluate_experiment(cfg, checkpoint=str(checkpoints[rnd]))
         curve.append({"round": rnd, "tokens": rnd * tokens_per_round, "ppl": report["overall"]["ppl"]})
+    final_ppl, best_rounds = curve[-1]["ppl"], None
+    if row.early_stopping:
+        # The curve shows each round's parameters; the row's result is each path's best round.
+        report = evaluate_experiment(apply_overrides(cfg, ["eval.early_stopping=true"]))
+        final_ppl = report["overall"]["ppl"]
+        best_rounds = [json.loads(f.read_text())["round"] for f in sorted((exp.dir / "early_stopping").glob("path_*.json"))]
     return {
         "name": row.name, "topology": report["topology"], "paths": exp.topology.num_paths,
         "params_per_path": report["params_per_path"], "params_total": report["params_total"],
         "steps_per_path": cfg.train.rounds * cfg.train.inner_steps,
-        "tokens_seen": curve[-1]["tokens"], "wall_time_s": wall, "ppl": curve[-1]["ppl"],
+        "tokens_seen": curve[-1]["tokens"], "wall_time_s": wall, "ppl": final_ppl,
         "per_path_ppl": [p["ppl"] for p in report["paths"]], "curve": curve, "routing": row.routing,
+        "init_ppl": init_ppl, "early_stopping_best_rounds": best_rounds,
     }
 
 
@@ -172,15 +218,18 @@ def _count(n: float) -> str:
 
 
 def markdown_table(results: list[dict], dense_steps: int) -> str:
+    """Compute is relative to dense_1x: paths x steps x params per path (forward+backward FLOPs scale
+    with parameters x tokens at this sequence length)."""
+    ref_params = min(r["params_per_path"] for r in results)
     lines = [
         "| model | paths | params/path | params total | compute | tokens seen | wall time | val ppl |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        compute = r["paths"] * r["steps_per_path"] / dense_steps
+        compute = r["paths"] * r["steps_per_path"] * r["params_per_path"] / (dense_steps * ref_params)
         lines.append(
             f"| {r['name']} | {r['paths']} | {_count(r['params_per_path'])} | {_count(r['params_total'])} | "
-            f"{compute:.0f}x | {_count(r['tokens_seen'])} | {r['wall_time_s'] / 60:.1f} min | {r['ppl']:.2f} |"
+            f"{compute:.3g}x | {_count(r['tokens_seen'])} | {r['wall_time_s'] / 60:.1f} min | {r['ppl']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -204,6 +253,15 @@ def targets(results: list[dict]) -> list[str]:
             best = min(alt, key=alt.get)
             check("product or discriminative routing at or below plain k-means (2x2)",
                   alt[best] <= by["dipaco_2x2_kmeans"], f"{best} {alt[best]:.2f} vs kmeans {by['dipaco_2x2_kmeans']:.2f}")
+    # Not targets of the issue, but the comparisons a reader looks for next.
+    for grid in ("2x2", "4x4"):
+        plain, stopped = by.get(f"dipaco_{grid}_kmeans"), by.get(f"dipaco_{grid}_early_stop")
+        if plain and stopped:
+            out.append(f"- (info) per-path early stopping, {grid}: {stopped:.2f} vs {plain:.2f} without")
+    deep = next((k for k in by if k.startswith("dense_deep_")), None)
+    if deep and "dipaco_2x2_kmeans" in by:
+        out.append(f"- (info) dense with DiPaCo 2x2's total parameters ({deep}): {by[deep]:.2f} vs DiPaCo 2x2 "
+                   f"{by['dipaco_2x2_kmeans']:.2f}")
     return out
 
 
@@ -240,6 +298,30 @@ def plots(results: list[dict], out_dir: Path) -> list[Path]:
     return [curve_png, shards_png]
 
 
+def write_results(path: Path, base: Config, init: dict, results: list[dict], **extra) -> None:
+    """Rewritten after every row, so an interrupted run loses at most the row in progress."""
+    payload = {"base_config": OmegaConf.to_container(OmegaConf.structured(base)),
+               "pretrained_ppl": init["overall"]["ppl"], "rows": results, **extra}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
+def finished_rows(path: Path, base: Config) -> dict[str, dict]:
+    """Rows of an earlier run of the same base config, by name."""
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    if "base_config" in earlier:
+        diff = config_diff(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), earlier["base_config"])),
+                           base, ignore=())
+        if diff:
+            sys.exit(f"error: --resume: {path} was made with another base config: {'; '.join(diff)}")
+    else:
+        echo(f"[bench] warning: {path} records no base config (older script); its rows are kept as they are")
+    return {r["name"]: r for r in earlier["rows"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model and steps (about a minute)")
@@ -247,6 +329,8 @@ def main() -> None:
     p.add_argument("--out-dir", default="runs/bench_quality")
     p.add_argument("--no-large", action="store_true", help="skip the 16-path rows")
     p.add_argument("--rows", nargs="*", help="run only these rows")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows results.json already holds (same base config), run the others")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     if not SHARED.is_dir():
@@ -265,27 +349,43 @@ def main() -> None:
     init = evaluate_pretrained(base)
 
     # The smoke corpus is too small for 16 shards; the smoke run covers the 4-path rows.
-    selected = [r for r in rows(4, 16, not (args.no_large or args.smoke)) if not args.rows or r.name in args.rows]
-    results = []
+    every_row = rows(4, 16, True, base.model.num_layers)
+    unknown = set(args.rows or ()) - {r.name for r in every_row}
+    if unknown:
+        sys.exit(f"error: unknown rows {sorted(unknown)}; known: {', '.join(r.name for r in every_row)}")
+    selected = [r for r in rows(4, 16, not (args.no_large or args.smoke), base.model.num_layers)
+                if not args.rows or r.name in args.rows]
+    by_name = finished_rows(out_dir / "results.json", base) if args.resume else {}
+    if not args.resume and (out_dir / "results.json").is_file():
+        echo(f"[bench] starting over: {out_dir / 'results.json'} will be replaced (--resume keeps its rows)")
+
+    def ordered() -> list[dict]:  # kept and new rows, in the table's order
+        return [by_name[r.name] for r in every_row if r.name in by_name]
+
     for row in selected:
+        if row.name in by_name:
+            echo(f"[bench] {row.name}: kept from results.json (ppl {by_name[row.name]['ppl']:.2f})")
+            continue
         echo(f"[bench] === {row.name} ({row.preset}, routing {row.routing or 'none'}) ===")
-        results.append(run_row(row, base, out_dir))
-        echo(f"[bench] {row.name}: ppl {results[-1]['ppl']:.2f} in {results[-1]['wall_time_s']:.0f}s")
-        (out_dir / "results.json").write_text(json.dumps({"pretrained_ppl": init["overall"]["ppl"], "rows": results}, indent=2))
+        by_name[row.name] = run_row(row, base, out_dir)
+        echo(f"[bench] {row.name}: ppl {by_name[row.name]['ppl']:.2f} in {by_name[row.name]['wall_time_s']:.0f}s")
+        write_results(out_dir / "results.json", base, init, ordered())
+    results = ordered()
 
     dense_steps = base.train.rounds * base.train.inner_steps
     table = markdown_table(results, dense_steps)
     summary = "\n".join(targets(results))
     pngs = plots(results, out_dir)
     total = time.perf_counter() - started
-    (out_dir / "results.json").write_text(json.dumps(
-        {"pretrained_ppl": init["overall"]["ppl"], "rows": results, "total_wall_time_s": total,
-         "command": " ".join(sys.argv), "targets": summary}, indent=2))
+    write_results(out_dir / "results.json", base, init, results, invocation_wall_time_s=total,
+                  rows_wall_time_s=sum(r["wall_time_s"] for r in results), command=" ".join(sys.argv),
+                  targets=summary)
     (out_dir / "table.md").write_text(table + "\n\n" + summary + "\n")
     print(f"\npretrained init: val ppl {init['overall']['ppl']:.2f}\n")
     print(table)
     print("\n" + summary)
-    print(f"\n{len(results)} rows in {total / 60:.1f} min; results in {out_dir}; plots: {', '.join(map(str, pngs)) or 'none'}")
+    print(f"\n{len(results)} rows (training {sum(r['wall_time_s'] for r in results) / 60:.1f} min); this invocation "
+          f"took {total / 60:.1f} min; results in {out_dir}; plots: {', '.join(map(str, pngs)) or 'none'}")
 
 
 if __name__ == "__main__":
