@@ -24,7 +24,7 @@ from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
 from dipaco.scoring import Scores, score_documents
-from dipaco.shards import assign_paths
+from dipaco.shards import assign_paths, check_routing
 from dipaco.train import bank_from_checkpoint
 
 REPORT = "eval.json"
@@ -51,6 +51,7 @@ def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
     prepared = load_prepared(cfg)
     run = RunDir(cfg.run.dir)
     exp_dir = run.experiment(cfg.train.name)
+    check_routing(cfg, exp_dir)
     ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
     topology, bank = bank_from_checkpoint(cfg, prepared, ckpt)
     docs, val = validation_docs(cfg, prepared)

@@ -132,8 +132,11 @@ def load_router(loaded: LoadedExperiment):
     """The experiment's router, or None when it was not trained on routed shards."""
     from routing.router import Router, RouterFileError
 
+    from dipaco.shards import check_routing
+
     if loaded.cfg.train.sharding != "kmeans":
         return None
+    check_routing(loaded.cfg, loaded.dir)
     path = loaded.run.routing / "router"
     try:
         router = Router.load(path)

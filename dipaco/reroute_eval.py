@@ -50,7 +50,7 @@ from dipaco.prepare import load_prepared
 from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
-from dipaco.shards import assign_paths
+from dipaco.shards import assign_paths, check_routing
 from dipaco.train import bank_from_checkpoint
 
 REPORT = "reroute_eval.json"
@@ -152,6 +152,7 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
     prepared = load_prepared(cfg)
     run = RunDir(cfg.run.dir)
     exp_dir = run.experiment(cfg.train.name)
+    check_routing(cfg, exp_dir)
     ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
     topology, bank = bank_from_checkpoint(cfg, prepared, ckpt)
     router = _load_router(run, topology.num_paths)

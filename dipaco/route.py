@@ -39,7 +39,7 @@ from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device, seed_everything
 from dipaco.scoring import score_documents
-from dipaco.shards import ROUTED_INFO
+from dipaco.shards import ROUTED_INFO, check_routing, record_routing, routing_fingerprint
 from dipaco.topology import Topology, topology_from_config
 from dipaco.train import bank_from_checkpoint
 from routing.discriminative import fit_discriminative_router
@@ -104,9 +104,11 @@ def _write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[
             ds = ds.add_column("paths_topk", topk.tolist())
         splits[split] = ds
     datasets.DatasetDict(splits).save_to_disk(str(tmp / "data"))
-    info = {"prepare_hash": prepared.info["prepare_hash"], "router": router.kind, "num_paths": router.num_paths}
-    (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
     router.save(tmp / "router")
+    routed = {**paths, **({"train_topk": topk} if topk is not None else {})}
+    info = {"prepare_hash": prepared.info["prepare_hash"], "router": router.kind, "num_paths": router.num_paths,
+            "fingerprint": routing_fingerprint(routed, tmp / "router")}
+    (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
     save_tensors(features, tmp / FEATURES)
     (tmp / REPORT).write_text(json.dumps(report, indent=2, default=float))
     if run.routing.exists():
@@ -201,6 +203,7 @@ def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
     run = RunDir(cfg.run.dir)
     prepared = load_prepared(cfg, routed=True)
     exp_dir = run.experiment(cfg.train.name)
+    check_routing(cfg, exp_dir)
     ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
     topology, bank = bank_from_checkpoint(cfg, prepared, ckpt)
     old = Router.load(run.routing / "router")
@@ -236,6 +239,7 @@ def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
         "moved_train_docs": float(np.mean(paths["train"] != current)),
     })
     _write_routing(run, prepared, router, paths, None, {k: stored[k] for k in ("train", "validation")}, report)
+    record_routing(cfg, exp_dir)  # this experiment resumes on the new routing; the others are refused it
     _print_report(report)
     echo(f"[reroute] {report['moved_train_docs']:.1%} of train docs moved; continue with `dipaco train --resume`")
     return report

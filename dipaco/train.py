@@ -59,7 +59,7 @@ from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import rng_state, seed_everything, set_rng_state
 from dipaco.sampler import ShardSampler
-from dipaco.shards import assign_paths, build_shards, path_weights
+from dipaco.shards import assign_paths, build_shards, check_routing, path_weights, record_routing
 from dipaco.topology import Topology, topology_from_config
 
 
@@ -293,6 +293,7 @@ def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, unt
         if resume or resume_from or (restarted and latest is not None):
             if restarted and world.rank == 0:
                 echo(f"[train] restart {world.env.restart_count} of the worker group: continuing from {latest.name}")
+            check_routing(cfg, exp.dir)
             start = restore(exp, resume_from)
         elif latest is not None:
             raise ConfigError(
@@ -309,6 +310,7 @@ def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, unt
         )
     if world.rank == 0:
         save_config(cfg, exp.dir / "config.yaml")
+        record_routing(cfg, exp.dir)
     stop = cfg.train.rounds if until_round is None else min(until_round, cfg.train.rounds)
     metrics = MetricsLogger(exp.dir) if world.rank == 0 else None
     try:

@@ -138,8 +138,10 @@ def write_corpus(path: Path, docs_per_source: int | None) -> Path:
     return path
 
 
-def variant_run(base: Config, variant: str | None, out_dir: Path) -> Config:
-    """Each routing variant gets its own run dir holding copies of the shared data and init."""
+def variant_run(base: Config, variant: str | None, out_dir: Path, private: str | None = None) -> Config:
+    """Each routing variant gets its own run dir holding copies of the shared data and init. A row
+    that re-routes gets a private copy: `dipaco reroute` rewrites its run's routing, which the other
+    rows of the variant must keep."""
     if variant is None:
         return base
     run_dir = out_dir / f"run_{variant}"
@@ -150,6 +152,10 @@ def variant_run(base: Config, variant: str | None, out_dir: Path) -> Config:
         preset, method = ROUTINGS[variant]
         route(apply_overrides(base, [f"run.dir={run_dir}", f"topology.preset={preset}",
                                      "train.sharding=kmeans", f"route.method={method}"]))
+    if private is not None:
+        shared, run_dir = run_dir, out_dir / f"run_{variant}_{private}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # the row starts over, so does its routing
+        shutil.copytree(shared, run_dir, ignore=shutil.ignore_patterns("train"))
     return apply_overrides(base, [f"run.dir={run_dir}", "train.sharding=kmeans"])
 
 
@@ -177,7 +183,7 @@ def run_row(row: Row, base: Config, out_dir: Path) -> dict:
     if row.model:
         assert row.routing is None, "rows with their own architecture are dense (no routing)"
         base, init_ppl = architecture_run(base, row.name, row.model, out_dir)
-    cfg = apply_overrides(variant_run(base, row.routing, out_dir), [
+    cfg = apply_overrides(variant_run(base, row.routing, out_dir, private=row.name if row.reroute else None), [
         f"topology.preset={row.preset}", f"train.name={row.name}",
         f"train.rounds={base.train.rounds * row.rounds_factor}", *row.overrides,
     ])
@@ -328,9 +334,9 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=1, help="multiply width and steps (for a GPU)")
     p.add_argument("--out-dir", default="runs/bench_quality")
     p.add_argument("--no-large", action="store_true", help="skip the 16-path rows")
-    p.add_argument("--rows", nargs="*", help="run only these rows")
+    p.add_argument("--rows", nargs="*", help="run only these rows (with --resume: run them again, keep the others)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the rows results.json already holds (same base config), run the others")
+                   help="keep the rows results.json already holds (same base config), run the missing ones")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     if not SHARED.is_dir():
@@ -363,7 +369,7 @@ def main() -> None:
         return [by_name[r.name] for r in every_row if r.name in by_name]
 
     for row in selected:
-        if row.name in by_name:
+        if row.name in by_name and row.name not in (args.rows or ()):
             echo(f"[bench] {row.name}: kept from results.json (ppl {by_name[row.name]['ppl']:.2f})")
             continue
         echo(f"[bench] === {row.name} ({row.preset}, routing {row.routing or 'none'}) ===")

@@ -143,13 +143,19 @@ def test_tfidf_router_reads_only_the_routing_prefix(served_run, tmp_path):
     """A TF-IDF router sees the first prefix_tokens tokens, as `dipaco route` gave it; re-routing eval runs too."""
     from dataclasses import replace
 
+    import shutil
+
     from dipaco.reroute_eval import reroute_evaluate
     from dipaco.route import route
+    from dipaco.train import train
 
     cfg = replace(served_run, run=replace(served_run.run, dir=str(copy_run(served_run, tmp_path))),
                   route=replace(served_run.route, featurizer="tfidf_svd", svd_components=8),
                   eval=replace(served_run.eval, max_docs=3))
     route(cfg)
+    # The experiment was trained on the LM-prefix routing, which serving now refuses: train it anew.
+    shutil.rmtree(RunDir(cfg.run.dir).experiment(cfg.train.name))
+    train(cfg)
     pipe = Pipeline.from_run(cfg.run.dir)
     assert pipe.router.featurizer["kind"] == "tfidf_svd"
     val = datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["validation"]

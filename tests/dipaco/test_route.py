@@ -73,6 +73,32 @@ def test_reroute_reshards_and_training_resumes(run_cfg):
     assert exp.checkpoints.latest().name == "round_000003"
 
 
+def test_reroute_of_one_experiment_is_refused_to_the_others_of_the_run(run_cfg):
+    """`dipaco reroute` rewrites the run's routing; an experiment trained on the old routing must not
+    resume, evaluate or serve on shards it never saw (the quality benchmark once did exactly that)."""
+    from dipaco.pipeline import load_experiment, load_router
+
+    cfg = routed(run_cfg, featurizer="lm_prefix", reroute_holdout=0.5)
+    other = replace(cfg, train=replace(cfg.train, name="other", rounds=2))
+    rerouted = replace(cfg, train=replace(cfg.train, name="rerouted", rounds=2))
+    route(cfg)
+    train(other, until_round=1)
+    train(rerouted, until_round=1)
+    evaluate_experiment(other)  # same routing: fine
+    reroute(rerouted)
+
+    for job in (lambda: train(other, resume=True), lambda: evaluate_experiment(other), lambda: reroute(other),
+                lambda: load_router(load_experiment(other.run.dir, "other"))):
+        with pytest.raises(DataError, match="not the routing experiment 'other' was trained on"):
+            job()
+    # The re-routed experiment carries on on its new routing.
+    assert train(rerouted, resume=True).checkpoints.latest().name == "round_000002"
+    evaluate_experiment(rerouted)
+    # Routing again with the original settings restores the original routing, and `other` with it.
+    route(cfg)
+    assert train(other, resume=True).checkpoints.latest().name == "round_000002"
+
+
 def test_routing_sees_only_the_prefix_never_the_scored_tokens(run_cfg):
     # Regression: TF-IDF routing once read whole documents, so a validation document's path was
     # chosen from the very tokens its perplexity is measured on.
