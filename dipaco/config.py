@@ -137,6 +137,7 @@ class RouteConfig:
     method: str = "kmeans"  # kmeans (P clusters) | product (one k-means per grid level)
     metric: str = "euclidean"  # euclidean | cosine
     balance_slack: Optional[float] = 0.1  # shards hold at most ceil(N/P * (1 + slack)) docs; null = unbalanced
+    min_shard_fraction: float = 0.0  # with a slack: shards hold at least floor(N/P * this) docs
     n_init: int = 3
     max_iter: int = 100
     topk: int = 1  # >1 also writes `paths_topk` (overlapping training shards)
@@ -232,6 +233,8 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.route.balance_slack is not None and cfg.route.balance_slack < 0:
         raise ConfigError(f"route.balance_slack: must be >= 0 or null, got {cfg.route.balance_slack}")
+    if not 0.0 <= cfg.route.min_shard_fraction <= 1.0:
+        raise ConfigError(f"route.min_shard_fraction: must be in [0, 1], got {cfg.route.min_shard_fraction}")
     if not 0.0 < cfg.route.reroute_holdout < 1.0:
         raise ConfigError(f"route.reroute_holdout: must be in (0, 1), got {cfg.route.reroute_holdout}")
     if not 0.0 <= cfg.outer.drop_prob < 1.0:

@@ -172,9 +172,11 @@ def route(cfg: Config) -> dict:
         spec = {"kind": "lm_prefix", "prefix_tokens": cfg.data.prefix_tokens}
     featurize_s = time.perf_counter() - start
 
-    echo(f"[route] {'product ' if len(radices) > 1 else ''}k-means, radices {radices}, slack {cfg.route.balance_slack}")
+    echo(f"[route] {'product ' if len(radices) > 1 else ''}k-means, radices {radices}, slack {cfg.route.balance_slack}"
+         + (f", min shard fraction {cfg.route.min_shard_fraction}" if cfg.route.min_shard_fraction else ""))
     router, train_paths = fit_router(
-        features["train"], radices, metric=cfg.route.metric, slack=cfg.route.balance_slack, featurizer=spec,
+        features["train"], radices, metric=cfg.route.metric, slack=cfg.route.balance_slack,
+        min_fraction=cfg.route.min_shard_fraction, featurizer=spec,
         tfidf=tfidf, topology=topology.to_dict(), seed=cfg.run.seed, n_init=cfg.route.n_init, max_iter=cfg.route.max_iter,
     )
     paths = {"train": np.asarray(train_paths, dtype=np.int64),

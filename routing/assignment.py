@@ -33,6 +33,16 @@ def capacity(n: int, k: int, slack: float) -> int:
     return math.ceil(n * (1.0 + slack) / k - 1e-9)  # 1e-9: 0.1 is not exact in binary
 
 
+def floor_size(n: int, k: int, slack: float, min_fraction: float = 0.0) -> int:
+    """Fewest documents a cluster must hold: floor(N/k) when slack is 0 (sizes then differ by at most
+    one), else floor(N/k * min_fraction). The cap alone lets a cluster shrink to a handful of
+    documents, too few to train a path on; product k-means cells, which no level fits to the joint
+    data, do so readily."""
+    if not 0.0 <= min_fraction <= 1.0:
+        raise ValueError(f"min_fraction must be in [0, 1], got {min_fraction}")
+    return n // k if slack == 0 else math.floor(n * min_fraction / k + 1e-9)
+
+
 def _rank_within(groups: np.ndarray) -> np.ndarray:
     """Position of each element among the elements of its group, in input order."""
     perm = np.argsort(groups, kind="stable")

@@ -25,7 +25,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
-from routing.assignment import balanced_assign_costs, capacity
+from routing.assignment import balanced_assign_costs, capacity, floor_size
 from routing.validate import Features, as_features
 
 Metric = Literal["euclidean", "cosine"]
@@ -261,17 +261,18 @@ def balanced_assign(
     centroids: torch.Tensor,
     slack: float = 0.0,
     metric: Metric = "euclidean",
+    min_fraction: float = 0.0,
 ) -> torch.Tensor:
-    """Nearest-centroid assignment under a hard capacity of ceil(N/k * (1 + slack)) per cluster.
+    """Nearest-centroid assignment under a hard capacity of ceil(N/k * (1 + slack)) per cluster
+    and a floor of floor(N/k * min_fraction) (see `floor_size`).
 
-    slack=0 also imposes floor(N/k) per cluster, so sizes differ by at most 1.
+    slack=0 imposes floor(N/k) per cluster, so sizes differ by at most 1.
     Minimises the total squared distance subject to those bounds.
     """
     x = prepare(as_features(features), metric)
     c = prepare(as_features(centroids, "centroids").to(x.device), metric)
     n, k = x.shape[0], c.shape[0]
-    floor = n // k if slack == 0 else 0
-    return balanced_assign_costs(sq_distances(x, c), capacity(n, k, slack), floor)
+    return balanced_assign_costs(sq_distances(x, c), capacity(n, k, slack), floor_size(n, k, slack, min_fraction))
 
 
 @dataclass
@@ -290,6 +291,7 @@ def balanced_kmeans(
     slack: float = 0.0,
     *,
     metric: Metric = "euclidean",
+    min_fraction: float = 0.0,
     n_iter: int = 20,
     seed: int = 0,
     device: str | torch.device = "cpu",
@@ -305,13 +307,13 @@ def balanced_kmeans(
     tol = kmeans_kwargs.get("tol", 1e-4)
     base = kmeans(x, k, metric=metric, seed=seed, device=device, **kmeans_kwargs)
     centers = base.centroids.to(x.device)
-    labels = balanced_assign(x, centers, slack, metric).to(x.device)
+    labels = balanced_assign(x, centers, slack, metric, min_fraction).to(x.device)
     inertia = float(((x - centers[labels]) ** 2).sum(dtype=torch.float64))
     it = 0
     for it in range(1, n_iter + 1):
         dists = ((x - centers[labels]) ** 2).sum(1)
         centers = _update_centers(x, labels, dists, k, metric == "cosine")
-        new = balanced_assign(x, centers, slack, metric).to(x.device)
+        new = balanced_assign(x, centers, slack, metric, min_fraction).to(x.device)
         prev, inertia = inertia, float(((x - centers[new]) ** 2).sum(dtype=torch.float64))
         done = torch.equal(new, labels) or prev - inertia <= tol * inertia
         labels = new

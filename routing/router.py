@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from routing.assignment import balanced_assign_costs, capacity
+from routing.assignment import balanced_assign_costs, capacity, floor_size
 from routing.featurize import TfidfSvd, lm_prefix_features
 from routing.kmeans import (
     Metric,
@@ -68,6 +68,7 @@ class Router:
     featurizer: dict[str, Any] = field(default_factory=dict)  # e.g. {"kind": "lm_prefix", "prefix_tokens": 32}
     tfidf: TfidfSvd | None = None  # fitted transform when featurizer kind is "tfidf_svd"
     balance_slack: float | None = None  # slack used to shard the training set, None = unbalanced
+    balance_min_fraction: float = 0.0  # and each shard's floor, as a fraction of N/P (see floor_size)
     topology: dict[str, Any] | None = None  # caller's topology, stored verbatim
     meta: dict[str, Any] = field(default_factory=dict)  # provenance: seed, inertia, sizes...
 
@@ -184,17 +185,17 @@ class Router:
         return mixed_radix_encode(digits.cpu(), self.radices)
 
     def assign_balanced(self, features: Features, slack: float | None = None) -> torch.Tensor:
-        """Capacity-constrained path ids for the training set: each path <= ceil(N/P * (1+slack)).
+        """Capacity-constrained path ids for the training set: each path <= ceil(N/P * (1+slack))
+        and >= floor(N/P * balance_min_fraction).
 
         Uses the router's own `balance_slack` when `slack` is None (0 if that is None too).
-        Minimises the summed negative score under the capacity; see `balanced_assign_costs`.
+        Minimises the summed negative score under the bounds; see `balanced_assign_costs`.
         """
         slack = self.balance_slack if slack is None else slack
         slack = 0.0 if slack is None else float(slack)
         cost = -self.scores(features)
         n, p = cost.shape
-        floor = n // p if slack == 0 else 0
-        return balanced_assign_costs(cost, capacity(n, p, slack), floor)
+        return balanced_assign_costs(cost, capacity(n, p, slack), floor_size(n, p, slack, self.balance_min_fraction))
 
     def assign_topk(self, features: Features, k: int) -> torch.Tensor:
         """(N, k) best paths per document, best first (overlapping training shards only)."""
@@ -249,6 +250,7 @@ class Router:
             "metric": self.metric,
             "featurizer": self.featurizer,
             "balance_slack": self.balance_slack,
+            "balance_min_fraction": self.balance_min_fraction,
             "topology": self.topology,
             "meta": self.meta,
             "tfidf": None if self.tfidf is None else self.tfidf.state(),
@@ -304,6 +306,7 @@ class Router:
                 featurizer=doc.get("featurizer") or {},
                 tfidf=tfidf,
                 balance_slack=doc.get("balance_slack"),
+                balance_min_fraction=doc.get("balance_min_fraction", 0.0),
                 topology=doc.get("topology"),
                 meta=doc.get("meta") or {},
             )
@@ -322,6 +325,7 @@ def fit_router(
     *,
     metric: Metric = "euclidean",
     slack: float | None = None,
+    min_fraction: float = 0.0,
     featurizer: dict[str, Any] | None = None,
     tfidf: TfidfSvd | None = None,
     topology: dict[str, Any] | None = None,
@@ -331,20 +335,23 @@ def fit_router(
     """Fit a k-means router (product k-means when len(radices) > 1) and shard the training set.
 
     Returns the router and the training documents' path ids: balanced (capacity
-    ceil(N/P * (1+slack))) when `slack` is not None, nearest-centroid otherwise. For one
+    ceil(N/P * (1+slack)), floor floor(N/P * min_fraction)) when `slack` is not None,
+    nearest-centroid otherwise. For one
     level with a slack, centroids are refined by balanced k-means so they match the shards.
     `featurizer` defaults to `tfidf.spec()` when a fitted TF-IDF transform is given.
     """
     radices = [int(r) for r in radices]
     if featurizer is None:
         featurizer = tfidf.spec() if tfidf is not None else {}
-    common = dict(featurizer=featurizer, tfidf=tfidf, balance_slack=slack, topology=topology)
+    common = dict(featurizer=featurizer, tfidf=tfidf, balance_slack=slack, topology=topology,
+                  balance_min_fraction=min_fraction)
     if len(radices) == 1:
         if slack is None:
             res = kmeans(features, radices[0], metric=metric, seed=seed, **kmeans_kwargs)
             meta = {"inertia": res.inertia, "n_iter": res.n_iter}
         else:
-            res = balanced_kmeans(features, radices[0], slack, metric=metric, seed=seed, **kmeans_kwargs)
+            res = balanced_kmeans(features, radices[0], slack, metric=metric, min_fraction=min_fraction, seed=seed,
+                                  **kmeans_kwargs)
             meta = {"inertia": res.inertia, "unbalanced_inertia": res.unbalanced_inertia}
         router = Router("kmeans", radices, metric, [res.centroids], meta=meta | {"seed": seed}, **common)
         return router, res.labels

@@ -29,6 +29,7 @@ def test_overrides_apply():
         ("data.prefix_tokens=500", "data.prefix_tokens"),
         ("model.num_heads=3", "model.hidden_size"),
         ("train.rounds=0", "train.rounds"),
+        ("route.min_shard_fraction=1.5", "route.min_shard_fraction"),
     ],
 )
 def test_bad_overrides_name_the_key(override, key):
