@@ -75,3 +75,14 @@ def test_resume_refuses_another_base_config_naming_the_key(bench, tmp_path):
     with pytest.raises(SystemExit, match="train.rounds"):
         bench.finished_rows(results, apply_overrides(Config(), ["train.rounds=9"]))
     assert json.loads(results.read_text())["rows"][0]["name"] == "dense_1x"  # nothing lost
+
+
+def test_targets_are_checked_on_both_grids(bench):
+    rows = [_row(name, 4, 100, 1000, ppl) for name, ppl in [
+        ("dense_1x", 200.0), ("dipaco_2x2_kmeans", 180.0), ("dipaco_2x2_reroute", 181.0),
+        ("diloco_16", 160.0), ("dipaco_4x4_kmeans", 150.0), ("dipaco_4x4_product", 149.0)]]
+    lines = bench.targets(rows)
+    assert "- DiPaCo 2x2 beats dense 1x by >= 5%: met (+10.0%)" in lines
+    assert any(line.startswith("- DiPaCo 4x4 beats DiLoCo-16: met") for line in lines)
+    assert any("(2x2): MISSED" in line for line in lines)
+    assert any("(4x4): met (dipaco_4x4_product 149.00" in line for line in lines)
