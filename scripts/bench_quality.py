@@ -283,8 +283,10 @@ def plots(results: list[dict], out_dir: Path) -> list[Path]:
         echo("[bench] matplotlib not installed (pip install -e '.[bench]'): no plots")
         return []
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results:
-        ax.plot([c["tokens"] / 1e6 for c in r["curve"]], [c["ppl"] for c in r["curve"]], marker="o", label=r["name"])
+    colors = plt.cm.tab20.colors  # 13 rows: the default 10-colour cycle would repeat
+    for i, r in enumerate(results):
+        ax.plot([c["tokens"] / 1e6 for c in r["curve"]], [c["ppl"] for c in r["curve"]], marker="osD^v"[i % 5],
+                color=colors[(2 * i) % 20 + (2 * i) // 20], label=r["name"])
     ax.set_xlabel("training tokens, all paths (M)")
     ax.set_ylabel("validation perplexity (prefix excluded)")
     ax.set_xscale("log")
