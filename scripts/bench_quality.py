@@ -156,7 +156,8 @@ def variant_run(base: Config, variant: str | None, out_dir: Path, private: str |
     if private is not None:
         shared, run_dir = run_dir, out_dir / f"run_{variant}_{private}"
         shutil.rmtree(run_dir, ignore_errors=True)  # the row starts over, so does its routing
-        shutil.copytree(shared, run_dir, ignore=shutil.ignore_patterns("train"))
+        # Not the variant's experiments (top-level train/); routing/data/train is the routed split.
+        shutil.copytree(shared, run_dir, ignore=lambda d, names: ["train"] if Path(d) == shared else [])
     return apply_overrides(base, [f"run.dir={run_dir}", "train.sharding=kmeans"])
 
 
