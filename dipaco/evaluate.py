@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from dipaco.checkpoint import CheckpointManager, resolve_checkpoint
 from dipaco.config import Config
 from dipaco.early_stopping import load_best_path
 from dipaco.metrics import echo
@@ -24,8 +23,8 @@ from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
 from dipaco.scoring import Scores, score_documents
-from dipaco.shards import assign_paths, check_routing
-from dipaco.train import bank_from_checkpoint
+from dipaco.shards import assign_paths
+from dipaco.train import experiment_checkpoint
 
 REPORT = "eval.json"
 
@@ -49,11 +48,7 @@ def validation_docs(cfg: Config, prepared: Prepared) -> tuple[list[list[int]], o
 def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
     """Scores every path of the experiment's newest (or given) checkpoint on its routed validation docs."""
     prepared = load_prepared(cfg)
-    run = RunDir(cfg.run.dir)
-    exp_dir = run.experiment(cfg.train.name)
-    check_routing(cfg, exp_dir)
-    ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
-    topology, bank = bank_from_checkpoint(cfg, prepared, ckpt)
+    exp_dir, ckpt, topology, bank = experiment_checkpoint(cfg, prepared, checkpoint)
     docs, val = validation_docs(cfg, prepared)
     routes = assign_paths(val, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
 

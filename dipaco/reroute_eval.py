@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dipaco.checkpoint import CheckpointManager, resolve_checkpoint
 from dipaco.config import Config
 from dipaco.errors import ConfigError, DataError, DipacoError
 from dipaco.evaluate import validation_docs
@@ -50,8 +49,8 @@ from dipaco.prepare import load_prepared
 from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
-from dipaco.shards import assign_paths, check_routing
-from dipaco.train import bank_from_checkpoint
+from dipaco.shards import assign_paths
+from dipaco.train import experiment_checkpoint
 
 REPORT = "reroute_eval.json"
 DEFAULT_EVERY = (128, 64, 32)
@@ -150,12 +149,8 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
     if any(w is not None and w < 1 for w in settings):
         raise ConfigError(f"--reroute-every: every W must be >= 1, got {list(every)}")
     prepared = load_prepared(cfg)
-    run = RunDir(cfg.run.dir)
-    exp_dir = run.experiment(cfg.train.name)
-    check_routing(cfg, exp_dir)
-    ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
-    topology, bank = bank_from_checkpoint(cfg, prepared, ckpt)
-    router = _load_router(run, topology.num_paths)
+    exp_dir, ckpt, topology, bank = experiment_checkpoint(cfg, prepared, checkpoint)
+    router = _load_router(RunDir(cfg.run.dir), topology.num_paths)
     docs, val = validation_docs(cfg, prepared)
     doc_routes = assign_paths(val, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
     device = resolve_device(cfg.run.device)

@@ -28,7 +28,7 @@ import datasets
 import numpy as np
 import torch
 
-from dipaco.checkpoint import CheckpointManager, load_tensors, resolve_checkpoint, save_tensors
+from dipaco.checkpoint import load_tensors, save_tensors
 from dipaco.config import Config
 from dipaco.corpus import stable_hash
 from dipaco.errors import ConfigError, DataError
@@ -39,9 +39,9 @@ from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device, seed_everything
 from dipaco.scoring import score_documents
-from dipaco.shards import ROUTED_INFO, check_routing, record_routing, routing_fingerprint
+from dipaco.shards import ROUTED_INFO, record_routing, routing_fingerprint
 from dipaco.topology import Topology, topology_from_config
-from dipaco.train import bank_from_checkpoint
+from dipaco.train import experiment_checkpoint
 from routing.discriminative import fit_discriminative_router
 from routing.featurize import lm_prefix_features, tfidf_svd_features
 from routing.quality import routing_report
@@ -204,10 +204,7 @@ def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
         raise ConfigError("dipaco reroute re-shards routed data: set train.sharding=kmeans (and run `dipaco route` first)")
     run = RunDir(cfg.run.dir)
     prepared = load_prepared(cfg, routed=True)
-    exp_dir = run.experiment(cfg.train.name)
-    check_routing(cfg, exp_dir)
-    ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
-    topology, bank = bank_from_checkpoint(cfg, prepared, ckpt)
+    exp_dir, ckpt, topology, bank = experiment_checkpoint(cfg, prepared, checkpoint)
     old = Router.load(run.routing / "router")
     old.check_fits(topology.num_paths)
     stored = load_tensors(run.routing / FEATURES)

@@ -325,6 +325,16 @@ def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, unt
     return exp
 
 
+def experiment_checkpoint(cfg: Config, prepared: Prepared, checkpoint: str | None = None
+                          ) -> tuple[Path, Path, Topology, ModuleBank]:
+    """The experiment's directory, its newest (or given) checkpoint and that checkpoint's bank, for
+    the jobs that read a trained experiment back; refuses one whose run's routing was replaced."""
+    exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
+    check_routing(cfg, exp_dir)
+    ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
+    return (exp_dir, ckpt, *bank_from_checkpoint(cfg, prepared, ckpt))
+
+
 @torch.no_grad()
 def bank_from_checkpoint(cfg: Config, prepared: Prepared, ckpt: Path) -> tuple[Topology, ModuleBank]:
     """Only the bank of a checkpoint (for evaluation and serving; no optimizer state is read)."""

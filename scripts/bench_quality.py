@@ -139,6 +139,13 @@ def write_corpus(path: Path, docs_per_source: int | None) -> Path:
     return path
 
 
+def new_run_dir(base: Config, run_dir: Path, parts: tuple[str, ...]) -> None:
+    """`run_dir` afresh, holding copies of these parts of the base run (data, tokenizer, ...)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for sub in parts:
+        shutil.copytree(Path(base.run.dir) / sub, run_dir / sub)
+
+
 def variant_run(base: Config, variant: str | None, out_dir: Path, private: str | None = None) -> Config:
     """Each routing variant gets its own run dir holding copies of the shared data and init. A row
     that re-routes gets a private copy: `dipaco reroute` rewrites its run's routing, which the other
@@ -147,9 +154,7 @@ def variant_run(base: Config, variant: str | None, out_dir: Path, private: str |
         return base
     run_dir = out_dir / f"run_{variant}"
     if not (run_dir / "routing").exists():
-        shutil.rmtree(run_dir, ignore_errors=True)
-        for sub in ("data", "tokenizer", "pretrain"):
-            shutil.copytree(Path(base.run.dir) / sub, run_dir / sub)
+        new_run_dir(base, run_dir, ("data", "tokenizer", "pretrain"))
         preset, method, settings = ROUTINGS[variant]
         route(apply_overrides(base, [f"run.dir={run_dir}", f"topology.preset={preset}",
                                      "train.sharding=kmeans", f"route.method={method}", *settings]))
@@ -167,9 +172,7 @@ def architecture_run(base: Config, name: str, model_overrides: list[str], out_di
     run_dir = out_dir / f"run_{name}"
     cfg = apply_overrides(base, [f"run.dir={run_dir}", *model_overrides])
     if not (run_dir / "pretrain" / "config.json").is_file():
-        shutil.rmtree(run_dir, ignore_errors=True)
-        for sub in ("data", "tokenizer"):
-            shutil.copytree(Path(base.run.dir) / sub, run_dir / sub)
+        new_run_dir(base, run_dir, ("data", "tokenizer"))
         pretrain(cfg)
     return cfg, evaluate_pretrained(cfg)["overall"]["ppl"]
 
@@ -388,14 +391,14 @@ def main() -> None:
     summary = "\n".join(targets(results))
     pngs = plots(results, out_dir)
     total = time.perf_counter() - started
+    training = sum(r["wall_time_s"] for r in results)
     write_results(out_dir / "results.json", base, init, results, invocation_wall_time_s=total,
-                  rows_wall_time_s=sum(r["wall_time_s"] for r in results), command=" ".join(sys.argv),
-                  targets=summary)
+                  rows_wall_time_s=training, command=" ".join(sys.argv), targets=summary)
     (out_dir / "table.md").write_text(table + "\n\n" + summary + "\n")
     print(f"\npretrained init: val ppl {init['overall']['ppl']:.2f}\n")
     print(table)
     print("\n" + summary)
-    print(f"\n{len(results)} rows (training {sum(r['wall_time_s'] for r in results) / 60:.1f} min); this invocation "
+    print(f"\n{len(results)} rows (training {training / 60:.1f} min); this invocation "
           f"took {total / 60:.1f} min; results in {out_dir}; plots: {', '.join(map(str, pngs)) or 'none'}")
 
 
