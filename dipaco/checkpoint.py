@@ -274,32 +274,30 @@ def write_training_state(
     root: Path,
     round_index: int,
     bank,
-    outer,
     loops: dict,
     rng: dict,
     config_yaml: str,
     *,
     rank: int = 0,
     modules: set[str] | None = None,
-    comm: dict[str, torch.Tensor] | None = None,
+    sync_state: dict[str, dict[str, torch.Tensor]] | None = None,
     extra: dict | None = None,
 ) -> list[Path]:
     """Fills one writer's part of a checkpoint directory; returns the files it wrote.
 
     ``loops`` maps path id -> InnerLoop (this writer's paths); ``modules`` names the modules whose
-    bank rows and momentum it saves (default: every module the bank holds); ``comm`` holds its
-    error-feedback residuals; ``extra`` goes into its ``trainer_state.pt``.
+    bank rows it saves (default: every module the bank holds); ``sync_state`` is the outer sync's
+    share (file stem -> tensors, see :meth:`dipaco.sync.OuterSync.state_dict`); ``extra`` goes into
+    its ``trainer_state.pt``.
     """
     meta = {"round": str(round_index)}
     own = rank_dir(root, rank)
-    written = [own / "bank.safetensors", own / "outer.safetensors"]
+    written = [own / "bank.safetensors"]
     bank_state = {k: v for k, v in bank.state_dict().items() if modules is None or k.split("/", 1)[0] in modules}
     save_tensors(bank_state, written[0], metadata=meta)
-    outer_state = {k: v for k, v in outer.state_dict().items() if modules is None or k in modules}
-    save_tensors(outer_state, written[1], metadata=meta)
-    if comm:
-        written.append(own / "comm.safetensors")
-        save_tensors(comm, written[-1], metadata=meta)
+    for stem, tensors in (sync_state or {}).items():
+        written.append(own / f"{stem}.safetensors")
+        save_tensors(tensors, written[-1], metadata=meta)
     for path, loop in loops.items():
         params = {n: p for n, p in loop.model.named_parameters()}
         save_tensors(params, path_dir(root, path) / "model.safetensors", metadata=meta)
@@ -314,16 +312,14 @@ def write_training_state(
 
 
 @torch.no_grad()
-def read_training_state(root: Path, bank, outer, loops: dict, rank: int = 0) -> dict:
-    """Restores the held modules, their momentum and every path of ``loops``; returns the trainer state.
+def read_training_state(root: Path, bank, loops: dict, rank: int = 0) -> dict:
+    """Restores the held modules and every path of ``loops``; returns the trainer state.
 
     Reads only what the caller holds, from whichever writer saved it; the trainer state is the
     rank's own when it wrote one, else rank 0's.
     """
     wanted = set(bank.state_dict())
     bank.load_state_dict(load_selected(rank_files(root, "bank.safetensors").values(), wanted, bank.device))
-    held = {bank.module_name(m) for m in bank.held}
-    outer.load_state_dict(load_selected(rank_files(root, "outer.safetensors").values(), held, bank.device))
     for path, loop in loops.items():
         params = load_tensors(path_dir(root, path) / "model.safetensors")
         named = dict(loop.model.named_parameters())

@@ -113,6 +113,7 @@ class OuterConfig:
     weighting: str = "tokens"  # tokens (w_p proportional to shard tokens) | uniform
     rescale: str = "none"  # none | sqrt_paths (x sqrt(n)) | inv_sqrt_paths (/ sqrt(n))
     drop_prob: float = 0.0  # each path's contribution is dropped with this probability per round (seeded)
+    sync: str = "diloco"  # the outer-sync algorithm: a name in dipaco.sync.SYNCS
 
 
 @dataclass
@@ -215,6 +216,10 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 def validate(cfg: Config) -> Config:
     """Checks the rules a type annotation cannot; raises ConfigError naming the key."""
+    from dipaco.sync import SYNCS  # the registry imports this module
+
+    if cfg.outer.sync not in SYNCS:
+        raise ConfigError(f"outer.sync: {cfg.outer.sync!r} is not one of {', '.join(SYNCS)}")
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {', '.join(choices)}")

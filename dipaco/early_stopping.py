@@ -29,15 +29,14 @@ from transformers import PreTrainedModel
 
 from dipaco.bank import ModuleBank
 from dipaco.checkpoint import load_tensors, save_tensors
-from dipaco.corpus import stable_hash
 from dipaco.errors import CheckpointError
+from dipaco.hashing import holdout_mask
 from dipaco.scoring import score_documents
 
 
-
-def holdout_mask(ids: Sequence[str], fraction: float, seed: int) -> np.ndarray:
+def early_stopping_holdout(ids: Sequence[str], fraction: float, seed: int) -> np.ndarray:
     """True for the training documents kept out of every shard to judge early stopping."""
-    return np.array([stable_hash(f"early-stop:{seed}:{i}") % 10_000 < fraction * 10_000 for i in ids], dtype=bool)
+    return holdout_mask(ids, fraction, f"early-stop:{seed}")
 
 
 class PathEarlyStopping:

@@ -13,7 +13,9 @@ import math
 from pathlib import Path
 
 import numpy as np
+from transformers import PreTrainedModel
 
+from dipaco.bank import ModuleBank
 from dipaco.config import Config
 from dipaco.early_stopping import load_best_path
 from dipaco.metrics import echo
@@ -45,6 +47,14 @@ def validation_docs(cfg: Config, prepared: Prepared) -> tuple[list[list[int]], o
     return val["input_ids"], val
 
 
+def load_eval_path(cfg: Config, exp_dir: Path, bank: ModuleBank, path: int, model: PreTrainedModel) -> PreTrainedModel:
+    """Loads what evaluation scores for ``path`` into ``model``: its early-stopped parameters with
+    ``eval.early_stopping``, else its composition from the checkpoint's bank."""
+    if cfg.eval.early_stopping:
+        return load_best_path(exp_dir / "early_stopping", path, model)
+    return bank.compose(path, model)
+
+
 def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
     """Scores every path of the experiment's newest (or given) checkpoint on its routed validation docs."""
     prepared = load_prepared(cfg)
@@ -56,12 +66,8 @@ def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
     per_path, nll_total, tok_total = [], 0.0, 0
     for p in range(topology.num_paths):
         members = np.flatnonzero(routes == p)
-        if cfg.eval.early_stopping:
-            load_best_path(exp_dir / "early_stopping", p, model)
-        else:
-            bank.compose(p, model)
         scores = score_documents(
-            model, [docs[int(i)] for i in members], cfg.data.seq_len,
+            load_eval_path(cfg, exp_dir, bank, p, model), [docs[int(i)] for i in members], cfg.data.seq_len,
             cfg.data.prefix_tokens, cfg.eval.batch_size, prepared.tokenizer.pad_token_id,
         )
         per_path.append({"path": p, "modules": [topology.modules[m].name for m in topology.path_modules(p)],

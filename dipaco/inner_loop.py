@@ -29,6 +29,16 @@ class InnerStats:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @staticmethod
+    def combine(parts: list["InnerStats"]) -> "InnerStats":
+        """The stats of consecutive runs (segments of a round) as one."""
+        if len(parts) == 1:
+            return parts[0]
+        steps = sum(s.steps for s in parts)
+        return InnerStats(steps=steps, loss=sum(s.loss * s.steps for s in parts) / max(steps, 1),
+                          tokens=sum(s.tokens for s in parts), seconds=sum(s.seconds for s in parts),
+                          lr=parts[-1].lr)
+
 
 def build_adamw(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only; norms (1-D weights) are not decayed."""

@@ -41,14 +41,15 @@ import torch.nn.functional as F
 
 from dipaco.config import Config
 from dipaco.errors import ConfigError, DataError, DipacoError
-from dipaco.evaluate import validation_docs
+from dipaco.evaluate import load_eval_path, validation_docs
 from dipaco.metrics import echo
 from dipaco.model import build_model
-from dipaco.packing import IGNORE_INDEX, EvalWindow, batch_eval_windows, count_scored_tokens, eval_windows
+from dipaco.packing import IGNORE_INDEX, EvalWindow, count_scored_tokens, eval_windows
 from dipaco.prepare import load_prepared
 from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
+from dipaco.scoring import window_nll
 from dipaco.shards import assign_paths
 from dipaco.train import experiment_checkpoint
 
@@ -117,21 +118,11 @@ def window_paths(doc_len: int, first: int, every: int | None, doc_route: int, de
     return paths
 
 
-@torch.no_grad()
 def _token_nll(model, windows: Sequence[EvalWindow], batch_size: int, pad_id: int) -> list[torch.Tensor]:
     """NLL of every position of each window under ``model``: entry i is target input_ids[i] (0 if unscored)."""
-    model.eval()
-    device = next(model.parameters()).device
-    order = sorted(range(len(windows)), key=lambda i: len(windows[i].input_ids))
     out: list[torch.Tensor | None] = [None] * len(windows)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        batch = next(batch_eval_windows([windows[i] for i in idx], len(idx), pad_id))
-        logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
-        token_nll = F.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), batch.labels[:, 1:].to(device), ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).double().cpu()
+    for idx, _, token_nll in window_nll(model, windows, batch_size, pad_id):
+        token_nll = token_nll.double().cpu()
         for row, i in enumerate(idx):
             n = len(windows[i].input_ids)
             out[i] = torch.cat([torch.zeros(1, dtype=torch.float64), token_nll[row, : n - 1]])
@@ -195,19 +186,12 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
     # 3. One forward pass per (window, path) pair.
     model = build_model(path_llama_config(cfg, prepared), device=device)
 
-    def load_path(p: int):
-        if cfg.eval.early_stopping:  # each path's best parameters, as `dipaco eval` scores them
-            from dipaco.early_stopping import load_best_path
-
-            return load_best_path(exp_dir / "early_stopping", p, model)
-        return bank.compose(p, model)
-
     nll_of: dict[tuple[int, int], torch.Tensor] = {}
     for p in sorted(needed):
         ids = list(needed[p])
         cut = [replace(windows[i], input_ids=windows[i].input_ids[: needed[p][i]],
                        labels=windows[i].labels[: needed[p][i]]) for i in ids]
-        for i, nll in zip(ids, _token_nll(load_path(p), cut, cfg.eval.batch_size, tok.pad_token_id)):
+        for i, nll in zip(ids, _token_nll(load_eval_path(cfg, exp_dir, bank, p, model), cut, cfg.eval.batch_size, tok.pad_token_id)):
             nll_of[(i, p)] = F.pad(nll, (0, len(windows[i].input_ids) - len(nll)))
 
     # 4. Sum each setting's choice of path per target.

@@ -30,8 +30,8 @@ import torch
 
 from dipaco.checkpoint import load_tensors, save_tensors
 from dipaco.config import Config
-from dipaco.corpus import stable_hash
 from dipaco.errors import ConfigError, DataError
+from dipaco.hashing import holdout_mask
 from dipaco.metrics import echo
 from dipaco.model import build_model
 from dipaco.prepare import Prepared, load_prepared
@@ -193,10 +193,6 @@ def route(cfg: Config) -> dict:
     return report
 
 
-def holdout_mask(ids: list[str], fraction: float, seed: int) -> np.ndarray:
-    return np.array([stable_hash(f"reroute:{seed}:{i}") % 10_000 < fraction * 10_000 for i in ids])
-
-
 def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
     """Discriminative re-routing from the experiment's checkpoint; writes new routing in place."""
     seed_everything(cfg.run.seed)
@@ -210,7 +206,7 @@ def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
     stored = load_tensors(run.routing / FEATURES)
 
     start = time.perf_counter()
-    mask = holdout_mask(prepared.train["id"], cfg.route.reroute_holdout, cfg.run.seed)
+    mask = holdout_mask(prepared.train["id"], cfg.route.reroute_holdout, f"reroute:{cfg.run.seed}")
     rows = np.flatnonzero(mask)
     docs = [prepared.train["input_ids"][int(i)] for i in rows]
     if len(docs) < topology.num_paths:

@@ -5,14 +5,15 @@ This module only wires components together:
     torchrun environment, paths of each rank (dipaco.distributed)
       -> shards (dipaco.shards) -> path models composed from the ModuleBank (dipaco.bank)
       -> InnerLoop per path of this rank (dipaco.inner_loop)
-      -> OuterOptimizer.local_sums -> sums over each module's holders (dipaco.comm) -> OuterOptimizer.apply
+      -> the outer sync (dipaco.sync: outer.sync=diloco), called at its sync points
       -> checkpoint (dipaco.checkpoint) -> metrics (dipaco.metrics)
 
 A single process is the world_size=1 case of the same code: its one rank owns every path and
 holds every module, so no module is communicated. Under ``torchrun`` every rank trains its own
-paths one after another and holds only the modules they go through (DiPaCo, arXiv 2403.10616,
-section 2.3). Every path keeps its own model and AdamW state across rounds, and is overwritten in
-place from the bank at the start of each round.
+paths and holds only the modules they go through (DiPaCo, arXiv 2403.10616, section 2.3). The
+paths of a rank advance in segments: each runs up to the sync's next sync point, then the sync
+updates the modules and the path models. Every path keeps its own model and AdamW state across
+rounds.
 """
 
 from __future__ import annotations
@@ -30,37 +31,31 @@ from dipaco.checkpoint import (
     CheckpointManager,
     load_bank_state,
     load_state,
-    load_tensors,
-    rank_files,
     read_training_state,
     resolve_checkpoint,
     write_training_state,
 )
-from dipaco.comm import CommStats, OuterComm, ddp_bytes
+from dipaco.comm.accounting import ddp_bytes
+from dipaco.comm.world import World, check_same_config, detect_env, init_world, rank_device
 from dipaco.config import Config, config_diff, load_config, save_config, to_yaml
-from dipaco.distributed import (
-    World,
-    check_same_config,
-    check_world_size,
-    detect_env,
-    init_world,
-    owners_of,
-    paths_by_rank,
-    rank_device,
-)
-from dipaco.early_stopping import PathEarlyStopping, holdout_mask
+from dipaco.early_stopping import PathEarlyStopping, early_stopping_holdout
 from dipaco.errors import ConfigError, DataError, DistributedError
-from dipaco.inner_loop import InnerLoop
+from dipaco.inner_loop import InnerLoop, InnerStats
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.model import build_model
-from dipaco.outer import OuterOptimizer, dropped_paths
+from dipaco.placement import check_world_size, module_writers, paths_by_rank
 from dipaco.prepare import Prepared, load_prepared
 from dipaco.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
 from dipaco.runtime import rng_state, seed_everything, set_rng_state
 from dipaco.sampler import ShardSampler
 from dipaco.shards import assign_paths, build_shards, check_routing, path_weights, record_routing
+from dipaco.sync import OuterSync, SavedState, SyncContext, SyncReport, build_sync
 from dipaco.topology import Topology, topology_from_config
+
+
+# 2: path models are saved after the sync wrote the updated modules into them (1: before).
+CHECKPOINT_FORMAT = 2
 
 
 @dataclass
@@ -69,13 +64,12 @@ class Experiment:
     dir: Path
     topology: Topology
     bank: ModuleBank  # the modules this rank's paths go through (all of them in a single process)
-    outer: OuterOptimizer
+    sync: OuterSync  # keeps the modules in sync across paths and ranks (outer.sync)
     loops: dict[int, InnerLoop]  # this rank's path id -> its inner loop (model, AdamW, schedule, data cursor)
     weights: dict[int, float]  # every path's outer weight w_p
     checkpoints: CheckpointManager
     world: World  # this rank and the job's collectives (one rank in a single process)
     by_rank: list[tuple[int, ...]]  # the paths of every rank
-    comm: OuterComm  # sums each module's outer-gradient terms over the ranks holding it
     early_stopping: PathEarlyStopping | None = None  # this rank's paths' best parameters, if enabled
 
 
@@ -88,7 +82,7 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
     paths = assign_paths(train_ds, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
     heldout = np.zeros(len(paths), dtype=bool)
     if cfg.train.early_stopping_holdout > 0:
-        heldout = holdout_mask(train_ds["id"], cfg.train.early_stopping_holdout, cfg.run.seed)
+        heldout = early_stopping_holdout(train_ds["id"], cfg.train.early_stopping_holdout, cfg.run.seed)
     kept = np.flatnonzero(~heldout)
     shards = build_shards(train_ds.select(kept), paths[kept], topology.num_paths, cfg.data.seq_len,
                           prepared.tokenizer.eos_token_id)
@@ -116,13 +110,12 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
         dir=exp_dir,
         topology=topology,
         bank=bank,
-        outer=OuterOptimizer(bank, cfg.outer),
+        sync=build_sync(SyncContext(cfg, topology, bank, weights, by_rank, world)),
         loops=loops,
         weights=weights,
         checkpoints=CheckpointManager(exp_dir / "checkpoints", keep=cfg.train.keep_checkpoints),
         world=world,
         by_rank=by_rank,
-        comm=OuterComm(topology, bank, owners_of(by_rank), weights, cfg.dist, world),
         early_stopping=early_stopping,
     )
 
@@ -140,26 +133,6 @@ def build_early_stopping(cfg: Config, prepared: Prepared, exp_dir: Path, paths: 
                              cfg.eval.batch_size, prepared.tokenizer.pad_token_id, scratch_model)
 
 
-def _restore_comm(exp: Experiment, ckpt: Path) -> None:
-    """Error-feedback residuals: this rank's own, or, when the ranks' paths changed since the
-    checkpoint, each module's residuals summed onto its lowest holder (error feedback only needs
-    their sum to be carried over)."""
-    files = rank_files(ckpt, "comm.safetensors")
-    if not exp.comm.feedback or not files:
-        return
-    saved = load_state(ckpt / "trainer_state.pt").get("paths_by_rank")
-    if saved == [list(ps) for ps in exp.by_rank]:
-        own = files.get(exp.world.rank)
-        exp.comm.load_state_dict(load_tensors(own, exp.bank.device) if own else {})
-        return
-    summed: dict[str, torch.Tensor] = {}
-    for path in files.values():
-        for name, value in load_tensors(path, exp.bank.device).items():
-            summed[name] = summed[name] + value if name in summed else value
-    ids = {exp.comm.name(m): m for group, _ in exp.comm.mine for m in group.modules}
-    exp.comm.load_state_dict({n: v for n, v in summed.items() if n in ids and exp.comm.lowest_holder(ids[n])})
-
-
 def restore(exp: Experiment, resume_from: str | None) -> int:
     """Loads the newest (or the given) checkpoint; returns the number of completed rounds.
 
@@ -171,8 +144,14 @@ def restore(exp: Experiment, resume_from: str | None) -> int:
     diff = config_diff(saved_cfg, exp.cfg)
     if diff:
         raise ConfigError(f"cannot resume {ckpt}: the config changed ({'; '.join(diff)})")
-    state = read_training_state(ckpt, exp.bank, exp.outer, exp.loops, rank=exp.world.rank)
-    _restore_comm(exp, ckpt)
+    state = read_training_state(ckpt, exp.bank, exp.loops, rank=exp.world.rank)
+    if state.get("format", 1) < CHECKPOINT_FORMAT:
+        # Format 1 saved each path before the outer step; DiLoCo restarts every path from the bank.
+        for p, loop in exp.loops.items():
+            exp.bank.load_path(p, loop.model)
+    saved_placement = load_state(ckpt / "trainer_state.pt").get("paths_by_rank")
+    same = saved_placement == [list(ps) for ps in exp.by_rank]
+    exp.sync.load_state(SavedState(ckpt, exp.world.rank, exp.bank.device, same_placement=same))
     set_rng_state(state["rng"])
     if exp.world.rank == 0:
         echo(f"[train] resumed from {ckpt} (round {state['round']})")
@@ -180,59 +159,68 @@ def restore(exp: Experiment, resume_from: str | None) -> int:
 
 
 def run_round(exp: Experiment, round_index: int) -> dict:
-    """This rank's inner loops, then the outer step of its modules; returns what rank 0 logs."""
+    """This rank's paths, advanced in segments up to each sync point of the round; returns what rank 0 logs."""
     cfg, world = exp.cfg, exp.world
-    steps = cfg.train.inner_steps
     start = time.perf_counter()
-    records = []
-    bar = tqdm(total=steps * len(exp.loops), desc=f"round {round_index + 1}/{cfg.train.rounds}",
+    bar = tqdm(total=cfg.train.inner_steps * len(exp.loops), desc=f"round {round_index + 1}/{cfg.train.rounds}",
                disable=not cfg.run.progress or world.rank != 0, dynamic_ncols=True, leave=False)
-    for p, loop in exp.loops.items():
-        exp.bank.load_path(p, loop.model)
-        bar.set_description(f"round {round_index + 1}/{cfg.train.rounds} path {p}")
-        stats = loop.run(steps, progress=bar, log_every=cfg.train.log_every)
-        records.append(dict(step=loop.step, round=round_index + 1, path=p, loss=stats.loss,
-                            tokens_per_s=stats.tokens_per_s, lr=stats.lr, tokens=stats.tokens))
+    segments: dict[int, list[InnerStats]] = {p: [] for p in exp.loops}
+    syncs: list[SyncReport] = []
+    done = 0
+    for point in exp.sync.sync_points():
+        for p, loop in exp.loops.items():
+            bar.set_description(f"round {round_index + 1}/{cfg.train.rounds} path {p}")
+            segments[p].append(loop.run(point - done, progress=bar, log_every=cfg.train.log_every))
+        done = point
+        syncs.append(exp.sync.at(round_index, point, {p: loop.model for p, loop in exp.loops.items()}))
     bar.close()
-
-    outer_start = time.perf_counter()
-    dropped = dropped_paths(cfg.run.seed, round_index, exp.topology.num_paths, cfg.outer.drop_prob)
-    contributing = {p: loop.model for p, loop in exp.loops.items() if p not in dropped}
-    sums = {part.name: exp.outer.local_sums(part, contributing, exp.weights) for part in exp.topology.parts}
-    comm_start = time.perf_counter()
-    comm = exp.comm.reduce(sums)
-    comm_seconds = time.perf_counter() - comm_start
-    norms = exp.outer.apply(sums)
-    if cfg.dist.check_replicas:
-        exp.comm.check_replicas(exp.outer, comm)
-    end = time.perf_counter()
+    records = []
+    for p, stats in segments.items():
+        total = InnerStats.combine(stats)
+        records.append(dict(step=exp.loops[p].step, round=round_index + 1, path=p, loss=total.loss,
+                            tokens_per_s=total.tokens_per_s, lr=total.lr, tokens=total.tokens))
     heldout_ppl = exp.early_stopping.update(exp.bank, round_index + 1) if exp.early_stopping else {}
-    return {"paths": records, "norms": norms, "dropped": sorted(dropped), "heldout_ppl": heldout_ppl,
-            "comm": _comm_record(exp, comm, end - start, end - outer_start, comm_seconds)}
+    norms = {name: v for report in syncs for name, v in report.norms.items()}
+    dropped = sorted({p for report in syncs for p in report.dropped})
+    return {"paths": records, "norms": norms, "dropped": dropped, "heldout_ppl": heldout_ppl,
+            "comm": _comm_record(exp, syncs, time.perf_counter() - start)}
 
 
-def _comm_record(exp: Experiment, comm: CommStats, round_s: float, outer_s: float, comm_s: float) -> dict:
+def _comm_record(exp: Experiment, syncs: list[SyncReport], round_s: float) -> dict:
     steps = exp.cfg.train.inner_steps * len(exp.loops)
     path_numel = sum(exp.bank.numel(part) for part in exp.topology.parts)
     ddp = ddp_bytes(path_numel, steps, exp.world.size)
+    sent = sum(s.stats.bytes_sent for s in syncs)
+    modules: dict[str, dict] = {}
+    for report in syncs:
+        for name, entry in report.stats.modules.items():
+            if name in modules:
+                modules[name] = {**entry, "bytes_sent": modules[name]["bytes_sent"] + entry["bytes_sent"],
+                                 "bytes_received": modules[name]["bytes_received"] + entry["bytes_received"]}
+            else:
+                modules[name] = entry
     return {
         "rank": exp.world.rank, "world_size": exp.world.size, "comm_dtype": exp.cfg.dist.comm_dtype,
         "paths": list(exp.loops), "inner_steps": steps,
-        "bytes_sent": comm.bytes_sent, "bytes_received": comm.bytes_received, "check_bytes": comm.check_bytes,
-        "ddp_bytes": ddp, "ddp_over_sent": ddp / comm.bytes_sent if comm.bytes_sent else None,
-        "modules": comm.modules,
-        "round_seconds": round_s, "outer_seconds": outer_s, "comm_seconds": comm_s,
+        "bytes_sent": sent, "bytes_received": sum(s.stats.bytes_received for s in syncs),
+        "check_bytes": sum(s.stats.check_bytes for s in syncs),
+        "peak_sync_bytes": max((s.stats.bytes_sent for s in syncs), default=0.0),
+        "ddp_bytes": ddp, "ddp_over_sent": ddp / sent if sent else None,
+        "modules": modules,
+        "round_seconds": round_s, "outer_seconds": sum(s.seconds for s in syncs),
+        "comm_seconds": sum(s.comm_seconds for s in syncs),
     }
 
 
 def write_checkpoint(exp: Experiment, root: Path, round_index: int) -> list[Path]:
-    """This rank's part: its paths, its error-feedback residuals, and the state (bank rows and
-    momentum) of the modules it is the lowest holder of, so every module is written exactly once."""
-    modules = {exp.bank.module_name(m) for m in exp.bank.held if exp.comm.lowest_holder(m)}
+    """This rank's part: its paths, its share of the sync's state, and the bank rows of the modules
+    it is the lowest holder of, so every module is written exactly once."""
+    writers = module_writers(exp.topology, exp.by_rank)
+    modules = {exp.bank.module_name(m) for m in exp.bank.held if writers[m] == exp.world.rank}
     return write_training_state(
-        root, round_index, exp.bank, exp.outer, exp.loops, rng_state(), to_yaml(exp.cfg),
-        rank=exp.world.rank, modules=modules, comm=exp.comm.state_dict(),
-        extra={"world_size": exp.world.size, "paths_by_rank": [list(ps) for ps in exp.by_rank]},
+        root, round_index, exp.bank, exp.loops, rng_state(), to_yaml(exp.cfg),
+        rank=exp.world.rank, modules=modules, sync_state=exp.sync.state_dict(),
+        extra={"format": CHECKPOINT_FORMAT, "world_size": exp.world.size, "paths_by_rank": [list(ps) for ps in exp.by_rank]},
     )
 
 

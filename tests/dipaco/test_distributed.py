@@ -19,12 +19,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.bank import ModuleBank
 from dipaco.checkpoint import load_bank_state, load_tensors, rank_files
-from dipaco.comm import dequantize_int8, module_ranks, plan_groups, quantize_int8
-from dipaco.config import Config, DistConfig, OuterConfig, save_config
-from dipaco.distributed import DistEnv, check_world_size, detect_env, paths_by_rank
+from dipaco.comm.codecs import dequantize_int8, quantize_int8
+from dipaco.comm.groups import module_ranks, plan_groups
+from dipaco.comm.world import DistEnv, detect_env
+from dipaco.config import Config, OuterConfig, save_config
 from dipaco.errors import ConfigError
 from dipaco.metrics import read_metrics
-from dipaco.outer import dropped_paths
+from dipaco.placement import check_world_size, paths_by_rank
+from dipaco.sync.deltas import dropped_paths
 from dipaco.topology import Level, Topology
 from dipaco.train import train
 
@@ -136,75 +138,85 @@ def _tiny_bank_model() -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
-def _fake_sums(outer, bank, rank: int, round_index: int):
-    """This rank's local sums of one round: deterministic, so every process can compute the exact total."""
-    sums = {}
+def _fake_payloads(bank, rank: int, round_index: int):
+    """This rank's payloads of one round: deterministic, so every process can compute the exact total."""
+    from dipaco.comm.reduce import Payload
+
+    out = {}
     for part in bank.topology.parts:
-        s = outer.local_sums(part, {}, {})
         gen = torch.Generator().manual_seed(1000 * round_index + 10 * rank + part.first_module)
-        s.weighted_delta.copy_(torch.randn(s.weighted_delta.shape, generator=gen) * (1 + rank) * 0.01 * 3.0)
-        s.weighted_delta[:, :3] += 0.2  # a bias that plain quantization keeps losing
-        s.weight.fill_(3.0)
-        s.count.fill_(1.0)
-        sums[part.name] = s
-    return sums
+        values = torch.randn(part.num_modules, bank.numel(part), generator=gen) * (1 + rank) * 0.01 * 3.0
+        values[:, :3] += 0.2  # a bias that plain quantization keeps losing
+        for i in range(part.num_modules):
+            out[part.first_module + i] = Payload(torch.tensor([3.0, 1.0]), values[i])
+    return out
 
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from dipaco.comm import OuterComm
-    from dipaco.distributed import World
+    from dipaco.comm.codecs import build_codec
+    from dipaco.comm.feedback import ErrorFeedback
+    from dipaco.comm.reduce import Transport
+    from dipaco.comm.world import World
     from dipaco.errors import DistributedError
-    from dipaco.outer import OuterOptimizer
+    from dipaco.sync.deltas import outer_gradient
+    from dipaco.sync.nesterov import ModuleNesterov
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=3))
     world = World(env=DistEnv(rank=rank, world_size=2), backend="gloo", timeout_s=3.0)
     topo = Topology.grid(2, [2, 2])
     owners = {0: 0, 3: 0, 1: 1, 2: 1}  # both ranks hold every module: one group [0, 1]
-    weights = {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0}  # c_m = 6 for level modules, 12 for embedding/head
+    names = {m.id: m.name for m in topo.modules}
     results = {}
 
-    def comm_for(dtype: str, feedback: bool = True, two_phase_from: int = 3):
+    def transport_for(dtype: str, feedback: bool = True, two_phase_from: int = 3):
         bank = ModuleBank(topo, _tiny_bank_model())
-        outer = OuterOptimizer(bank, OuterConfig())
-        cfg = DistConfig(comm_dtype=dtype, error_feedback=feedback, chunk_size=16)
-        return bank, outer, OuterComm(topo, bank, owners, weights, cfg, world, two_phase_from=two_phase_from)
+        codec = build_codec(dtype, chunk=16)
+        transport = Transport(plan_groups(topo, owners), world, codec, names, 3.0, two_phase_from=two_phase_from)
+        if codec.lossy and feedback:
+            transport = ErrorFeedback(transport, applied=lambda meta: bool(meta[0] > 0))
+        return bank, transport
 
     # (dtype, error feedback, smallest group that uses reduce-scatter + all-gather instead of all-gather)
     cases = [("fp32", True, 3), ("bf16", False, 3), ("fp16", False, 3), ("int8", False, 3), ("int8", True, 3),
              ("bf16", False, 2), ("int8", False, 2), ("int8", True, 2)]
     for dtype, feedback, two_phase_from in cases:
-        bank, outer, comm = comm_for(dtype, feedback, two_phase_from)
+        bank, transport = transport_for(dtype, feedback, two_phase_from)
         reduced, exact, bound, sent = [], [], [], []
         for r in range(12):
-            sums = _fake_sums(outer, bank, rank, r)
-            a, b = _fake_sums(outer, bank, 0, r), _fake_sums(outer, bank, 1, r)
-            total = {k: a[k].weighted_delta + b[k].weighted_delta for k in sums}
+            payloads = _fake_payloads(bank, rank, r)
+            a, b = _fake_payloads(bank, 0, r), _fake_payloads(bank, 1, r)
+            total = {k: a[k].values + b[k].values for k in payloads}
             # int8 without feedback: each rank's encoding, plus the re-encoded sum in the two-phase scheme
-            bound.append({k: float(a[k].weighted_delta.abs().max() + b[k].weighted_delta.abs().max()
-                                   + total[k].abs().max()) / 254 for k in sums})
-            stats = comm.reduce(sums)
-            reduced.append({k: s.weighted_delta.clone() for k, s in sums.items()})
+            bound.append({k: float(a[k].values.abs().max() + b[k].values.abs().max()
+                                   + total[k].abs().max()) / 254 for k in payloads})
+            out = transport.reduce(payloads)
+            reduced.append({k: p.values.clone() for k, p in out.payloads.items()})
             exact.append(total)
-            sent.append(stats.bytes_sent)
-            assert all(torch.equal(s.weight, torch.full_like(s.weight, 6.0)) for s in sums.values())
+            sent.append(out.stats.bytes_sent)
+            assert all(float(p.meta[0]) == 6.0 for p in out.payloads.values())
+        residuals = len(transport.state_dict()) if isinstance(transport, ErrorFeedback) else 0
         results[(dtype, feedback, two_phase_from)] = {"reduced": reduced, "exact": exact, "bound": bound,
-                                                      "sent": sent, "residuals": len(comm.state_dict())}
+                                                      "sent": sent, "residuals": residuals}
 
     # Replicas: identical after the same step; a perturbed module is named with its ranks.
-    bank, outer, comm = comm_for("fp32")
-    results["groups"] = [(g.ranks, g.modules, h) for g, h in comm.mine]
-    sums = _fake_sums(outer, bank, rank, 0)
-    comm.reduce(sums)
-    outer.apply(sums)
-    comm.check_replicas(outer)
+    bank, transport = transport_for("fp32")
+    nesterov = ModuleNesterov(bank, OuterConfig())
+    results["groups"] = [(g.ranks, g.modules, h) for g, h in transport.mine]
+    out = transport.reduce(_fake_payloads(bank, rank, 0))
+    nesterov.step({m: outer_gradient(p) for m, p in out.payloads.items()})
+
+    def replicas():
+        return {m: (bank.params[m], nesterov.momentum(m)) for m in transport.modules}
+
+    transport.check_identical(replicas())
     if rank == 1:
         with torch.no_grad():
             bank.params[topo.parts[2].first_module + 1][0] += 1e-7  # level1.1
     try:
-        comm.check_replicas(outer)
+        transport.check_identical(replicas())
         results["divergence"] = None
     except DistributedError as exc:
         results["divergence"] = str(exc)
@@ -215,7 +227,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     else:
         start = time.time()
         try:
-            comm.reduce(_fake_sums(outer, bank, rank, 1))
+            transport.reduce(_fake_payloads(bank, rank, 1))
             results["silent_peer"] = None
         except DistributedError as exc:
             results["silent_peer"] = (str(exc), time.time() - start)
@@ -346,7 +358,7 @@ def test_one_and_two_ranks_train_the_same_bank(two_ranks):
     assert a.keys() == b.keys()
     for k in a:  # equal up to the order of the fp32 additions (see README)
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
-    assert single.comm.mine == [] and "rank 0: paths" in out
+    assert single.sync.transport.mine == [] and "rank 0: paths" in out
 
 
 def test_two_rank_checkpoint_writes_every_module_once_and_logs_bytes(two_ranks):

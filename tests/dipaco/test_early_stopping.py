@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.bank import ModuleBank
-from dipaco.early_stopping import PathEarlyStopping, holdout_mask, load_best_path
+from dipaco.early_stopping import PathEarlyStopping, early_stopping_holdout, load_best_path
 from dipaco.evaluate import evaluate_experiment
 from dipaco.metrics import read_metrics
 from dipaco.topology import Topology
@@ -44,7 +44,7 @@ def test_keeps_best_parameters_and_ignores_a_worse_round(tmp_path):
 
 def test_holdout_mask_is_stable_and_near_the_fraction():
     ids = [f"doc{i}" for i in range(4000)]
-    a, b = holdout_mask(ids, 0.1, seed=0), holdout_mask(ids, 0.1, seed=0)
+    a, b = early_stopping_holdout(ids, 0.1, seed=0), early_stopping_holdout(ids, 0.1, seed=0)
     assert (a == b).all() and 0.08 < a.mean() < 0.12
 
 

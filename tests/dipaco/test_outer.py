@@ -1,4 +1,4 @@
-"""The per-module outer step on a hand-computable example."""
+"""The per-module outer step (the production DiLoCo sync of a single process) on a hand-computable example."""
 
 import math
 
@@ -7,8 +7,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.bank import ModuleBank
-from dipaco.config import OuterConfig
-from dipaco.outer import OuterOptimizer
+from dipaco.comm.world import World
+from dipaco.config import Config, OuterConfig
+from dipaco.sync import SyncContext
+from dipaco.sync.diloco import DiLoCo
+from dipaco.sync.nesterov import ModuleNesterov
 from dipaco.topology import Level, Topology
 
 LR, MOMENTUM = 0.7, 0.9
@@ -28,6 +31,24 @@ def path_with_delta(bank: ModuleBank, path: int, delta: float) -> LlamaForCausal
         for p in model.parameters():
             p.sub_(delta)
     return model
+
+
+class OuterOptimizer:
+    """One process's DiLoCo sync over ``bank``, stepped with the trained ``paths`` of a round."""
+
+    def __init__(self, bank: ModuleBank, cfg: OuterConfig) -> None:
+        self.bank, self.cfg, self.sync = bank, cfg, None
+
+    def step(self, paths, weights) -> dict[str, float]:
+        if self.sync is None:  # the weights w_p are fixed for a run: the sync is built with the first ones
+            everyone = [tuple(range(self.bank.topology.num_paths))]
+            ctx = SyncContext(Config(outer=self.cfg), self.bank.topology, self.bank, weights, everyone, World())
+            self.sync = DiLoCo(ctx)
+        assert weights == self.sync.weights
+        return self.sync.at(0, self.sync.sync_points()[-1], paths).norms
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sync.nesterov.state_dict() if self.sync else {}
 
 
 def module(bank: ModuleBank, name: str) -> torch.Tensor:
@@ -119,7 +140,7 @@ def test_momentum_state_round_trips(setup):
     topo, bank, outer = setup
     outer.step({0: path_with_delta(bank, 0, 1.0)}, {0: 1.0})
     state = outer.state_dict()
-    fresh = OuterOptimizer(bank, OuterConfig(lr=LR, momentum=MOMENTUM))
+    fresh = ModuleNesterov(bank, OuterConfig(lr=LR, momentum=MOMENTUM))
     fresh.load_state_dict(state)
     assert set(fresh.state_dict()) == set(state)
     for k in state:

@@ -41,7 +41,7 @@ def test_resume_is_bit_exact(run_cfg):
 
     for a, b in zip(straight.bank.params, resumed.bank.params):
         assert torch.equal(a, b)
-    assert_same_tree(straight.outer.state_dict(), resumed.outer.state_dict(), "outer")
+    assert_same_tree(straight.sync.state_dict(), resumed.sync.state_dict(), "sync")
     for p in straight.loops:
         assert_same_tree(straight.loops[p].state_dict(), resumed.loops[p].state_dict(), f"path{p}")
         for x, y in zip(straight.loops[p].model.parameters(), resumed.loops[p].model.parameters()):

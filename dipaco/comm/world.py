@@ -1,19 +1,18 @@
-"""Multi-worker setup: the torchrun environment, the process group, and which rank trains which paths.
+"""The ranks of a job: the torchrun environment, the process group and the world-wide collectives.
 
-DiPaCo (Douillard et al., arXiv 2403.10616, section 2.3 and 5) trains every path on its own worker
-and keeps only the modules a worker's paths go through on that worker; DiLoCo (arXiv 2311.08105)
-is the case where every path goes through the same modules. Here a *rank* of a ``torchrun`` job
-trains a fixed set of paths, chosen once by :func:`paths_by_rank`, and :mod:`dipaco.comm` exchanges
-each module's outer-gradient sums among the ranks that hold it.
+DiPaCo (Douillard et al., arXiv 2403.10616, section 2.3 and 5) trains every path on its own worker.
+Here a *rank* of a ``torchrun`` job trains a fixed set of paths (:mod:`dipaco.placement`), and the
+sync algorithm (:mod:`dipaco.sync`) exchanges module updates among the ranks that hold them
+through :mod:`dipaco.comm.reduce`.
 
 A single process is the world_size=1 case: :func:`init_world` then creates no process group and
 every :class:`World` collective is a local no-op, so ``dipaco train`` runs the same code either way.
 
 Everything that could make ranks disagree is checked before the first collective that could hang:
-more ranks than paths (:func:`check_world_size`, no communication needed), then a different config
-or command line on some rank (:func:`check_same_config`, one all-gather); errors that happen on
-one rank while setting up are shared with :meth:`World.agree`, so every rank exits with the same
-clear message instead of waiting for a peer that has already given up.
+more ranks than paths (:func:`dipaco.placement.check_world_size`, no communication needed), then a
+different config or command line on some rank (:func:`check_same_config`, one all-gather); errors
+that happen on one rank while setting up are shared with :meth:`World.agree`, so every rank exits
+with the same clear message instead of waiting for a peer that has already given up.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import socket
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -62,37 +61,6 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"torchrun environment: RANK={rank} is not in [0, WORLD_SIZE={world_size})")
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, restart_count=restarts)
-
-
-def check_world_size(num_paths: int, world_size: int) -> None:
-    """Every rank trains at least one path; raised on every rank before any communication."""
-    if num_paths < world_size:
-        raise ConfigError(
-            f"dist: {world_size} ranks but the topology has only {num_paths} paths; every rank trains at "
-            f"least one path, so run at most {num_paths} ranks (--nproc-per-node x --nnodes) or use more paths"
-        )
-
-
-def paths_by_rank(tokens: Sequence[int], world_size: int) -> list[tuple[int, ...]]:
-    """Paths of each rank, balanced by shard tokens.
-
-    Deterministic greedy (longest-processing-time first, Graham 1969): paths in order of decreasing
-    tokens (ties: lower path id first), each to the rank with the fewest tokens so far (ties: lower
-    rank). Every rank computes the same answer from the same shards.
-    """
-    check_world_size(len(tokens), world_size)
-    load = [0] * world_size
-    owned: list[list[int]] = [[] for _ in range(world_size)]
-    for p in sorted(range(len(tokens)), key=lambda p: (-tokens[p], p)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
-        owned[r].append(p)
-        load[r] += int(tokens[p])
-    return [tuple(sorted(ps)) for ps in owned]
-
-
-def owners_of(by_rank: Sequence[Sequence[int]]) -> dict[int, int]:
-    """path id -> rank, from :func:`paths_by_rank`."""
-    return {p: r for r, ps in enumerate(by_rank) for p in ps}
 
 
 def rank_device(name: str, env: DistEnv) -> torch.device:
