@@ -33,40 +33,40 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_prepare(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.prepare import prepare
+    from dipaco.data.prepare import prepare
 
     prepare(cfg)
 
 
 def _cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.pretrain import pretrain
+    from dipaco.train.pretrain import pretrain
 
     pretrain(cfg)
 
 
 def _cmd_train(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.train import train
+    from dipaco.train.loop import train
 
     train(cfg, resume=args.resume, resume_from=args.resume_from, until_round=args.until_round)
 
 
 def _cmd_route(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.route import route
+    from dipaco.route.assign import route
 
     route(cfg)
 
 
 def _cmd_reroute(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.route import reroute
+    from dipaco.route.reroute import reroute
 
     reroute(cfg, checkpoint=args.checkpoint)
 
 
 def _cmd_eval(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.evaluate import evaluate_experiment, evaluate_pretrained
+    from dipaco.eval.evaluate import evaluate_experiment, evaluate_pretrained
 
     if args.reroute_every:
-        from dipaco.reroute_eval import parse_every, reroute_evaluate
+        from dipaco.eval.reroute_eval import parse_every, reroute_evaluate
 
         if args.pretrained:
             raise DipacoError("--reroute-every evaluates an experiment's paths; drop --pretrained")
@@ -78,13 +78,13 @@ def _cmd_eval(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def _cmd_report(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.evaluate import comparison_table
+    from dipaco.eval.evaluate import comparison_table
 
     print(comparison_table(cfg.run.dir))
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
-    from dipaco.pipeline import Pipeline
+    from dipaco.serve.pipeline import Pipeline
 
     pipe = Pipeline.from_run(args.run, experiment=args.experiment, checkpoint=args.checkpoint, device=args.device)
     out = pipe.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -101,13 +101,13 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
-    from dipaco.export import export
+    from dipaco.serve.export import export
 
     export(args.run, args.out, path=args.path, all_paths=args.all, experiment=args.experiment, checkpoint=args.checkpoint)
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    from dipaco.serve import serve
+    from dipaco.serve.http import serve
 
     serve(args.run, host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
           cache_size=args.cache_size, max_prompt_tokens=args.max_prompt_tokens,

@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
 
 def write_corpus(data: Path, out: Path, per_source: int) -> Path:
     """The first documents of each shared corpus (20 Newsgroups without its Usenet headers)."""
-    from dipaco.corpus import strip_header
+    from dipaco.data.corpus import strip_header
 
     rows = []
     for name in ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz"):
@@ -146,15 +146,15 @@ def main() -> None:
         write_corpus(Path(args.data), corpus, args.docs_per_source)
     cfg = load_config(None, base_overrides(args, work, corpus))
     if not (work / "run" / "pretrain" / "config.json").is_file():
-        from dipaco.prepare import prepare
-        from dipaco.pretrain import pretrain
+        from dipaco.data.prepare import prepare
+        from dipaco.train.pretrain import pretrain
 
         prepare(cfg)
         pretrain(cfg)
     cfg_file = work / "bench.yaml"
     save_config(cfg, cfg_file)
 
-    from dipaco.evaluate import evaluate_experiment
+    from dipaco.eval.evaluate import evaluate_experiment
 
     results = {}
     for dtype in args.dtypes.split(","):

@@ -37,18 +37,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dipaco.checkpoint import CheckpointManager  # noqa: E402
+from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
 from dipaco.config import Config, apply_overrides, config_diff, load_config  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from dipaco.corpus import strip_header  # noqa: E402
-from dipaco.evaluate import evaluate_experiment, evaluate_pretrained  # noqa: E402
+from dipaco.data.corpus import strip_header  # noqa: E402
+from dipaco.eval.evaluate import evaluate_experiment, evaluate_pretrained  # noqa: E402
 from dipaco.metrics import echo  # noqa: E402
-from dipaco.prepare import prepare  # noqa: E402
-from dipaco.pretrain import pretrain  # noqa: E402
-from dipaco.route import reroute, route  # noqa: E402
+from dipaco.data.prepare import prepare  # noqa: E402
+from dipaco.train.pretrain import pretrain  # noqa: E402
+from dipaco.route.assign import route  # noqa: E402
+from dipaco.route.reroute import reroute  # noqa: E402
 from dipaco.run_dir import RunDir  # noqa: E402
 from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
-from dipaco.train import train  # noqa: E402
+from dipaco.train.loop import train  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 SOURCES = ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz")

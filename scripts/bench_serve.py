@@ -60,12 +60,12 @@ def parse_args() -> argparse.Namespace:
 def build_run(run_dir: Path) -> Path:
     """prepare -> pretrain -> route -> train (1 round of 5 steps) on the demo config."""
     from dipaco.config import load_config
-    from dipaco.evaluate import evaluate_experiment
-    from dipaco.prepare import prepare
-    from dipaco.pretrain import pretrain
-    from dipaco.route import route
+    from dipaco.eval.evaluate import evaluate_experiment
+    from dipaco.data.prepare import prepare
+    from dipaco.train.pretrain import pretrain
+    from dipaco.route.assign import route
     from dipaco.runtime import quiet_library_progress_bars
-    from dipaco.train import train
+    from dipaco.train.loop import train
 
     quiet_library_progress_bars()
     cfg = load_config(REPO / "configs" / "demo.yaml", [
@@ -85,7 +85,7 @@ def percentiles(ms: list[float]) -> dict:
 
 
 def prompts_from_run(pipe, n: int, n_tokens: int) -> list[str]:
-    from dipaco.prepare import load_prepared
+    from dipaco.data.prepare import load_prepared
 
     val = load_prepared(pipe.cfg).validation
     ids = [d[:n_tokens] for d in val["input_ids"] if len(d) >= n_tokens]
@@ -250,7 +250,7 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dipaco.pipeline import Pipeline
+    from dipaco.serve.pipeline import Pipeline
 
     tmp = None
     if args.run:

@@ -4,7 +4,7 @@ Both sides run in this process on the same architecture, batch size and sequence
 alternating in blocks (A B, B A, A B ...) so that load from other processes on a shared machine hits
 both alike; the reported figure is the median over blocks. The plain loop is what a user would
 write by hand: forward with labels, backward, gradient clipping, AdamW step, zero_grad. Ours is
-``dipaco.inner_loop.InnerLoop`` on a path composed from a ``ModuleBank`` (2x2 grid), fed by a
+``dipaco.train.inner.InnerLoop`` on a path composed from a ``ModuleBank`` (2x2 grid), fed by a
 ``ShardSampler`` and stepping its LR schedule, exactly as ``dipaco train`` runs it.
 
     python scripts/bench_throughput.py --out docs/bench_throughput.json
@@ -21,12 +21,12 @@ import time
 import torch
 from transformers import LlamaForCausalLM
 
-from dipaco.bank import ModuleBank
+from dipaco.model.bank import ModuleBank
 from dipaco.config import ModelConfig, OptimConfig
-from dipaco.inner_loop import InnerLoop, build_adamw
-from dipaco.model import build_model, llama_config
-from dipaco.sampler import ShardSampler
-from dipaco.topology import Topology
+from dipaco.train.inner import InnerLoop, build_adamw
+from dipaco.model.llama import build_model, llama_config
+from dipaco.train.sampler import ShardSampler
+from dipaco.model.topology import Topology
 
 
 def parse_args() -> argparse.Namespace:

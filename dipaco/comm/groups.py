@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from dipaco.topology import Topology
+from dipaco.model.topology import Topology
 
 
 @dataclass(frozen=True)

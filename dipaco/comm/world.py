@@ -1,7 +1,7 @@
 """The ranks of a job: the torchrun environment, the process group and the world-wide collectives.
 
 DiPaCo (Douillard et al., arXiv 2403.10616, section 2.3 and 5) trains every path on its own worker.
-Here a *rank* of a ``torchrun`` job trains a fixed set of paths (:mod:`dipaco.placement`), and the
+Here a *rank* of a ``torchrun`` job trains a fixed set of paths (:mod:`dipaco.train.placement`), and the
 sync algorithm (:mod:`dipaco.sync`) exchanges module updates among the ranks that hold them
 through :mod:`dipaco.comm.reduce`.
 
@@ -9,7 +9,7 @@ A single process is the world_size=1 case: :func:`init_world` then creates no pr
 every :class:`World` collective is a local no-op, so ``dipaco train`` runs the same code either way.
 
 Everything that could make ranks disagree is checked before the first collective that could hang:
-more ranks than paths (:func:`dipaco.placement.check_world_size`, no communication needed), then a
+more ranks than paths (:func:`dipaco.train.placement.check_world_size`, no communication needed), then a
 different config or command line on some rank (:func:`check_same_config`, one all-gather); errors
 that happen on one rank while setting up are shared with :meth:`World.agree`, so every rank exits
 with the same clear message instead of waiting for a peer that has already given up.

@@ -1,6 +1,6 @@
 """The OuterSync protocol: how the modules of a bank are kept in sync across the paths that share them.
 
-The round driver (:mod:`dipaco.train`) advances this rank's paths in *segments*: every path runs
+The round driver (:mod:`dipaco.train.loop`) advances this rank's paths in *segments*: every path runs
 the inner steps up to the next offset of :meth:`OuterSync.sync_points`, then the driver calls
 :meth:`OuterSync.at` with every path of the rank. An algorithm owns everything else: its schedule,
 its outer optimizer states, its communication (a :class:`~dipaco.comm.reduce.Transport`, possibly
@@ -21,12 +21,12 @@ from typing import Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from dipaco.bank import ModuleBank
-from dipaco.checkpoint import load_selected, load_tensors, rank_files
+from dipaco.checkpoint.store import load_selected, load_tensors, rank_files
 from dipaco.comm.accounting import CommStats
 from dipaco.comm.world import World
 from dipaco.config import Config
-from dipaco.topology import Topology
+from dipaco.model.bank import ModuleBank
+from dipaco.model.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from typing import Mapping
 import torch
 from transformers import PreTrainedModel
 
-from dipaco.bank import ModuleBank
 from dipaco.comm.reduce import Payload
-from dipaco.topology import Part
+from dipaco.model.bank import ModuleBank
+from dipaco.model.topology import Part
 
 
 @torch.no_grad()

@@ -37,10 +37,10 @@ from dipaco.comm.codecs import build_codec
 from dipaco.comm.feedback import ErrorFeedback
 from dipaco.comm.groups import plan_groups
 from dipaco.comm.reduce import Payload, Transport
-from dipaco.placement import module_writers, owners_of
 from dipaco.sync.base import OuterSync, SavedState, SyncContext, SyncReport
 from dipaco.sync.deltas import dropped_paths, local_sums, outer_gradient
 from dipaco.sync.nesterov import ModuleNesterov
+from dipaco.train.placement import module_writers, owners_of
 
 MOMENTUM_FILE = "outer"  # outer.safetensors: one Nesterov buffer per module, written by its lowest holder
 RESIDUAL_FILE = "comm"  # comm.safetensors: this rank's error-feedback residuals

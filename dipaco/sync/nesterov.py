@@ -18,9 +18,9 @@ from typing import Mapping
 
 import torch
 
-from dipaco.bank import ModuleBank
 from dipaco.config import OuterConfig
 from dipaco.errors import CheckpointError
+from dipaco.model.bank import ModuleBank
 
 
 class ModuleNesterov:

@@ -18,8 +18,8 @@ def prepared_run(tmp_path_factory) -> Config:
     """prepare + pretrain once per session; tests copy the run directory before training in it."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared corpora not found at {SHARED_DATA}")
-    from dipaco.prepare import prepare
-    from dipaco.pretrain import pretrain
+    from dipaco.data.prepare import prepare
+    from dipaco.train.pretrain import pretrain
 
     root = tmp_path_factory.mktemp("tiny_run")
     corpus = write_corpus_slice(root / "corpus.jsonl")
@@ -44,9 +44,9 @@ def served_run(prepared_run: Config, tmp_path_factory) -> Config:
     Shared by the session: tests only read it or add report files (reroute_eval.json); a test that
     changes it works on its own copy.
     """
-    from dipaco.evaluate import evaluate_experiment
-    from dipaco.route import route
-    from dipaco.train import train
+    from dipaco.eval.evaluate import evaluate_experiment
+    from dipaco.route.assign import route
+    from dipaco.train.loop import train
 
     dst = tmp_path_factory.mktemp("served_run") / "run"
     shutil.copytree(prepared_run.run.dir, dst)

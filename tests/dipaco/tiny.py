@@ -21,7 +21,7 @@ TINY = [
 
 def write_corpus_slice(out: Path, per_source: int = 120) -> Path:
     """Documents from each of the three shared corpora, 20 Newsgroups without its Usenet headers."""
-    from dipaco.corpus import strip_header
+    from dipaco.data.corpus import strip_header
 
     rows = []
     for name in ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz"):

@@ -1,0 +1,72 @@
+"""Scoring documents with a causal LM: summed NLL of each document's tokens after the routing prefix.
+
+Shared by evaluation, per-path early stopping and discriminative re-routing, so that all three
+count exactly the same tokens (see :mod:`dipaco.data.packing` for which tokens are scored).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from dipaco.data.packing import (
+    IGNORE_INDEX,
+    EvalBatch,
+    EvalWindow,
+    batch_eval_windows,
+    count_scored_tokens,
+    eval_windows,
+)
+
+
+@dataclass
+class Scores:
+    nll: np.ndarray  # (n_docs,) summed NLL of each document's scored tokens
+    tokens: np.ndarray  # (n_docs,) scored tokens per document
+
+    @property
+    def perplexity(self) -> float:
+        total = int(self.tokens.sum())
+        return math.exp(float(self.nll.sum()) / total) if total else float("nan")
+
+
+@torch.no_grad()
+def window_nll(model: PreTrainedModel, windows: Sequence[EvalWindow], batch_size: int,
+               pad_id: int) -> Iterator[tuple[list[int], EvalBatch, torch.Tensor]]:
+    """The per-token NLL of ``windows`` under ``model``, shortest windows first (less padding), in
+    batches of ``batch_size``: yields (indices into ``windows``, the batch, fp32 NLL of each target
+    position 1..width-1 on the model's device, 0 where unscored)."""
+    model.eval()
+    device = next(model.parameters()).device
+    order = sorted(range(len(windows)), key=lambda i: len(windows[i].input_ids))
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = next(batch_eval_windows([windows[i] for i in idx], len(idx), pad_id))
+        logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+        token_nll = F.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), batch.labels[:, 1:].to(device), ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )
+        yield idx, batch, token_nll
+
+
+def score_documents(
+    model: PreTrainedModel,
+    docs: Sequence[Sequence[int]],
+    seq_len: int,
+    prefix_tokens: int,
+    batch_size: int,
+    pad_id: int,
+) -> Scores:
+    """Summed NLL over each document's scored tokens (after the prefix) under ``model``."""
+    nll = torch.zeros(len(docs), dtype=torch.float64)
+    for _, batch, token_nll in window_nll(model, eval_windows(docs, seq_len, prefix_tokens), batch_size, pad_id):
+        nll.index_add_(0, batch.doc_index, token_nll.sum(dim=1).double().cpu())
+    tokens = np.array([count_scored_tokens(len(d), prefix_tokens) for d in docs], dtype=np.int64)
+    return Scores(nll.numpy(), tokens)

@@ -1,0 +1,124 @@
+"""ModuleBank: the one global copy of every module's parameters.
+
+Each module is stored as a single flat fp32 ``nn.Parameter`` (its tensors concatenated in the
+order :func:`dipaco.model.llama.part_parameter_names` gives). Flat storage makes the outer step a few
+vector ops per module, and lets modules of one part be reduced together with ``index_add_``.
+
+The bank composes a path by copying the path's modules into a path model *in place*, so the
+path's inner AdamW state keeps pointing at the same parameter tensors across rounds.
+
+A bank may *hold* only some modules (a rank of a distributed run holds the modules of its own
+paths, as a DiPaCo worker does: Douillard et al., arXiv 2403.10616, section 2.3). The modules it
+does not hold keep an empty placeholder in ``params`` (so ``params[module_id]`` stays valid) and
+are absent from ``state_dict``; composing a path through one of them is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from dipaco.errors import CheckpointError
+from dipaco.model.llama import check_covers_model, part_parameter_names
+from dipaco.model.topology import Part, Topology
+
+
+class ModuleBank:
+    def __init__(self, topology: Topology, template: PreTrainedModel, modules: Iterable[int] | None = None) -> None:
+        """Shapes come from ``template`` (any path-sized model); every held module starts as a copy of it.
+
+        ``modules``: global ids of the modules to hold (default: all).
+        """
+        check_covers_model(template, topology)
+        self.topology = topology
+        named = dict(template.named_parameters())
+        self.param_names = {part.name: part_parameter_names(template, part) for part in topology.parts}
+        self.param_shapes = {
+            part.name: [named[n].shape for n in names] for part, names in zip(topology.parts, self.param_names.values())
+        }
+        self.held: tuple[int, ...] = tuple(range(len(topology.modules))) if modules is None else tuple(sorted(set(modules)))
+        self._held = held = frozenset(self.held)
+        device = next(template.parameters()).device
+        self.params: list[nn.Parameter] = []
+        for module in topology.modules:
+            if module.id in held:
+                flat = self._flatten([named[n] for n in self.param_names[module.part.name]]).to(torch.float32)
+            else:
+                flat = torch.empty(0, device=device)
+            self.params.append(nn.Parameter(flat, requires_grad=False))
+
+    @staticmethod
+    def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+    def _path_params(self, model: PreTrainedModel, part: Part) -> list[torch.Tensor]:
+        named = dict(model.named_parameters())
+        return [named[n] for n in self.param_names[part.name]]
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def numel(self, part: Part) -> int:
+        return sum(s.numel() for s in self.param_shapes[part.name])
+
+    def holds(self, module_id: int) -> bool:
+        return module_id in self._held
+
+    @property
+    def held_params(self) -> list[nn.Parameter]:
+        return [self.params[m] for m in self.held]
+
+    @torch.no_grad()
+    def load_path(self, path: int, model: PreTrainedModel) -> None:
+        """Overwrites ``model``'s parameters in place with the modules of ``path``."""
+        missing = [self.module_name(m) for m in self.topology.path_modules(path) if not self.holds(m)]
+        if missing:
+            raise ValueError(f"path {path} goes through modules this bank does not hold: {missing}")
+        for part, module_id in zip(self.topology.parts, self.topology.path_modules(path)):
+            targets = self._path_params(model, part)
+            chunks = torch.split(self.params[module_id], [t.numel() for t in targets])
+            for target, chunk in zip(targets, chunks):
+                target.copy_(chunk.view_as(target))
+
+    @torch.no_grad()
+    def path_vector(self, model: PreTrainedModel, part: Part) -> torch.Tensor:
+        """The path model's parameters for ``part`` as one flat fp32 vector on the bank's device."""
+        return self._flatten(self._path_params(model, part)).to(self.device, torch.float32)
+
+    def compose(self, path: int, model: PreTrainedModel) -> PreTrainedModel:
+        """Convenience: load ``path`` into ``model`` and return it."""
+        self.load_path(path, model)
+        return model
+
+    # --- (de)serialisation: readable names, unflattened tensors -------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Held modules only, as ``"<module name>/<llama parameter name>"``."""
+        out = {}
+        for module in (self.topology.modules[m] for m in self.held):
+            names = self.param_names[module.part.name]
+            shapes = self.param_shapes[module.part.name]
+            chunks = torch.split(self.params[module.id], [s.numel() for s in shapes])
+            for name, shape, chunk in zip(names, shapes, chunks):
+                out[f"{module.name}/{name}"] = chunk.view(shape)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        expected = self.state_dict()
+        if set(state) != set(expected):
+            missing = sorted(set(expected) - set(state))[:3]
+            extra = sorted(set(state) - set(expected))[:3]
+            raise CheckpointError(
+                f"bank does not match the topology: missing {missing}, unexpected {extra}"
+            )
+        for key, target in expected.items():
+            if state[key].shape != target.shape:
+                raise CheckpointError(f"bank tensor {key}: shape {tuple(state[key].shape)}, expected {tuple(target.shape)}")
+            target.copy_(state[key])
+
+    def module_name(self, module_id: int) -> str:
+        return self.topology.modules[module_id].name

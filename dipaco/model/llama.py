@@ -1,0 +1,66 @@
+"""The path model: a plain HF ``LlamaForCausalLM``, and which of its parameters belong to which part.
+
+Every path is an ordinary dense Llama, so it trains with any HF tooling, saves with
+``save_pretrained`` and reloads with ``AutoModelForCausalLM``. DiPaCo structure lives outside the
+model: :mod:`dipaco.model.topology` says which module fills each part, :mod:`dipaco.model.bank` holds the
+modules' weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dipaco.config import ModelConfig
+from dipaco.model.topology import EMBEDDING, HEAD, Part, Topology
+
+
+def llama_config(cfg: ModelConfig, vocab_size: int, max_positions: int, eos_id: int, pad_id: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        max_position_embeddings=max_positions,
+        rope_theta=cfg.rope_theta,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_cache=False,
+    )
+
+
+def build_model(config: LlamaConfig, seed: int | None = None, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """A freshly initialised path-sized model; ``seed`` makes the initialisation reproducible."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(device)
+
+
+def part_parameter_names(model: LlamaForCausalLM, part: Part) -> list[str]:
+    """Names of ``model``'s trainable parameters that belong to ``part``, in a fixed order.
+
+    With tied embeddings the LM head *is* the embedding matrix, so it travels with the embedding
+    part and the head part holds only the final norm.
+    """
+    names = [n for n, _ in model.named_parameters()]  # deduplicated: a tied lm_head is not listed
+    if part.kind == EMBEDDING:
+        return [n for n in names if n.startswith("model.embed_tokens.")]
+    if part.kind == HEAD:
+        return [n for n in names if n.startswith("model.norm.") or n.startswith("lm_head.")]
+    prefixes = tuple(f"model.layers.{i}." for i in part.layers)
+    return [n for n in names if n.startswith(prefixes)]
+
+
+def check_covers_model(model: LlamaForCausalLM, topology: Topology) -> None:
+    """Every trainable parameter must belong to exactly one part, or the bank would drop it."""
+    owned = [n for part in topology.parts for n in part_parameter_names(model, part)]
+    all_names = [n for n, _ in model.named_parameters()]
+    if sorted(owned) != sorted(all_names):
+        missing = sorted(set(all_names) - set(owned))
+        raise ValueError(f"parameters not covered by the topology: {missing[:5]} (model has "
+                         f"{model.config.num_hidden_layers} layers, topology {topology.num_layers})")

@@ -1,0 +1,188 @@
+"""`dipaco route` and `dipaco reroute`: documents -> features -> paths, stored for training and serving.
+
+``route`` featurizes every train and validation document (by default the DiPaCo way: the
+pretrained dense model's mean last hidden state over the first ``data.prefix_tokens`` tokens),
+fits (balanced, optionally product) k-means on the train features and assigns both splits. It
+writes, under ``<run.dir>/routing/``:
+
+    data/                 the prepared splits plus a `path` column (and `paths_topk`), HF Arrow
+    router/               the Router artifact (safetensors + JSON), reused for new documents
+    features.safetensors  the features, so re-routing does not featurize again
+    routing_report.json   docs/tokens per path, balance, inertia, time, NMI/ARI/purity vs labels
+
+``reroute`` is DiPaCo's discriminative re-routing (section 2.4.2): every path of the current
+checkpoint scores a held-out slice of the training documents, a logistic regression learns
+features -> best path with its biases adjusted to the wanted shard sizes, and all documents are
+re-sharded with it. ``dipaco train --resume`` then continues from the checkpoint on the new shards.
+
+The k-means, balancing and classifier live in the trainer-independent ``routing`` package.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import datasets
+import numpy as np
+import torch
+
+from dipaco.checkpoint.store import save_tensors
+from dipaco.config import Config
+from dipaco.data.prepare import Prepared, load_prepared
+from dipaco.errors import ConfigError, DataError
+from dipaco.metrics import echo
+from dipaco.model.topology import Topology, topology_from_config
+from dipaco.route.shards import ROUTED_INFO, routing_fingerprint
+from dipaco.run_dir import RunDir
+from dipaco.runtime import resolve_device, seed_everything
+from dipaco.train.pretrain import load_pretrained
+from routing.featurize import lm_prefix_features, tfidf_svd_features
+from routing.quality import routing_report
+from routing.router import Router, fit_router
+
+FEATURES = "features.safetensors"
+REPORT = "routing_report.json"
+
+
+def router_radices(cfg: Config, topology: Topology) -> list[int]:
+    """Cluster counts per level: [P] for plain k-means, the grid's K_l for product k-means."""
+    if cfg.route.method == "kmeans":
+        return [topology.num_paths]
+    if topology.replicas != 1:
+        raise ConfigError("route.method=product needs topology.replicas=1 (a replica digit has no feature half)")
+    radices = list(topology.radices[:-1])
+    if len(radices) < 2:
+        raise ConfigError(f"route.method=product needs a grid of >= 2 levels; this topology has radices {radices}")
+    return radices
+
+
+def lm_features(cfg: Config, prepared: Prepared, texts: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """LM-prefix features of each split's texts, from one load of the pretrained model."""
+    device = resolve_device(cfg.run.device)
+    model = load_pretrained(cfg, prepared).to(device)
+    return {
+        split: lm_prefix_features(model, prepared.tokenizer, t, prefix_tokens=cfg.data.prefix_tokens,
+                                  batch_size=cfg.route.batch_size, device=device,
+                                  show_progress=cfg.run.progress).float().cpu()
+        for split, t in texts.items()
+    }
+
+
+def routing_context(ds: datasets.Dataset, prepared: Prepared, prefix_tokens: int) -> list[str]:
+    """The text of each document's first ``prefix_tokens`` tokens: all any featurizer may see.
+
+    Routing must not read the tokens evaluation scores (everything after the prefix), or the
+    router would pick a validation document's path from the very text it is judged on. Training
+    documents are cut the same way so the router is fitted on what it will see at test time.
+    """
+    return prepared.tokenizer.batch_decode([ids[:prefix_tokens] for ids in ds["input_ids"]])
+
+
+def _check_texts(ds: datasets.Dataset, split: str) -> None:
+    empty = [i for i, n in zip(ds["id"], ds["num_tokens"]) if n == 0]
+    if empty:
+        raise DataError(f"{split}: {len(empty)} documents have no tokens and cannot be routed, e.g. {empty[:10]}")
+
+
+def write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
+                   topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict) -> None:
+    """Writes the routed splits, artifact, features and report next to the old ones, then swaps."""
+    tmp = run.root / ".routing.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    splits = {}
+    for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
+        ds = ds.remove_columns([c for c in ("path", "paths_topk") if c in ds.column_names])
+        ds = ds.add_column("path", paths[split].tolist())
+        if topk is not None and split == "train":
+            ds = ds.add_column("paths_topk", topk.tolist())
+        splits[split] = ds
+    datasets.DatasetDict(splits).save_to_disk(str(tmp / "data"))
+    router.save(tmp / "router")
+    routed = {**paths, **({"train_topk": topk} if topk is not None else {})}
+    info = {"prepare_hash": prepared.info["prepare_hash"], "router": router.kind, "num_paths": router.num_paths,
+            "fingerprint": routing_fingerprint(routed, tmp / "router")}
+    (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
+    save_tensors(features, tmp / FEATURES)
+    (tmp / REPORT).write_text(json.dumps(report, indent=2, default=float))
+    if run.routing.exists():
+        previous = run.root / ".routing.previous"
+        shutil.rmtree(previous, ignore_errors=True)
+        run.routing.rename(previous)
+        tmp.rename(run.routing)
+        shutil.rmtree(previous)
+    else:
+        tmp.rename(run.routing)
+
+
+def routing_summary(router: Router, paths: dict[str, np.ndarray], prepared: Prepared, seconds: float, extra: dict) -> dict:
+    labels = {s: (ds["label"] if "label" in ds.column_names else None)
+              for s, ds in (("train", prepared.train), ("validation", prepared.validation))}
+    tokens = {"train": prepared.train["num_tokens"], "validation": prepared.validation["num_tokens"]}
+    report = {
+        "router": router.kind, "featurizer": router.featurizer, "radices": router.radices,
+        "balance_slack": router.balance_slack, "wall_time_s": seconds, **extra,
+    }
+    for split in ("train", "validation"):
+        report[split] = routing_report(paths[split], router.num_paths, tokens[split], labels[split],
+                                       wall_time=seconds if split == "train" else None)
+    return report
+
+
+def print_report(report: dict) -> None:
+    train = report["train"]
+    if train["empty_paths"]:
+        echo(f"[route] WARNING: paths {train['empty_paths']} received no training document; training will refuse "
+             f"empty shards (use fewer paths, route.method=kmeans, or more data)")
+    echo(f"[route] {report['router']} ({report['featurizer'].get('kind')}): docs per path {train['docs_per_path']}, "
+         f"max/min {train['docs_max_min_ratio']}")
+    if "nmi" in train:
+        echo(f"[route] agreement with labels (train): NMI {train['nmi']:.3f}, ARI {train['ari']:.3f}, purity {train['purity']:.3f}")
+
+
+def route(cfg: Config) -> dict:
+    seed_everything(cfg.run.seed)
+    run = RunDir(cfg.run.dir)
+    prepared = load_prepared(cfg, routed=False)
+    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
+    radices = router_radices(cfg, topology)
+    for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
+        _check_texts(ds, split)
+    if topology.num_paths > len(prepared.train):
+        raise ConfigError(f"topology has {topology.num_paths} paths but the train split has only {len(prepared.train)} documents")
+
+    start = time.perf_counter()
+    texts = {"train": routing_context(prepared.train, prepared, cfg.data.prefix_tokens),
+             "validation": routing_context(prepared.validation, prepared, cfg.data.prefix_tokens)}
+    tfidf = None
+    if cfg.route.featurizer == "tfidf_svd":
+        echo(f"[route] TF-IDF + SVD({cfg.route.svd_components}) features")
+        train_x, tfidf = tfidf_svd_features(texts["train"], n_components=cfg.route.svd_components, seed=cfg.run.seed)
+        features = {"train": torch.from_numpy(train_x), "validation": torch.from_numpy(tfidf.transform(texts["validation"]))}
+        spec = tfidf.spec()
+    else:
+        echo(f"[route] LM prefix features ({cfg.data.prefix_tokens} tokens) from {run.pretrain}")
+        features = lm_features(cfg, prepared, texts)
+        spec = {"kind": "lm_prefix", "prefix_tokens": cfg.data.prefix_tokens}
+    featurize_s = time.perf_counter() - start
+
+    echo(f"[route] {'product ' if len(radices) > 1 else ''}k-means, radices {radices}, slack {cfg.route.balance_slack}"
+         + (f", min shard fraction {cfg.route.min_shard_fraction}" if cfg.route.min_shard_fraction else ""))
+    router, train_paths = fit_router(
+        features["train"], radices, metric=cfg.route.metric, slack=cfg.route.balance_slack,
+        min_fraction=cfg.route.min_shard_fraction, featurizer=spec,
+        tfidf=tfidf, topology=topology.to_dict(), seed=cfg.run.seed, n_init=cfg.route.n_init, max_iter=cfg.route.max_iter,
+    )
+    paths = {"train": np.asarray(train_paths, dtype=np.int64),
+             "validation": router.assign(features["validation"]).numpy().astype(np.int64)}
+    topk = router.assign_topk(features["train"], cfg.route.topk).numpy() if cfg.route.topk > 1 else None
+    seconds = time.perf_counter() - start
+    report = routing_summary(router, paths, prepared, seconds, {
+        "featurize_s": featurize_s, "docs_per_s": (len(texts["train"]) + len(texts["validation"])) / seconds,
+        **{k: v for k, v in router.meta.items() if "inertia" in k},
+    })
+    write_routing(run, prepared, router, paths, topk, features, report)
+    print_report(report)
+    echo(f"[route] wrote {run.routing} in {seconds:.1f}s; train with train.sharding=kmeans")
+    return report

@@ -1,0 +1,78 @@
+"""`dipaco reroute`: discriminative re-routing (DiPaCo, arXiv 2403.10616, section 2.4.2).
+
+The trained paths score a held-out slice of the training documents; each document's best path is
+its label; a linear classifier from routing features to paths (its bias adjusted to the wanted
+shard sizes, see :mod:`routing.discriminative`) re-shards every document. Training then continues
+on the new shards with ``dipaco train --resume``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from dipaco.checkpoint.experiment import experiment_checkpoint
+from dipaco.checkpoint.store import load_tensors
+from dipaco.config import Config
+from dipaco.data.hashing import holdout_mask
+from dipaco.data.prepare import load_prepared
+from dipaco.errors import ConfigError, DataError
+from dipaco.eval.scoring import score_documents
+from dipaco.metrics import echo
+from dipaco.model.llama import build_model
+from dipaco.route.assign import FEATURES, print_report, routing_summary, write_routing
+from dipaco.route.router import load_router
+from dipaco.route.shards import record_routing
+from dipaco.run_dir import RunDir
+from dipaco.runtime import resolve_device, seed_everything
+from dipaco.train.pretrain import path_llama_config
+from routing.discriminative import fit_discriminative_router
+from routing.router import Router
+
+
+def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
+    """Discriminative re-routing from the experiment's checkpoint; writes new routing in place."""
+    seed_everything(cfg.run.seed)
+    if cfg.train.sharding != "kmeans":
+        raise ConfigError("dipaco reroute re-shards routed data: set train.sharding=kmeans (and run `dipaco route` first)")
+    run = RunDir(cfg.run.dir)
+    prepared = load_prepared(cfg, routed=True)
+    exp_dir, ckpt, topology, bank = experiment_checkpoint(cfg, prepared, checkpoint)
+    old = load_router(run, topology.num_paths)
+    stored = load_tensors(run.routing / FEATURES)
+
+    start = time.perf_counter()
+    mask = holdout_mask(prepared.train["id"], cfg.route.reroute_holdout, f"reroute:{cfg.run.seed}")
+    rows = np.flatnonzero(mask)
+    docs = [prepared.train["input_ids"][int(i)] for i in rows]
+    if len(docs) < topology.num_paths:
+        raise DataError(f"route.reroute_holdout={cfg.route.reroute_holdout} leaves {len(docs)} documents to score "
+                        f"{topology.num_paths} paths; raise it")
+    model = build_model(path_llama_config(cfg, prepared), device=resolve_device(cfg.run.device))
+    loglik = torch.empty(len(docs), topology.num_paths, dtype=torch.float64)
+    for p in range(topology.num_paths):
+        scores = score_documents(bank.compose(p, model), docs, cfg.data.seq_len, cfg.data.prefix_tokens,
+                                 cfg.eval.batch_size, prepared.tokenizer.pad_token_id)
+        loglik[:, p] = -torch.from_numpy(scores.nll)
+    scored = torch.from_numpy(scores.tokens > 0)  # documents within the prefix carry no signal
+    current = np.asarray(prepared.train["path"])
+    target = "uniform" if cfg.route.reroute_target == "uniform" else np.bincount(current, minlength=topology.num_paths).tolist()
+    weight, bias = fit_discriminative_router(stored["train"][rows][scored], loglik[scored], target)
+    router = Router("linear", [topology.num_paths], weight=weight.float(), bias=bias.float(), featurizer=old.featurizer,
+                    tfidf=old.tfidf, topology=topology.to_dict(), meta={"checkpoint": ckpt.name})
+    paths = {s: router.assign(stored[s]).numpy().astype(np.int64) for s in ("train", "validation")}
+    best = loglik[scored].argmax(dim=1).numpy()
+    seconds = time.perf_counter() - start
+    report = routing_summary(router, paths, prepared, seconds, {
+        "checkpoint": str(ckpt), "holdout_docs": int(scored.sum()),
+        "holdout_best_equals_current": float(np.mean(best == current[rows][scored.numpy()])),
+        "holdout_best_distribution": np.bincount(best, minlength=topology.num_paths).tolist(),
+        "moved_train_docs": float(np.mean(paths["train"] != current)),
+    })
+    write_routing(run, prepared, router, paths, None, {k: stored[k] for k in ("train", "validation")}, report)
+    record_routing(cfg, exp_dir)  # this experiment resumes on the new routing; the others are refused it
+    print_report(report)
+    echo(f"[reroute] {report['moved_train_docs']:.1%} of train docs moved; continue with `dipaco train --resume`")
+    return report

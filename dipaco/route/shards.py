@@ -1,0 +1,146 @@
+"""Shards: which path each document belongs to, and each path's packed training sequences.
+
+Shards are one-to-one with paths: shard p holds the documents routed to path p. The same rule
+routes training and validation documents, so a path is evaluated on the kind of text it trained on.
+
+Sharding rules:
+
+* ``iid``: a salted hash of the document id, uniform over paths (for DiLoCo-style baselines);
+* ``column``: an integer path column already in the dataset;
+* ``kmeans``: the ``path`` column that ``dipaco route`` adds to both splits (``routing/data``).
+
+A run has one ``routing/`` directory, and ``dipaco reroute`` rewrites it for the experiment it
+re-routes. Every other experiment of the run would then silently resume, evaluate and serve on
+shards it was never trained on; so each kmeans experiment records the fingerprint of the routing it
+trained on (``train/<name>/routing.json``) and every job that reads routing for it checks it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import datasets
+import numpy as np
+import torch
+
+from dipaco.config import Config
+from dipaco.data.corpus import stable_hash
+from dipaco.data.packing import pack_documents
+from dipaco.errors import DataError
+from dipaco.run_dir import RunDir
+
+ROUTED_INFO = "routing_info.json"
+EXPERIMENT_ROUTING = "routing.json"  # in an experiment directory: the fingerprint of its routing
+
+
+def iid_paths(ids: Sequence[str], num_paths: int, seed: int) -> np.ndarray:
+    # Salted so the shard does not correlate with the train/validation split, which hashes ids too.
+    return np.array([stable_hash(f"shard:{seed}:{i}") % num_paths for i in ids], dtype=np.int64)
+
+
+def column_paths(ds: datasets.Dataset, column: str, num_paths: int) -> np.ndarray:
+    if column not in ds.column_names:
+        raise DataError(f"sharding=column needs a {column!r} column; the dataset has {ds.column_names}")
+    try:
+        paths = np.asarray(ds[column], dtype=np.int64)
+    except (TypeError, ValueError):
+        raise DataError(f"column {column!r} must hold integer path ids") from None
+    bad = np.flatnonzero((paths < 0) | (paths >= num_paths))
+    if bad.size:
+        ids = [ds["id"][int(i)] for i in bad[:5]]
+        raise DataError(f"column {column!r}: {bad.size} docs have a path outside [0, {num_paths}), e.g. ids {ids}")
+    return paths
+
+
+def routed_splits(run: RunDir, prepare_hash: str) -> datasets.DatasetDict:
+    """The train/validation splits with the ``path`` column written by ``dipaco route``."""
+    info_path = run.routing / "data" / ROUTED_INFO
+    if not info_path.is_file():
+        raise DataError(f"sharding=kmeans needs routed data in {run.routing / 'data'}; run `dipaco route` first")
+    info = json.loads(info_path.read_text())
+    if info.get("prepare_hash") != prepare_hash:
+        raise DataError(f"{run.routing} was routed from different prepared data; rerun `dipaco route`")
+    return datasets.load_from_disk(str(run.routing / "data"))
+
+
+def routing_fingerprint(paths: dict[str, np.ndarray], router_dir: Path) -> str:
+    """sha256 of every routed path id and of the router's files: equal only for the same routing."""
+    digest = hashlib.sha256()
+    for split in sorted(paths):
+        digest.update(split.encode())
+        digest.update(np.ascontiguousarray(paths[split], dtype=np.int64).tobytes())
+    for file in sorted(router_dir.iterdir()):
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def _current_fingerprint(run: RunDir) -> str | None:
+    info_path = run.routing / "data" / ROUTED_INFO
+    return json.loads(info_path.read_text()).get("fingerprint") if info_path.is_file() else None
+
+
+def record_routing(cfg: Config, exp_dir: Path) -> None:
+    """Notes which routing the experiment trains on (kmeans sharding only; routing from before
+    fingerprints existed is not recorded)."""
+    fingerprint = _current_fingerprint(RunDir(cfg.run.dir)) if cfg.train.sharding == "kmeans" else None
+    if fingerprint is not None:
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        (exp_dir / EXPERIMENT_ROUTING).write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+
+
+def check_routing(cfg: Config, exp_dir: Path) -> None:
+    """Refuses an experiment whose run's routing is no longer the one it was trained on."""
+    record = exp_dir / EXPERIMENT_ROUTING
+    if cfg.train.sharding != "kmeans" or not record.is_file():
+        return
+    run = RunDir(cfg.run.dir)
+    trained_on, current = json.loads(record.read_text())["fingerprint"], _current_fingerprint(run)
+    if current != trained_on:
+        raise DataError(
+            f"{run.routing} is not the routing experiment {exp_dir.name!r} was trained on (fingerprint "
+            f"{str(current)[:12]} vs {trained_on[:12]}): a `dipaco route`, or a `dipaco reroute` of another "
+            f"experiment, replaced it. Give each re-routed experiment its own run directory, or route again "
+            f"with the settings this experiment used."
+        )
+
+
+def assign_paths(ds: datasets.Dataset, num_paths: int, sharding: str, seed: int, column: str = "path") -> np.ndarray:
+    """Path id of every document of ``ds``."""
+    if sharding == "iid":
+        return iid_paths(ds["id"], num_paths, seed)
+    if sharding == "column":
+        return column_paths(ds, column, num_paths)
+    if sharding == "kmeans":
+        return column_paths(ds, "path", num_paths)
+    raise DataError(f"unknown sharding {sharding!r}")
+
+
+def build_shards(
+    ds: datasets.Dataset, paths: np.ndarray, num_paths: int, seq_len: int, eos_id: int
+) -> list[torch.Tensor]:
+    """One (n_seqs, seq_len) tensor of packed sequences per path; an empty shard is an error."""
+    docs = ds["input_ids"]
+    shards = []
+    for p in range(num_paths):
+        members = np.flatnonzero(paths == p)
+        if members.size == 0:
+            raise DataError(
+                f"shard of path {p} is empty: no training document was routed to it; "
+                f"use fewer paths, more data, or balanced routing"
+            )
+        try:
+            shards.append(pack_documents([docs[int(i)] for i in members], seq_len, eos_id))
+        except DataError as exc:
+            raise DataError(f"shard of path {p} ({members.size} docs): {exc}") from None
+    return shards
+
+
+def path_weights(shards: Sequence[torch.Tensor], weighting: str) -> dict[int, float]:
+    """Outer-step weights w_p: proportional to shard tokens, or uniform."""
+    if weighting == "uniform":
+        return {p: 1.0 for p in range(len(shards))}
+    return {p: float(s.numel()) for p, s in enumerate(shards)}

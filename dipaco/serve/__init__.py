@@ -1,0 +1,1 @@
+"""Inference: one routed path as a plain HF model (pipeline), HTTP serving, export to a standard HF directory. Never imports the training driver."""

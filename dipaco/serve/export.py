@@ -1,0 +1,87 @@
+"""`dipaco export`: a path as a standalone Hugging Face model directory.
+
+Every path is an ordinary dense ``LlamaForCausalLM``; exporting composes it from the bank of the
+experiment's checkpoint and writes it with ``save_pretrained`` (safetensors) next to the run's
+tokenizer, so ``AutoModelForCausalLM.from_pretrained(DIR, local_files_only=True)`` and
+``AutoTokenizer.from_pretrained(DIR, local_files_only=True)`` load it with no dipaco installed.
+``dipaco_path.json`` records where it came from::
+
+    {"path": 3, "modules": ["embedding.0", "level0.1", "level1.1", "head.0"], "experiment": ...,
+     "checkpoint": "round_000004", "run": ..., "topology": ..., "prefix_tokens": 32, ...}
+
+``--all`` writes one such directory per path: ``OUT/path_000``, ``OUT/path_001``, ...
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from dipaco.errors import DipacoError
+from dipaco.metrics import echo
+from dipaco.model.llama import build_model
+from dipaco.serve.pipeline import LoadedExperiment, load_experiment
+
+PATH_INFO = "dipaco_path.json"
+
+
+def path_dir_name(path: int) -> str:
+    return f"path_{path:03d}"
+
+
+def export_path(loaded: LoadedExperiment, path: int, out: str | Path, model=None) -> Path:
+    """Writes one path to ``out`` (replaced when it exists); returns ``out``.
+
+    The directory is filled under a temporary name and renamed into place, so an interrupted
+    export never leaves a half-written model under the real name.
+    """
+    loaded.check_path(path)
+    out = Path(out)
+    if out.exists() and not (out / PATH_INFO).is_file():
+        raise DipacoError(f"{out} exists and is not a dipaco export; choose an empty or new directory")
+    model = model if model is not None else build_model(loaded.llama_config(use_cache=True), seed=0)
+    loaded.bank.load_path(path, model)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)  # safetensors by default
+    loaded.tokenizer.save_pretrained(tmp)
+    info = {
+        "path": path,
+        "modules": loaded.module_names(path),
+        "path_digits": list(loaded.topology.path_digits(path)),
+        "experiment": loaded.name,
+        "checkpoint": loaded.checkpoint.name,
+        "run": str(loaded.run.root.resolve()),
+        "topology": loaded.topology.describe(),
+        "num_paths": loaded.topology.num_paths,
+        "sharding": loaded.cfg.train.sharding,
+        "prefix_tokens": loaded.cfg.data.prefix_tokens,
+        "seq_len": loaded.cfg.data.seq_len,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    (tmp / PATH_INFO).write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def export(run_dir: str | Path, out: str | Path, path: int | None = None, all_paths: bool = False,
+           experiment: str | None = None, checkpoint: str | None = None) -> list[Path]:
+    """``dipaco export``: one path into ``out``, or every path into ``out/path_NNN``."""
+    if (path is None) == (not all_paths):
+        raise DipacoError("export: give either --path P or --all")
+    loaded = load_experiment(run_dir, experiment, checkpoint)
+    if path is not None:
+        loaded.check_path(path)
+    out = Path(out)
+    model = build_model(loaded.llama_config(use_cache=True), seed=0)  # reused: each path overwrites it
+    targets = [(p, out / path_dir_name(p)) for p in range(loaded.topology.num_paths)] if all_paths else [(path, out)]
+    written = []
+    for p, target in targets:
+        written.append(export_path(loaded, p, target, model))
+        echo(f"[export] path {p} ({' '.join(loaded.module_names(p))}) -> {target}")
+    echo(f"[export] {loaded.name} {loaded.checkpoint.name}: {len(written)} path(s); load with "
+         f"AutoModelForCausalLM.from_pretrained(DIR, local_files_only=True)")
+    return written

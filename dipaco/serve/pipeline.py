@@ -1,0 +1,445 @@
+"""Single-path inference: route a prompt, compose its path from the module bank, generate with HF.
+
+At inference only one path runs (DiPaCo section 1): the router picks it from the prompt with the
+same rule that sharded the training documents, and the path is an ordinary dense
+``LlamaForCausalLM`` composed from the bank of the experiment's checkpoint.
+
+    pipe = Pipeline.from_run("runs/demo", experiment="dipaco_2x2")
+    pipe.route("Shares in the bank rose")          # -> (path, scores of every path)
+    pipe.generate("Shares in the bank rose", max_new_tokens=32).text
+
+What a run directory gives the pipeline (see dipaco.run_dir): the experiment's resolved
+``config.yaml``, its newest (or a given) checkpoint's ``bank.safetensors``, the tokenizer, and,
+when the experiment was trained on routed shards (``train.sharding=kmeans``), the router in
+``routing/router`` plus the pretrained dense model its LM-prefix featurizer runs. An experiment
+sharded ``iid`` or ``column`` has no router: a caller then names the path.
+
+Threads: composed paths live in an LRU cache; each cached model has its own lock, so two requests
+never run ``generate`` on the same model instance at once, while requests on different paths run
+in parallel. The tokenizer and the router's featurizer model are shared behind their own locks.
+Sampling draws from a private ``torch.Generator`` per request, so a seeded request returns the
+same text whatever else runs concurrently.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from transformers import LlamaForCausalLM
+from transformers.generation import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from dipaco.model.bank import ModuleBank
+from dipaco.checkpoint.store import CheckpointManager, resolve_checkpoint
+from dipaco.config import Config, load_config
+from dipaco.errors import DipacoError
+from dipaco.model.llama import build_model
+from dipaco.data.prepare import Prepared
+from dipaco.train.pretrain import load_pretrained, path_llama_config
+from dipaco.run_dir import RunDir
+from dipaco.runtime import resolve_device
+from dipaco.data.tokenizer import load_tokenizer
+from dipaco.model.topology import Topology
+
+DEFAULT_CACHE_SIZE = 4
+EVAL_REPORT = "eval.json"
+
+
+# --- the experiment of a run directory -------------------------------------------------------------
+@dataclass
+class LoadedExperiment:
+    """What inference and export need from a run: config, tokenizer and the checkpoint's bank."""
+
+    run: RunDir
+    cfg: Config
+    name: str
+    dir: Path
+    checkpoint: Path
+    tokenizer: Any
+    topology: Topology
+    bank: ModuleBank
+
+    def llama_config(self, use_cache: bool = True):
+        config = path_llama_config(self.cfg, tokenizer_only(self.tokenizer))
+        config.use_cache = use_cache  # training turns the KV cache off; generation wants it
+        return config
+
+    def module_names(self, path: int) -> list[str]:
+        return [self.topology.modules[m].name for m in self.topology.path_modules(path)]
+
+    def check_path(self, path: int) -> int:
+        if isinstance(path, bool) or not isinstance(path, int) or not 0 <= path < self.topology.num_paths:
+            raise DipacoError(f"path {path!r} is not a path of {self.name}: choose 0..{self.topology.num_paths - 1}")
+        return path
+
+
+def tokenizer_only(tokenizer) -> Prepared:
+    """A Prepared holding only the tokenizer: enough for the model's shape (no datasets are read)."""
+    return Prepared(tokenizer=tokenizer, train=None, validation=None, info={})  # type: ignore[arg-type]
+
+
+def resolve_experiment(run: RunDir, experiment: str | None) -> Path:
+    """The experiment directory: the named one, or the only one of the run."""
+    if not run.root.is_dir():
+        raise DipacoError(f"run directory not found: {run.root}")
+    found = [e for e in run.experiments() if (e / "config.yaml").is_file()]
+    names = [e.name for e in found]
+    if not found:
+        raise DipacoError(f"{run.root}: no trained experiment under {run.root / 'train'}; run `dipaco train` first")
+    if experiment is None:
+        if len(found) > 1:
+            raise DipacoError(f"{run.root} has {len(found)} experiments; choose one with --experiment: {', '.join(names)}")
+        return found[0]
+    if experiment not in names:
+        raise DipacoError(f"{run.root}: no experiment {experiment!r}; the run has: {', '.join(names)}")
+    return run.experiment(experiment)
+
+
+def load_experiment(run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
+                    device: str = "cpu") -> LoadedExperiment:
+    """Loads an experiment's stored config, the tokenizer and the newest (or given) checkpoint's bank."""
+    from dipaco.checkpoint.experiment import bank_from_checkpoint
+
+    run = RunDir(run_dir)
+    exp_dir = resolve_experiment(run, experiment)
+    cfg = load_config(exp_dir / "config.yaml")
+    # The stored run.dir may be relative to wherever training ran: the directory given here wins.
+    cfg = replace(cfg, run=replace(cfg.run, dir=str(run.root), device=device, progress=False))
+    resolve_device(device)  # a clear error for an unavailable device, before loading anything
+    tokenizer = load_tokenizer(run.tokenizer)
+    ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
+    topology, bank = bank_from_checkpoint(cfg, tokenizer_only(tokenizer), ckpt)
+    return LoadedExperiment(run, cfg, exp_dir.name, exp_dir, ckpt, tokenizer, topology, bank)
+
+
+# --- the router ------------------------------------------------------------------------------------
+def load_router(loaded: LoadedExperiment):
+    """The experiment's router, or None when it was not trained on routed shards."""
+    from dipaco.route.router import load_router as load_run_router
+    from dipaco.route.shards import check_routing
+
+    if loaded.cfg.train.sharding != "kmeans":
+        return None
+    check_routing(loaded.cfg, loaded.dir)
+    return load_run_router(loaded.run, loaded.topology.num_paths)
+
+
+# --- sampling that does not touch the global RNG ---------------------------------------------------
+class SeededSampler(LogitsProcessor):
+    """Draws the next token from softmax(scores) with a private generator and leaves only that token.
+
+    Run last in a greedy ``generate``, it turns greedy search into multinomial sampling (after the
+    temperature / top-k / top-p warpers before it) whose randomness belongs to one request:
+    ``do_sample=True`` would draw from torch's process-wide generator, which concurrent requests
+    share, so a seed would not reproduce a result.
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(scores.float(), dim=-1)
+        token = torch.multinomial(probs, num_samples=1, generator=self.generator)
+        out = torch.full_like(scores, -math.inf)
+        return out.scatter_(1, token, 0.0)
+
+
+def sampling_processors(temperature: float, top_p: float, top_k: int, seed: int, device) -> LogitsProcessorList:
+    processors: list[LogitsProcessor] = [TemperatureLogitsWarper(temperature)]
+    if top_k > 0:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    processors.append(SeededSampler(generator))
+    return LogitsProcessorList(processors)
+
+
+# --- the LRU cache of composed paths ---------------------------------------------------------------
+@dataclass
+class CachedPath:
+    path: int
+    model: LlamaForCausalLM
+    lock: threading.Lock  # held while the model generates: one request per model instance at a time
+
+
+class PathCache:
+    """The most recently used ``size`` composed path models.
+
+    A miss deep-copies a template model (cheaper than initialising one) and loads the path's
+    modules into it. An evicted model still in use by a request finishes its request; a later
+    request for that path composes a fresh copy.
+    """
+
+    def __init__(self, bank: ModuleBank, template: LlamaForCausalLM, size: int) -> None:
+        if size < 1:
+            raise DipacoError(f"cache size must be >= 1, got {size}")
+        self.bank = bank
+        self.template = template
+        self.size = size
+        self._entries: OrderedDict[int, CachedPath] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, path: int) -> CachedPath:
+        with self._lock:
+            entry = self._entries.get(path)
+            if entry is not None:
+                self._entries.move_to_end(path)
+                self.hits += 1
+                return entry
+            self.misses += 1
+            model = copy.deepcopy(self.template)
+            self.bank.load_path(path, model)
+            entry = CachedPath(path, model, threading.Lock())
+            self._entries[path] = entry
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+                self.evictions += 1
+            return entry
+
+    def cached_paths(self) -> list[int]:
+        with self._lock:
+            return list(self._entries)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"size": self.size, "cached": list(self._entries), "hits": self.hits,
+                    "misses": self.misses, "evictions": self.evictions}
+
+
+# --- the pipeline ----------------------------------------------------------------------------------
+@dataclass
+class Generation:
+    path: int
+    scores: list[float] | None  # the router's score of every path (higher is better); None if the caller chose
+    text: str  # the completion only (the prompt is not repeated), special tokens removed
+    prompt_tokens: int
+    completion_tokens: int  # generated tokens, the closing EOS included when there is one
+    latency_ms: float  # routing + composing (on a cache miss) + generation + decoding
+    finish_reason: str = "length"  # "stop" (EOS) or "length" (max_new_tokens reached)
+    seed: int | None = None  # the seed that sampling used (None for greedy decoding)
+
+
+class Pipeline:
+    def __init__(self, loaded: LoadedExperiment, router=None, featurizer_model=None,
+                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.loaded = loaded
+        self.cfg = loaded.cfg
+        self.tokenizer = loaded.tokenizer
+        self.topology = loaded.topology
+        self.bank = loaded.bank
+        self.router = router
+        self.featurizer_model = featurizer_model
+        self.device = resolve_device(device)
+        template = build_model(loaded.llama_config(use_cache=True), seed=0, device=self.device).eval()
+        self.cache = PathCache(self.bank, template, cache_size)
+        self._tokenizer_lock = threading.Lock()
+        self._router_lock = threading.Lock()
+        self._shards_lock = threading.Lock()
+        self._shards: dict | None = None
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
+                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE) -> "Pipeline":
+        """Loads everything up front, so a missing or bad run fails here with a DipacoError."""
+        loaded = load_experiment(run_dir, experiment, checkpoint, device)
+        router = load_router(loaded)
+        featurizer_model = None
+        if router is not None and router.featurizer.get("kind") == "lm_prefix":
+            featurizer_model = load_pretrained(loaded.cfg, tokenizer_only(loaded.tokenizer))
+            featurizer_model = featurizer_model.to(resolve_device(device)).eval()
+        return cls(loaded, router, featurizer_model, device=device, cache_size=cache_size)
+
+    # --- facts ---------------------------------------------------------------------------------
+    @property
+    def num_paths(self) -> int:
+        return self.topology.num_paths
+
+    @property
+    def experiment(self) -> str:
+        return self.loaded.name
+
+    @property
+    def checkpoint(self) -> str:
+        return self.loaded.checkpoint.name
+
+    def describe(self) -> dict:
+        return {
+            "experiment": self.experiment,
+            "checkpoint": self.checkpoint,
+            "topology": self.topology.describe(),
+            "num_paths": self.num_paths,
+            "router": None if self.router is None else self.router.kind,
+            "featurizer": None if self.router is None else self.router.featurizer.get("kind"),
+            "sharding": self.cfg.train.sharding,
+            "seq_len": self.cfg.data.seq_len,
+            "cache": self.cache.stats(),
+        }
+
+    def paths(self) -> list[dict]:
+        """Per path: id, module names, training shard size and validation perplexity (when known)."""
+        shards = self._shard_sizes()
+        evaluated = self._eval_report()
+        rows = []
+        for p in range(self.num_paths):
+            row = {"id": p, "modules": self.loaded.module_names(p), "train_docs": None, "train_tokens": None,
+                   "val_docs": None, "val_ppl": None, "val_checkpoint": None}
+            if shards is not None:
+                row["train_docs"], row["train_tokens"] = shards["docs"][p], shards["tokens"][p]
+            if evaluated is not None and p < len(evaluated.get("paths", [])):
+                row["val_docs"] = evaluated["paths"][p].get("docs")
+                row["val_ppl"] = evaluated["paths"][p].get("ppl")
+                row["val_checkpoint"] = evaluated.get("checkpoint")
+            rows.append(row)
+        return rows
+
+    def _eval_report(self) -> dict | None:
+        path = self.loaded.dir / EVAL_REPORT
+        try:
+            return json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def _shard_sizes(self) -> dict | None:
+        """Documents and tokens of each path's training shard, by the experiment's own sharding rule."""
+        with self._shards_lock:
+            if self._shards is None:
+                import numpy as np
+
+                from dipaco.data.prepare import load_prepared
+                from dipaco.route.shards import assign_paths
+
+                try:
+                    train = load_prepared(self.cfg).train
+                    paths = assign_paths(train, self.num_paths, self.cfg.train.sharding, self.cfg.run.seed,
+                                         self.cfg.train.shard_column)
+                except DipacoError:
+                    self._shards = {}
+                else:
+                    tokens = np.asarray(train["num_tokens"], dtype=np.int64)
+                    self._shards = {
+                        "docs": np.bincount(paths, minlength=self.num_paths).tolist(),
+                        "tokens": np.bincount(paths, weights=tokens, minlength=self.num_paths).astype(np.int64).tolist(),
+                    }
+            return self._shards or None
+
+    # --- text <-> tokens -------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids as training saw them: no special tokens added."""
+        with self._tokenizer_lock:  # a fast tokenizer's settings are shared state; one caller at a time
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # --- routing -------------------------------------------------------------------------------
+    def route(self, text: str) -> tuple[int, list[float]]:
+        """The path the router picks for ``text`` and its score for every path (higher is better)."""
+        return self._route(text, self.encode(text))
+
+    def _route(self, text: str, ids: list[int]) -> tuple[int, list[float]]:
+        if self.router is None:
+            raise DipacoError(
+                f"experiment {self.experiment} was trained with train.sharding={self.cfg.train.sharding}: "
+                f"it has no router, so name a path (0..{self.num_paths - 1})"
+            )
+        if not ids:
+            raise DipacoError("cannot route an empty text: it has no tokens")
+        # Like `dipaco route`, the featurizer reads only the routing context: the first prefix_tokens tokens.
+        lm_prefix = self.router.featurizer.get("kind") == "lm_prefix"
+        context = None if lm_prefix else self.decode(ids[: self.cfg.data.prefix_tokens or len(ids)])
+        with self._router_lock:
+            if lm_prefix:
+                features = self._lm_prefix_features(ids)
+            else:
+                features = self.router.featurize([context]).float()
+            scores = self.router.scores(features)[0]
+        # Router contract: assign() is the argmax of scores() (nearest centroid, per-level nearest for
+        # product k-means, best logit for the linear router); one pass instead of two.
+        path = int(torch.argmax(scores))
+        return path, scores.tolist()
+
+    @torch.inference_mode()
+    def _lm_prefix_features(self, ids: list[int]) -> torch.Tensor:
+        """The router's LM-prefix feature of one token sequence: mean last hidden state over its first
+        ``prefix_tokens`` tokens, as ``routing.featurize.lm_prefix_features`` computes it for a batch
+        (which also moves the model and flips train/eval on every call: too slow per request)."""
+        k = int(self.router.featurizer.get("prefix_tokens", 32))
+        x = torch.tensor([ids[:k]], dtype=torch.long, device=self.device)
+        # The base model's last_hidden_state (after the final norm) is the causal LM's hidden_states[-1],
+        # which the featurizer averages; skipping the LM head and the per-layer states saves ~10%.
+        hidden = self.featurizer_model.base_model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state
+        return (hidden.float().sum(dim=1) / x.shape[1]).cpu()
+
+    # --- generation ----------------------------------------------------------------------------
+    def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, path: int | None = None,
+                 min_new_tokens: int = 0) -> Generation:
+        """Routes ``prompt`` (unless ``path`` is given), composes that path and continues the prompt.
+
+        ``temperature`` 0 is greedy decoding; above 0 it samples (with ``top_k`` > 0 and ``top_p`` < 1
+        filtering), from ``seed`` when given. Generation stops at EOS or after ``max_new_tokens``;
+        ``min_new_tokens`` suppresses EOS until that many tokens exist (benchmarks use it).
+        """
+        start = time.perf_counter()
+        _check_generation_args(max_new_tokens, temperature, top_p, top_k, min_new_tokens)
+        ids = self.encode(prompt)
+        if not ids:
+            raise DipacoError("the prompt is empty: it has no tokens to continue")
+        scores = None
+        if path is None:
+            path, scores = self._route(prompt, ids)
+        else:
+            self.loaded.check_path(path)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+        )
+        if min_new_tokens:
+            kwargs["min_new_tokens"] = min_new_tokens
+        if temperature > 0:
+            seed = secrets.randbits(63) if seed is None else int(seed)
+            kwargs["logits_processor"] = sampling_processors(temperature, top_p, top_k, seed, self.device)
+        else:
+            seed = None
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        entry = self.cache.get(path)
+        with entry.lock, torch.inference_mode():
+            out = entry.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        new = out[0, len(ids):].tolist()
+        finish = "stop" if new and new[-1] == self.tokenizer.eos_token_id else "length"
+        text = self.decode(new)
+        return Generation(path=path, scores=scores, text=text, prompt_tokens=len(ids), completion_tokens=len(new),
+                          latency_ms=(time.perf_counter() - start) * 1000.0, finish_reason=finish, seed=seed)
+
+
+def _check_generation_args(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                           min_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise DipacoError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise DipacoError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise DipacoError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise DipacoError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise DipacoError(f"top_k must be >= 0 (0 = off), got {top_k}")

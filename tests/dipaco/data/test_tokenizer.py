@@ -1,0 +1,93 @@
+import json
+
+import datasets
+import pytest
+import transformers
+
+from dipaco.errors import ConfigError, DataError
+from dipaco.data.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer, tokenize_corpus, train_tokenizer
+
+WORDS = "the model routes each document to a path of modules trained with local outer steps".split()
+
+
+def texts(n: int = 200) -> list[str]:
+    # Varied short texts with repeats, so BPE has frequent pairs to merge.
+    return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(3 + i % 9)) + f" #{i}" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(texts(), vocab_size=300, out_dir=out, show_progress=False)
+    return out
+
+
+def test_reloads_offline_with_auto_tokenizer(tokenizer_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert tok.eos_token == EOS_TOKEN and tok.pad_token == PAD_TOKEN
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None and tok.eos_token_id != tok.pad_token_id
+    assert tok.bos_token is None
+    assert len(tok) == 300
+
+
+def test_unicode_round_trip_without_added_special_tokens(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    text = "  Zürich → 東京, naïve café 🙂\n\ttabs\r\nand  spaces "
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text
+    assert tok.eos_token_id not in ids and tok.pad_token_id not in ids  # no BOS/EOS added by encoding
+    assert tok.encode("the model", add_special_tokens=True) == tok.encode("the model", add_special_tokens=False)
+
+
+def test_special_tokens_are_atomic(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    assert tok(EOS_TOKEN, add_special_tokens=False)["input_ids"] == [tok.eos_token_id]
+
+
+def test_training_is_deterministic(tokenizer_dir, tmp_path):
+    train_tokenizer(texts(), vocab_size=300, out_dir=tmp_path, show_progress=False)
+    first = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    second = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert first["model"]["vocab"] == second["model"]["vocab"]
+    assert first["model"]["merges"] == second["model"]["merges"]
+
+
+def test_training_learns_merges(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    assert len(tok("the model routes")["input_ids"]) < len("the model routes")
+
+
+def test_vocab_too_small_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="vocab_size=100"):
+        train_tokenizer(texts(), vocab_size=100, out_dir=tmp_path, show_progress=False)
+
+
+def test_no_texts_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="no texts"):
+        train_tokenizer([], vocab_size=300, out_dir=tmp_path, show_progress=False)
+
+
+def test_load_tokenizer_rejects_other_directories(tmp_path):
+    with pytest.raises(DataError, match="not a tokenizer directory"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match="cannot load the tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_tokenize_corpus_adds_ids_and_lengths(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    split = {"id": ["a", "b", "c"], "text": ["the model", "", "routes 🙂 each"], "label": ["x", "y", "z"]}
+    corpus = datasets.DatasetDict(train=datasets.Dataset.from_dict(split), validation=datasets.Dataset.from_dict(split))
+    out = tokenize_corpus(corpus, tok, batch_size=2)
+    for name in ("train", "validation"):
+        ds = out[name]
+        assert ds.column_names == ["id", "text", "label", "input_ids", "num_tokens"]
+        for row in ds:
+            assert row["input_ids"] == tok(row["text"], add_special_tokens=False)["input_ids"]
+            assert row["num_tokens"] == len(row["input_ids"])
+        assert ds[1]["num_tokens"] == 0
+
+    single = tokenize_corpus(corpus["train"], tok)  # a bare Dataset works too
+    assert isinstance(single, datasets.Dataset) and single["num_tokens"][:] == out["train"]["num_tokens"][:]

@@ -1,0 +1,59 @@
+"""Test-time re-routing eval: same scored tokens as `dipaco eval`, and W >= the document is once-per-sequence."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dipaco.cli import main
+from dipaco.errors import ConfigError
+from dipaco.eval.evaluate import validation_docs
+from dipaco.data.prepare import load_prepared
+from dipaco.eval.reroute_eval import REPORT, decision_points, parse_every, reroute_evaluate, window_paths
+from dipaco.run_dir import RunDir
+
+from tiny import TINY
+
+
+def test_window_paths_follow_the_decisions():
+    # first scored token 4, W=3: windows [4,7) keep the doc route, [7,10) and [10,12) use the decisions.
+    assert decision_points(12, 4, 3) == [7, 10]
+    paths = window_paths(12, 4, 3, doc_route=1, decided={7: 2, 10: 0})
+    assert paths[4:].tolist() == [1, 1, 1, 2, 2, 2, 0, 0]
+    assert (window_paths(12, 4, None, 3, {}) == 3).all()
+
+
+def test_reroute_eval_matches_eval_and_is_once_per_sequence_for_long_windows(served_run):
+    evaluated = json.loads((RunDir(served_run.run.dir).experiment(served_run.train.name) / "eval.json").read_text())
+    docs, _ = validation_docs(served_run, load_prepared(served_run))
+    longest = max(len(d) for d in docs)
+    report = reroute_evaluate(served_run, [longest, 48])
+    once, long_w, short_w = report["results"]
+    assert once["reroute_every"] is None and long_w["reroute_every"] == longest and short_w["reroute_every"] == 48
+    for r in report["results"]:  # exactly evaluate.py's scored tokens
+        assert r["scored_tokens"] == evaluated["overall"]["scored_tokens"]
+    assert np.isclose(once["nll"], evaluated["overall"]["nll"], rtol=1e-6)
+    assert np.isclose(long_w["nll"], once["nll"], rtol=1e-9) and long_w["decisions"] == 0
+    assert short_w["decisions"] > 0 and np.isfinite(short_w["ppl"])
+    assert 0.0 < short_w["tokens_off_document_route"] < 1.0  # the router does move some windows
+    saved = json.loads((RunDir(served_run.run.dir).experiment(served_run.train.name) / REPORT).read_text())
+    assert saved["results"] == report["results"]
+
+
+def test_eval_command_with_reroute_every(served_run, capsys):
+    args = ["eval", *TINY, f"run.dir={served_run.run.dir}", f"data.corpus={served_run.data.corpus}",
+            "train.sharding=kmeans", "eval.max_docs=4", "--reroute-every", "64,32"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "once per doc" in out and "every 64" in out and "every 32" in out
+    assert main(args[:-1] + ["0,x"]) == 2
+    assert "--reroute-every" in capsys.readouterr().err
+
+
+def test_reroute_needs_a_router(served_run):
+    with pytest.raises(ConfigError, match="sharding=kmeans"):
+        reroute_evaluate(replace(served_run, train=replace(served_run.train, sharding="iid")), [64])
+    with pytest.raises(ConfigError):
+        parse_every("0")
+    assert parse_every("128, 64,32") == [128, 64, 32]

@@ -1,0 +1,115 @@
+"""`dipaco route` / `dipaco reroute` wired to the trainer, on the tiny run."""
+
+import json
+from dataclasses import replace
+
+import datasets
+import numpy as np
+import pytest
+
+from dipaco.config import Config
+from dipaco.errors import ConfigError, DataError
+from dipaco.eval.evaluate import evaluate_experiment
+from dipaco.route.assign import route
+from dipaco.route.reroute import reroute
+from dipaco.run_dir import RunDir
+from dipaco.train.loop import train
+from routing.router import Router
+
+
+def routed(cfg: Config, **route_kw) -> Config:
+    return replace(cfg, train=replace(cfg.train, sharding="kmeans"), route=replace(cfg.route, **route_kw))
+
+
+@pytest.mark.parametrize("featurizer,method", [("lm_prefix", "kmeans"), ("tfidf_svd", "product")])
+def test_route_writes_shards_artifact_and_report_and_train_uses_them(run_cfg, featurizer, method):
+    cfg = routed(run_cfg, featurizer=featurizer, method=method, svd_components=8, topk=2)
+    report = route(cfg)
+    run = RunDir(cfg.run.dir)
+    splits = datasets.load_from_disk(str(run.routing / "data"))
+    train_paths = np.asarray(splits["train"]["path"])
+    assert report["train"]["docs_per_path"] == np.bincount(train_paths, minlength=4).tolist()
+    # Balanced with slack 0.1: no shard over ceil(N/P * 1.1).
+    n = len(train_paths)
+    assert max(report["train"]["docs_per_path"]) <= int(np.ceil(n / 4 * 1.1))
+    assert {"nmi", "ari", "purity"} <= set(report["train"])  # the slice has labels
+    assert np.asarray(splits["train"]["paths_topk"]).shape == (n, 2)
+    assert json.loads((run.routing / "routing_report.json").read_text())["router"] == report["router"]
+
+    router = Router.load(run.routing / "router")
+    router.check_fits(4)
+    assert router.kind == ("kmeans" if method == "kmeans" else "product_kmeans")
+
+    exp = train(cfg)
+    sizes = [loop.sampler.sequences.shape[0] for loop in exp.loops.values()]
+    assert all(s > 0 for s in sizes)
+    ev = evaluate_experiment(cfg)
+    val_paths = np.asarray(splits["validation"]["path"])
+    assert [r["docs"] for r in ev["paths"]] == np.bincount(val_paths, minlength=4).tolist()
+
+
+def test_train_with_kmeans_before_route_says_what_to_run(run_cfg):
+    with pytest.raises(DataError, match="dipaco route"):
+        train(routed(run_cfg))
+
+
+def test_product_routing_needs_a_grid(run_cfg):
+    cfg = routed(run_cfg, method="product")
+    cfg = replace(cfg, topology=replace(cfg.topology, preset="moe:4"))
+    with pytest.raises(ConfigError, match="grid"):
+        route(cfg)
+
+
+def test_reroute_reshards_and_training_resumes(run_cfg):
+    cfg = routed(run_cfg, featurizer="lm_prefix", reroute_holdout=0.5)
+    cfg = replace(cfg, train=replace(cfg.train, rounds=3))
+    route(cfg)
+    train(cfg, until_round=2)
+    report = reroute(cfg)
+    assert report["router"] == "linear" and report["holdout_docs"] > 0
+    assert Router.load(RunDir(cfg.run.dir).routing / "router").kind == "linear"
+    # Sizes aim at uniform within the classifier's tolerance, and no shard is empty.
+    assert min(report["train"]["docs_per_path"]) > 0
+    exp = train(cfg, resume=True)
+    assert exp.checkpoints.latest().name == "round_000003"
+
+
+def test_reroute_of_one_experiment_is_refused_to_the_others_of_the_run(run_cfg):
+    """`dipaco reroute` rewrites the run's routing; an experiment trained on the old routing must not
+    resume, evaluate or serve on shards it never saw (the quality benchmark once did exactly that)."""
+    from dipaco.serve.pipeline import load_experiment, load_router
+
+    cfg = routed(run_cfg, featurizer="lm_prefix", reroute_holdout=0.5)
+    other = replace(cfg, train=replace(cfg.train, name="other", rounds=2))
+    rerouted = replace(cfg, train=replace(cfg.train, name="rerouted", rounds=2))
+    route(cfg)
+    train(other, until_round=1)
+    train(rerouted, until_round=1)
+    evaluate_experiment(other)  # same routing: fine
+    reroute(rerouted)
+
+    for job in (lambda: train(other, resume=True), lambda: evaluate_experiment(other), lambda: reroute(other),
+                lambda: load_router(load_experiment(other.run.dir, "other"))):
+        with pytest.raises(DataError, match="not the routing experiment 'other' was trained on"):
+            job()
+    # The re-routed experiment carries on on its new routing.
+    assert train(rerouted, resume=True).checkpoints.latest().name == "round_000002"
+    evaluate_experiment(rerouted)
+    # Routing again with the original settings restores the original routing, and `other` with it.
+    route(cfg)
+    assert train(other, resume=True).checkpoints.latest().name == "round_000002"
+
+
+def test_routing_sees_only_the_prefix_never_the_scored_tokens(run_cfg):
+    # Regression: TF-IDF routing once read whole documents, so a validation document's path was
+    # chosen from the very tokens its perplexity is measured on.
+    from dipaco.data.prepare import load_prepared
+    from dipaco.route.assign import routing_context
+
+    prepared = load_prepared(run_cfg, routed=False)
+    prefix = run_cfg.data.prefix_tokens
+    ds = prepared.validation.select(range(5))
+    tail_changed = ds.map(lambda row: {"input_ids": row["input_ids"][:prefix] + [7] * 50})
+    assert routing_context(ds, prepared, prefix) == routing_context(tail_changed, prepared, prefix)
+    for text, ids in zip(routing_context(ds, prepared, prefix), ds["input_ids"]):
+        assert text == prepared.tokenizer.decode(ids[:prefix])

@@ -1,0 +1,132 @@
+"""End-to-end training on a tiny model over a slice of real multi-domain text."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dipaco.checkpoint.store import load_state, load_tensors
+from dipaco.config import Config
+from dipaco.errors import CheckpointError, ConfigError
+from dipaco.eval.evaluate import evaluate_experiment, evaluate_pretrained
+from dipaco.metrics import read_metrics
+from dipaco.run_dir import RunDir
+from dipaco.train.loop import train
+
+
+def with_train(cfg: Config, **kw) -> Config:
+    return replace(cfg, train=replace(cfg.train, **kw))
+
+
+def assert_same_tree(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_resume_is_bit_exact(run_cfg):
+    straight = train(with_train(run_cfg, name="straight", rounds=4))
+    cfg = with_train(run_cfg, name="resumed", rounds=4)
+    train(cfg, until_round=2)
+    resumed = train(cfg, resume=True)
+
+    for a, b in zip(straight.bank.params, resumed.bank.params):
+        assert torch.equal(a, b)
+    assert_same_tree(straight.sync.state_dict(), resumed.sync.state_dict(), "sync")
+    for p in straight.loops:
+        assert_same_tree(straight.loops[p].state_dict(), resumed.loops[p].state_dict(), f"path{p}")
+        for x, y in zip(straight.loops[p].model.parameters(), resumed.loops[p].model.parameters()):
+            assert torch.equal(x, y)
+    # The metrics of the resumed experiment continue where they stopped: one record per path per round.
+    rounds = [r["round"] for r in read_metrics(resumed.dir / "metrics.jsonl", "path")]
+    assert rounds == [r for r in (1, 2, 3, 4) for _ in range(4)]
+
+
+def test_training_lowers_validation_perplexity(run_cfg):
+    pretrained = evaluate_pretrained(run_cfg)
+    random_init = with_train(run_cfg, name="from_random", init="random", rounds=1, inner_steps=1)
+    train(random_init, until_round=0)  # builds the experiment, runs no round: no checkpoint
+    cfg = with_train(run_cfg, rounds=3, inner_steps=10)
+    train(cfg)
+    report = evaluate_experiment(cfg)
+    assert report["overall"]["ppl"] < pretrained["overall"]["ppl"]
+    assert report["overall"]["ppl"] < run_cfg.tokenizer.vocab_size  # far below a uniform guess
+    # Every validation doc is routed to exactly one path, and per-path counts add up.
+    assert sum(r["docs"] for r in report["paths"]) == report["overall"]["docs"]
+    assert sum(r["scored_tokens"] for r in report["paths"]) == report["overall"]["scored_tokens"]
+    assert all(r["scored_tokens"] > 0 for r in report["paths"])
+
+
+def test_metrics_log_loss_throughput_and_outer_norms_per_module(run_cfg):
+    exp = train(run_cfg)
+    paths = read_metrics(exp.dir / "metrics.jsonl", "path")
+    assert {(r["round"], r["path"]) for r in paths} == {(r, p) for r in (1, 2) for p in range(4)}
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in paths)
+    outer = read_metrics(exp.dir / "metrics.jsonl", "outer")
+    assert len(outer) == 2
+    assert set(outer[0]["outer_grad_norm"]) == {m.name for m in exp.topology.modules}
+    assert (exp.dir / "config.yaml").is_file()
+
+
+def test_checkpoints_keep_last_k_and_refuse_silent_overwrite(run_cfg):
+    cfg = with_train(run_cfg, rounds=3, keep_checkpoints=2)
+    exp = train(cfg)
+    assert [p.name for p in exp.checkpoints.checkpoints()] == ["round_000002", "round_000003"]
+    with pytest.raises(ConfigError, match="already has checkpoints"):
+        train(cfg)
+
+
+def test_corrupted_checkpoint_is_named_and_previous_stays_usable(run_cfg):
+    cfg = with_train(run_cfg, rounds=3)
+    exp = train(cfg, until_round=2)
+    latest = exp.checkpoints.latest()
+    bank_file = latest / "bank.safetensors"
+    data = bytearray(bank_file.read_bytes())
+    data[-10] ^= 0xFF
+    bank_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"bank\.safetensors: corrupted.*round_000001"):
+        train(cfg, resume=True)
+    resumed = train(cfg, resume_from=str(exp.checkpoints.root / "round_000001"))
+    assert resumed.checkpoints.latest().name == "round_000003"
+
+
+def test_truncated_checkpoint_file_is_reported(run_cfg):
+    exp = train(run_cfg, until_round=1)
+    inner = exp.checkpoints.latest() / "paths" / "path_002" / "inner.pt"
+    inner.write_bytes(inner.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"path_002/inner\.pt: truncated"):
+        train(run_cfg, resume=True)
+
+
+def test_resume_with_a_changed_config_is_refused(run_cfg):
+    train(run_cfg, until_round=1)
+    changed = replace(run_cfg, outer=replace(run_cfg.outer, lr=0.5))
+    with pytest.raises(ConfigError, match=r"outer\.lr: 0\.7 -> 0\.5"):
+        train(changed, resume=True)
+
+
+def test_checkpoint_holds_bank_outer_paths_and_state(run_cfg):
+    exp = train(run_cfg)
+    ckpt = exp.checkpoints.latest()
+    bank = load_tensors(ckpt / "bank.safetensors")
+    assert any(k.startswith("level1.1/") for k in bank)
+    assert set(load_tensors(ckpt / "outer.safetensors")) == {m.name for m in exp.topology.modules}
+    state = load_state(ckpt / "paths" / "path_003" / "inner.pt")
+    assert state["step"] == 2 * run_cfg.train.inner_steps and "optimizer" in state and "sampler" in state
+    assert load_state(ckpt / "trainer_state.pt")["round"] == 2
+
+
+def test_empty_shard_is_a_clear_error(run_cfg):
+    cfg = replace(run_cfg, topology=replace(run_cfg.topology, preset="moe:4096"))
+    with pytest.raises(Exception, match="shard of path .* is empty"):
+        train(cfg)
+    assert not RunDir(cfg.run.dir).experiment(cfg.train.name).joinpath("checkpoints").exists()
