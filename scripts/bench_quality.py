@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dipaco.atomic import write_text  # noqa: E402
 from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
 from dipaco.config import Config, apply_overrides, config_diff, load_config  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -317,9 +318,7 @@ def write_results(path: Path, base: Config, init: dict, results: list[dict], **e
     """Rewritten after every row, so an interrupted run loses at most the row in progress."""
     payload = {"base_config": OmegaConf.to_container(OmegaConf.structured(base)),
                "pretrained_ppl": init["overall"]["ppl"], "rows": results, **extra}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    write_text(path, json.dumps(payload, indent=2))
 
 
 def finished_rows(path: Path, base: Config) -> dict[str, dict]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedModel
 
+from dipaco.atomic import write_text
 from dipaco.checkpoint.experiment import experiment_checkpoint
 from dipaco.config import Config
 from dipaco.data.prepare import Prepared, load_prepared
@@ -117,9 +118,7 @@ def evaluate_pretrained(cfg: Config) -> dict:
 
 
 def _write(report: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)
+    write_text(path, json.dumps(report, indent=2))
 
 
 def print_path_table(report: dict) -> None:

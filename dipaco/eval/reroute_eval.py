@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dipaco.atomic import write_text
 from dipaco.checkpoint.experiment import experiment_checkpoint
 from dipaco.config import Config
 from dipaco.data.packing import IGNORE_INDEX, EvalWindow, count_scored_tokens, eval_windows
@@ -226,9 +227,7 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
         "docs": len(docs),
         "results": results,
     }
-    tmp = exp_dir / (REPORT + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(exp_dir / REPORT)
+    write_text(exp_dir / REPORT, json.dumps(report, indent=2))
     print_reroute_table(report)
     return report
 

@@ -21,13 +21,14 @@ The k-means, balancing and classifier live in the trainer-independent ``routing`
 from __future__ import annotations
 
 import json
-import shutil
 import time
+from pathlib import Path
 
 import datasets
 import numpy as np
 import torch
 
+from dipaco.atomic import replacing
 from dipaco.checkpoint.store import save_tensors
 from dipaco.config import Config
 from dipaco.data.prepare import Prepared, load_prepared
@@ -89,8 +90,12 @@ def _check_texts(ds: datasets.Dataset, split: str) -> None:
 def write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
                    topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict) -> None:
     """Writes the routed splits, artifact, features and report next to the old ones, then swaps."""
-    tmp = run.root / ".routing.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    with replacing(run.routing) as tmp:
+        _write_routing_dir(tmp, prepared, router, paths, topk, features, report)
+
+
+def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
+                       topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict) -> None:
     splits = {}
     for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
         ds = ds.remove_columns([c for c in ("path", "paths_topk") if c in ds.column_names])
@@ -106,14 +111,6 @@ def write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[s
     (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
     save_tensors(features, tmp / FEATURES)
     (tmp / REPORT).write_text(json.dumps(report, indent=2, default=float))
-    if run.routing.exists():
-        previous = run.root / ".routing.previous"
-        shutil.rmtree(previous, ignore_errors=True)
-        run.routing.rename(previous)
-        tmp.rename(run.routing)
-        shutil.rmtree(previous)
-    else:
-        tmp.rename(run.routing)
 
 
 def routing_summary(router: Router, paths: dict[str, np.ndarray], prepared: Prepared, seconds: float, extra: dict) -> dict:

@@ -20,13 +20,13 @@ never write the same file.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from transformers import PreTrainedModel
 
+from dipaco.atomic import replacing, write_text
 from dipaco.checkpoint.store import load_tensors, save_tensors
 from dipaco.data.hashing import holdout_mask
 from dipaco.errors import CheckpointError
@@ -70,12 +70,9 @@ class PathEarlyStopping:
     def _save(self, path: int, model: PreTrainedModel) -> None:
         """Parameters first, then the record: a crash in between leaves a record that is too old, never
         one that claims parameters which were not written."""
-        params = self.dir / f"path_{path:03d}.safetensors"
-        save_tensors(dict(model.named_parameters()), params.with_suffix(".tmp"))
-        os.replace(params.with_suffix(".tmp"), params)
-        record = self.dir / f"path_{path:03d}.json"
-        record.with_suffix(".tmp").write_text(json.dumps(self.best[path]))
-        os.replace(record.with_suffix(".tmp"), record)
+        with replacing(self.dir / f"path_{path:03d}.safetensors") as tmp:
+            save_tensors(dict(model.named_parameters()), tmp)
+        write_text(self.dir / f"path_{path:03d}.json", json.dumps(self.best[path]))
 
 
 def load_best_path(directory: Path, path: int, model: PreTrainedModel) -> PreTrainedModel:

@@ -7,13 +7,13 @@ directory is a standard HF model that routing can featurize with.
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import numpy as np
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dipaco.atomic import replacing
 from dipaco.config import Config, save_config
 from dipaco.data.prepare import Prepared, load_prepared
 from dipaco.errors import DataError
@@ -58,17 +58,15 @@ def pretrain(cfg: Config) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     echo(f"[pretrain] dense model {n_params:,} params, {sequences.shape[0]} sequences of {cfg.data.seq_len}, {steps} steps")
 
-    tmp = run.root / ".pretrain.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    metrics = MetricsLogger(tmp)
     start = time.perf_counter()
-    with tqdm(total=steps, desc="pretrain", disable=not cfg.run.progress, dynamic_ncols=True) as bar:
-        stats = loop.run(steps, progress=bar, log_every=cfg.train.log_every)
-    metrics.log("pretrain", step=steps, loss=stats.loss, tokens=stats.tokens, tokens_per_s=stats.tokens_per_s, lr=stats.lr)
-    metrics.close()
-    model.save_pretrained(tmp)  # safetensors by default
-    prepared.tokenizer.save_pretrained(tmp)
-    save_config(cfg, tmp / "run_config.yaml")
-    shutil.rmtree(run.pretrain, ignore_errors=True)
-    tmp.rename(run.pretrain)
+    with replacing(run.pretrain) as tmp:
+        metrics = MetricsLogger(tmp)
+        with tqdm(total=steps, desc="pretrain", disable=not cfg.run.progress, dynamic_ncols=True) as bar:
+            stats = loop.run(steps, progress=bar, log_every=cfg.train.log_every)
+        metrics.log("pretrain", step=steps, loss=stats.loss, tokens=stats.tokens, tokens_per_s=stats.tokens_per_s,
+                    lr=stats.lr)
+        metrics.close()
+        model.save_pretrained(tmp)  # safetensors by default
+        prepared.tokenizer.save_pretrained(tmp)
+        save_config(cfg, tmp / "run_config.yaml")
     echo(f"[pretrain] loss {stats.loss:.3f}, {stats.tokens_per_s:,.0f} tok/s, {time.perf_counter() - start:.0f}s -> {run.pretrain}")

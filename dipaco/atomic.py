@@ -1,0 +1,50 @@
+"""Write to a temporary sibling, then rename: a reader sees the old content or the new, never half.
+
+Every job that replaces a file or directory in a run goes through :func:`replacing`; checkpoints,
+whose several writers share one temporary directory, have their own protocol in
+:mod:`dipaco.checkpoint.store`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@contextmanager
+def replacing(final: str | Path) -> Iterator[Path]:
+    """Yields a temporary sibling path of ``final`` (nothing is created there): write the new file or
+    directory at it. When the block succeeds it takes ``final``'s place, and an old directory is
+    removed only after the swap; when the block fails, the temporary is removed and ``final`` is
+    untouched."""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp")
+    _remove(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    if final.is_dir() and not final.is_symlink():
+        old = final.with_name(f".{final.name}.old")
+        _remove(old)
+        final.rename(old)
+        tmp.rename(final)
+        _remove(old)
+    else:
+        os.replace(tmp, final)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text)
