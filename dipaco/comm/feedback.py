@@ -40,8 +40,16 @@ class ErrorFeedback:
         self.transport, self.applied = transport, applied
         self.residual: dict[int, torch.Tensor] = {}  # module id -> carried encoding error
 
-    def __getattr__(self, name: str):  # holders, modules, mine, check_identical ...: the transport's
-        return getattr(self.transport, name)
+    @property
+    def modules(self) -> tuple[int, ...]:
+        return self.transport.modules
+
+    @property
+    def mine(self):
+        return self.transport.mine
+
+    def check_identical(self, tensors, stats=None) -> None:
+        self.transport.check_identical(tensors, stats)
 
     def start(self, payloads: Mapping[int, Payload]) -> _FeedbackReduction:
         carried = {m: Payload(p.meta, p.values + self.residual[m]) if m in self.residual else p

@@ -69,8 +69,8 @@ class Reduced:
 class Reduction:
     """Collectives in flight; :meth:`wait` finishes them (idempotent)."""
 
-    def __init__(self, steps: list[Callable[[], None]], result: Reduced, world: World) -> None:
-        self._steps, self._result, self._world = steps, result, world
+    def __init__(self, steps: list[Callable[[], None]], result: Reduced) -> None:
+        self._steps, self._result = steps, result
 
     def wait(self) -> Reduced:
         steps, self._steps = self._steps, []
@@ -147,12 +147,6 @@ class Transport:
         """The modules this rank communicates."""
         return tuple(m for group, _ in self.mine for m in group.modules)
 
-    def holders(self, module_id: int) -> tuple[int, ...] | None:
-        for group, _ in self.mine:
-            if module_id in group.modules:
-                return group.ranks
-        return None
-
     def _what(self, verb: str, group: CommGroup) -> str:
         names = [self.names[m] for m in group.modules]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
@@ -178,7 +172,7 @@ class Transport:
                 steps.append(self._two_phase(group, handle, rows, result, track_error))
             else:
                 steps.append(self._gather(group, handle, rows, result, track_error))
-        return Reduction(steps, result, self.world)
+        return Reduction(steps, result)
 
     def reduce(self, payloads: Mapping[int, Payload], track_error: bool = False) -> Reduced:
         return self.start(payloads, track_error).wait()

@@ -55,7 +55,6 @@ class DiLoCo(OuterSync):
         self.weights = dict(ctx.weights)
         self.nesterov = ModuleNesterov(ctx.bank, cfg.outer)
         self.writers = module_writers(ctx.topology, ctx.by_rank)
-        self.by_rank = [tuple(ps) for ps in ctx.by_rank]
         names = {m.id: m.name for m in ctx.topology.modules}
         codec = build_codec(cfg.dist.comm_dtype, cfg.dist.chunk_size)
         transport = Transport(plan_groups(ctx.topology, owners_of(ctx.by_rank)), ctx.world, codec, names,
