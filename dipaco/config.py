@@ -346,9 +346,10 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-# Keys a resumed run may change without changing what it computes.
+# Keys a resumed run may change without changing what it computes. ``run.dir`` only says where the
+# run lives: the same run spelled relatively instead of absolutely, or moved, resumes.
 RESUME_MUTABLE = (
-    "run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.",
+    "run.dir", "run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.",
     "route.",  # re-routing between rounds is the point of `dipaco reroute`
     "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
 )
