@@ -32,6 +32,8 @@ class RunConfig:
 class DataConfig:
     corpus: str = "bbc"  # "bbc" (built in), a local file/dir/glob, or a hub dataset name
     format: Optional[str] = None  # json | csv | parquet | text; inferred from the extension
+    csv_columns: Optional[List[str]] = None  # headerless CSV: its column names, in order (e.g. [label, title, text])
+    hub: bool = False  # a corpus name that is not builtin or local is loaded from the Hugging Face hub
     hub_config: Optional[str] = None
     hub_split: Optional[str] = None
     text_field: str = "text"
