@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     except DipacoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (SIGINT): one line, no traceback; 130 = 128 + SIGINT, as shells report it
+        hint = "; continue with --resume" if args.command == "train" else ""
+        print(f"interrupted: dipaco {args.command} stopped{hint}", file=sys.stderr)
+        return 130
     return 0
 
 

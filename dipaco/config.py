@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -31,6 +32,8 @@ class RunConfig:
 class DataConfig:
     corpus: str = "bbc"  # "bbc" (built in), a local file/dir/glob, or a hub dataset name
     format: Optional[str] = None  # json | csv | parquet | text; inferred from the extension
+    csv_columns: Optional[List[str]] = None  # headerless CSV: its column names, in order (e.g. [label, title, text])
+    hub: bool = False  # a corpus name that is not builtin or local is loaded from the Hugging Face hub
     hub_config: Optional[str] = None
     hub_split: Optional[str] = None
     text_field: str = "text"
@@ -248,9 +251,49 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.early_stopping_holdout: must be in [0, 1), got {cfg.train.early_stopping_holdout}")
     if cfg.pretrain.steps < 0:
         raise ConfigError(f"pretrain.steps: must be >= 0, got {cfg.pretrain.steps}")
-    if not cfg.train.name or "/" in cfg.train.name:
-        raise ConfigError(f"train.name: must be a non-empty directory name, got {cfg.train.name!r}")
+    name = cfg.train.name
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ConfigError(
+            f"train.name: must be a plain directory name (no '/', not '.' or '..'; it names "
+            f"<run.dir>/train/<name>), got {name!r}"
+        )
+    _validate_optimizers(cfg)
+    if cfg.model.num_kv_heads is not None and (
+        cfg.model.num_kv_heads <= 0 or cfg.model.num_heads % cfg.model.num_kv_heads
+    ):
+        raise ConfigError(
+            f"model.num_kv_heads: must be > 0 and divide model.num_heads={cfg.model.num_heads}, "
+            f"got {cfg.model.num_kv_heads}"
+        )
     return cfg
+
+
+def _check_range(key: str, value: float, low: float, high: float, *, high_open: bool = True) -> None:
+    """``value`` must be a finite number in [low, high) (or [low, high] with ``high_open=False``)."""
+    ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        bound = ")" if high_open else "]"
+        where = f">= {low}" if math.isinf(high) else f"in [{low}, {high}{bound}"
+        raise ConfigError(f"{key}: must be a finite number {where}, got {value}")
+
+
+def _validate_optimizers(cfg: Config) -> None:
+    """Every optimizer setting: the inner AdamW of pretraining and training, and the outer SGD."""
+    inf = math.inf
+    for section in ("pretrain.optim", "train.optim"):
+        optim: OptimConfig = _get(cfg, section)
+        _check_range(f"{section}.lr", optim.lr, 0.0, inf)
+        _check_range(f"{section}.beta1", optim.beta1, 0.0, 1.0)
+        _check_range(f"{section}.beta2", optim.beta2, 0.0, 1.0)
+        _check_range(f"{section}.weight_decay", optim.weight_decay, 0.0, inf)
+        _check_range(f"{section}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0, high_open=False)
+        _check_range(f"{section}.grad_clip", optim.grad_clip, 0.0, inf)
+        if not (math.isfinite(optim.eps) and optim.eps > 0):
+            raise ConfigError(f"{section}.eps: must be a finite number > 0, got {optim.eps}")
+        if optim.warmup_steps < 0:
+            raise ConfigError(f"{section}.warmup_steps: must be >= 0, got {optim.warmup_steps}")
+    _check_range("outer.lr", cfg.outer.lr, 0.0, inf)
+    _check_range("outer.momentum", cfg.outer.momentum, 0.0, inf)
 
 
 def _merge(base: Any, path: str | Path | None, overrides: list[str] | None) -> Config:
@@ -310,9 +353,10 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-# Keys a resumed run may change without changing what it computes.
+# Keys a resumed run may change without changing what it computes. ``run.dir`` only says where the
+# run lives: the same run spelled relatively instead of absolutely, or moved, resumes.
 RESUME_MUTABLE = (
-    "run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.",
+    "run.dir", "run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.",
     "route.",  # re-routing between rounds is the point of `dipaco reroute`
     "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
 )

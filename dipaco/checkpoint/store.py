@@ -25,6 +25,7 @@ layout above. ``comm.safetensors`` (error-feedback residuals, per rank) exists o
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -113,6 +114,23 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         writers.barrier(f"creating {tmp}")
+        try:
+            self._fill(tmp, final, write, writers)
+        except BaseException as exc:  # disk full, interrupted, ...: no half-written directory is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                where = f" ({exc.filename})" if exc.filename else ""
+                reason = exc.strerror or str(exc)
+                raise CheckpointError(
+                    f"could not write checkpoint {final}: {reason}{where}; the partial checkpoint was removed "
+                    f"and the earlier checkpoints are intact: free the space and continue with --resume"
+                ) from None
+            raise
+        writers.barrier(f"renaming {final}")
+        return final
+
+    def _fill(self, tmp: Path, final: Path, write: Callable[[Path], Iterable[Path] | None], writers: Writers) -> None:
+        """Writes the files, the manifest, and (rank 0) renames ``tmp`` to ``final``."""
         written = write(tmp)
         if written is None:
             if writers.size > 1:
@@ -136,8 +154,6 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             self._prune()
-        writers.barrier(f"renaming {final}")
-        return final
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints (renamed into place), oldest first."""
@@ -157,21 +173,62 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def verify(ckpt: str | Path, select: Callable[[str], bool] | None = None) -> None:
-    """Raises CheckpointError naming the first missing, truncated or corrupted file.
+# Files a checkpoint's readers need whatever the run (the writer of rank 0 always writes them).
+REQUIRED = ("bank.safetensors", "outer.safetensors", "trainer_state.pt", "config.yaml")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-    ``select(relative_path)`` limits the check to the files a reader needs (default: all).
-    """
-    ckpt = Path(ckpt)
-    manifest_path = ckpt / MANIFEST
+
+def read_manifest(ckpt: str | Path) -> dict[str, dict]:
+    """The checkpoint's ``MANIFEST.json``, its structure checked: a JSON object mapping relative paths
+    inside the checkpoint to ``{"sha256": 64 hex digits, "bytes": size}``. Raises CheckpointError."""
+    manifest_path = Path(ckpt) / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{ckpt}: no {MANIFEST}; the checkpoint is incomplete")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from None
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{manifest_path}: malformed manifest: {what}")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"expected a JSON object of files, got {type(manifest).__name__}")
     for rel, entry in manifest.items():
-        if select is not None and not select(rel):
+        parts = rel.replace("\\", "/").split("/")
+        if not rel or rel.startswith("/") or Path(rel).is_absolute() or any(p in ("", ".", "..") for p in parts):
+            raise bad(f"{rel!r} is not a relative path inside the checkpoint")
+        if rel == MANIFEST:
+            raise bad(f"{rel!r} lists the manifest itself")
+        if not isinstance(entry, dict) or set(entry) != {"sha256", "bytes"}:
+            raise bad(f"{rel!r}: expected {{\"sha256\": ..., \"bytes\": ...}}, got {json.dumps(entry)[:80]}")
+        if not isinstance(entry["sha256"], str) or not _SHA256.match(entry["sha256"]):
+            raise bad(f"{rel!r}: sha256 is not 64 lowercase hex digits ({json.dumps(entry['sha256'])[:80]})")
+        size = entry["bytes"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad(f"{rel!r}: bytes is not a non-negative integer ({json.dumps(size)[:80]})")
+    return manifest
+
+
+def verify(ckpt: str | Path, select: Callable[[str], bool] | None = None) -> None:
+    """Raises CheckpointError naming the first missing, unlisted, truncated or corrupted file.
+
+    ``select(relative_path)`` limits the check to the files a reader needs (default: all). Every
+    such file in the directory must be listed in the manifest, and so must the files every reader
+    needs (``REQUIRED``): a file the manifest does not vouch for is never read.
+    """
+    ckpt = Path(ckpt)
+    manifest = read_manifest(ckpt)
+    wanted = select or (lambda rel: True)
+    for rel in REQUIRED:
+        if wanted(rel) and rel not in manifest:
+            raise CheckpointError(f"{ckpt / rel}: not listed in {ckpt / MANIFEST}; the checkpoint cannot be trusted")
+    for path in _files(ckpt):
+        rel = path.relative_to(ckpt).as_posix()
+        if wanted(rel) and rel not in manifest:
+            raise CheckpointError(f"{path}: not listed in {ckpt / MANIFEST}; the checkpoint cannot be trusted")
+    for rel, entry in manifest.items():
+        if not wanted(rel):
             continue
         path = ckpt / rel
         if not path.is_file():
@@ -202,9 +259,31 @@ def resolve_checkpoint(
 
 
 # --- tensor files ---------------------------------------------------------------------------------
+_IO_FAILURE = re.compile(r"unexpected pos|PytorchStreamWriter|IoError|No space left|os error", re.IGNORECASE)
+
+
+def _write_failed(path: Path, exc: Exception) -> Exception:
+    """An OSError naming ``path`` for a writer that reports a failed write in its own exception type
+    (``torch.save`` on a full disk raises a RuntimeError about stream positions, safetensors its own
+    error wrapping the IO error); any other exception is returned unchanged."""
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if not _IO_FAILURE.search(str(exc)):
+        return exc
+    return OSError(errno.EIO, f"write failed ({message}); is the disk full?", str(path))
+
+
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except OSError:
+        raise
+    except Exception as exc:
+        failed = _write_failed(path, exc)
+        if failed is exc:
+            raise
+        raise failed from exc
 
 
 def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -216,7 +295,15 @@ def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, to
 
 def save_state(obj: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(obj, path)
+    try:
+        torch.save(obj, path)
+    except OSError:
+        raise
+    except Exception as exc:
+        failed = _write_failed(path, exc)
+        if failed is exc:
+            raise
+        raise failed from exc
 
 
 def load_state(path: Path) -> dict:

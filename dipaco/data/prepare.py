@@ -11,13 +11,14 @@ import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import datasets
 from transformers import PreTrainedTokenizerFast
 
-from dipaco.config import Config, save_config
+from dipaco.config import Config, config_diff, load_config, save_config
 from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
-from dipaco.errors import DataError
+from dipaco.errors import DataError, DipacoError
 from dipaco.metrics import echo
 from dipaco.run_dir import RunDir
 from dipaco.data.tokenizer import load_tokenizer, tokenize_corpus, train_tokenizer
@@ -33,7 +34,11 @@ def corpus_spec(cfg: Config) -> CorpusSpec:
 
 
 def prepare_hash(cfg: Config) -> str:
-    payload = {"corpus": asdict(corpus_spec(cfg)), "tokenizer": asdict(cfg.tokenizer)}
+    corpus = asdict(corpus_spec(cfg))
+    corpus.pop("hub")  # permission to use the hub, not a property of the data
+    if corpus["csv_columns"] is None:  # keys added later hash as before while unset
+        corpus.pop("csv_columns")
+    payload = {"corpus": corpus, "tokenizer": asdict(cfg.tokenizer)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -91,6 +96,22 @@ def prepare(cfg: Config) -> dict:
     return info
 
 
+def _prepared_diff(cfg: Config, saved: Path) -> str:
+    """`` (key: prepared value vs this config's value; ...)`` over the keys that shape the prepared data."""
+    try:
+        prepared_cfg = load_config(saved)
+    except DipacoError:
+        return f" (see {saved})"
+    diff = [
+        line for line in config_diff(prepared_cfg, cfg, ignore=())
+        if line.startswith(("data.", "tokenizer."))
+        and line.split(":", 1)[0] not in {f"data.{k}" for k in (*_NOT_PREPARE_KEYS, "hub")}
+    ]
+    if not diff:
+        return f" (see {saved})"
+    return " (" + "; ".join(d.replace(" -> ", " when prepared, now ", 1) for d in diff) + f"; see {saved})"
+
+
 def load_prepared(cfg: Config, routed: bool | None = None) -> Prepared:
     """The prepared data of ``cfg.run.dir``, checked against ``cfg``.
 
@@ -104,8 +125,8 @@ def load_prepared(cfg: Config, routed: bool | None = None) -> Prepared:
     info = json.loads(info_path.read_text())
     if info["prepare_hash"] != prepare_hash(cfg):
         raise DataError(
-            f"{run.data} was prepared with different data/tokenizer settings than this config "
-            f"(see {run.data / 'config.yaml'}); rerun `dipaco prepare` or use the same config"
+            f"{run.data} was prepared with different data/tokenizer settings than this config"
+            f"{_prepared_diff(cfg, run.data / 'config.yaml')}; rerun `dipaco prepare` or use the same config"
         )
     if cfg.train.sharding == "kmeans" if routed is None else routed:
         from dipaco.route.shards import routed_splits  # routed copies of the same splits, plus a `path` column

@@ -4,11 +4,18 @@ The tokenizer is trained with HF `tokenizers` and saved with `save_pretrained`, 
 `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline. Byte-level means every
 string round-trips exactly (no unknown tokens). Encoding never adds BOS/EOS: the packer puts
 one EOS after each document itself.
+
+Very long documents (over ``MAX_PIECE_CHARS`` characters) are trained on and encoded in pieces
+cut just before a single space between two words, so memory stays bounded: a tokenizer handed a
+53 MB string at once holds every pre-token and offset of it (gigabytes). A byte-level BPE never
+merges across such a cut (its pre-tokens never end in a space before a word), so the pieces give
+exactly the tokens of the whole text; another tokenizer (``tokenizer.path``) may differ at a cut.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import datasets
@@ -21,6 +28,28 @@ EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]  # ids 0 and 1
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
+MAX_PIECE_CHARS = 1 << 20  # longer texts are tokenized in pieces of at most this many characters
+_CUT = re.compile(r"(?<=\S) (?=\S)")  # a single space between two non-space characters
+
+
+def text_pieces(text: str, max_chars: int | None = None) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``max_chars`` (default ``MAX_PIECE_CHARS``)
+    characters that join back to it.
+
+    Each cut is just before a single space between two words (searched in the second half of the
+    window); a text without one there is cut at ``max_chars``.
+    """
+    max_chars = max_chars or MAX_PIECE_CHARS
+    start, n = 0, len(text)
+    while n - start > max_chars:
+        end = start + max_chars
+        cut = None
+        for match in _CUT.finditer(text, start + max_chars // 2, end):
+            cut = match.start()
+        cut = cut if cut is not None and cut > start else end
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def train_tokenizer(
@@ -49,7 +78,7 @@ def train_tokenizer(
         nonlocal n_texts
         for text in items:
             n_texts += 1
-            yield text
+            yield from text_pieces(text)  # a whole huge text at once costs gigabytes in the trainer
 
     backend.train_from_iterator(counted(texts), trainer=trainer)
     if n_texts == 0:
@@ -92,7 +121,15 @@ def tokenize_corpus(
     """Add `input_ids` (list[int]) and `num_tokens` (int) to every row; other columns are kept."""
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        input_ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        texts = batch["text"]
+        long = [i for i, t in enumerate(texts) if len(t) > MAX_PIECE_CHARS]
+        short = [t if len(t) <= MAX_PIECE_CHARS else "" for t in texts]
+        input_ids = tokenizer(short, add_special_tokens=False)["input_ids"]
+        for i in long:  # piece by piece: the tokenizer's memory is bounded by the piece, not the text
+            ids: list[int] = []
+            for piece in text_pieces(texts[i]):
+                ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+            input_ids[i] = ids
         return {"input_ids": input_ids, "num_tokens": [len(ids) for ids in input_ids]}
 
     return ds.map(encode, batched=True, batch_size=batch_size, num_proc=num_proc, desc="Tokenizing")

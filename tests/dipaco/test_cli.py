@@ -83,3 +83,19 @@ def test_changed_data_config_after_prepare_is_refused(tmp_path, capsys):
     assert run(tmp_path, "prepare", path) == 0
     assert run(tmp_path, "pretrain", path, "tokenizer.vocab_size=600") == 2
     assert "rerun `dipaco prepare`" in capsys.readouterr().err
+
+
+def test_another_corpus_after_prepare_names_the_key_and_both_values(tmp_path, capsys):
+    path = corpus(tmp_path)
+    other = write_jsonl(tmp_path / "other.jsonl", [words(300, s) for s in range(40)])
+    assert run(tmp_path, "prepare", path) == 0
+    capsys.readouterr()
+    assert run(tmp_path, "pretrain", other) == 2
+    err = capsys.readouterr().err
+    assert f"data.corpus: '{path}' when prepared, now '{other}'" in err and err.count("\n") == 1
+
+
+def test_unknown_corpus_name_is_one_line_without_hub_access(tmp_path, capsys):
+    assert main(["prepare", *TINY, f"run.dir={tmp_path / 'run'}", "data.corpus=no_such_corpus_name"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data.corpus: 'no_such_corpus_name' is not a builtin corpus") and "data.hub=true" in err

@@ -59,3 +59,40 @@ def test_saved_config_reloads_identically(tmp_path):
     assert config_diff(cfg, again) == []
     changed = load_config(tmp_path / "c.yaml", ["outer.lr=0.5", "train.log_every=3"])
     assert config_diff(cfg, changed) == ["outer.lr: 0.7 -> 0.5"]
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.optim.lr=-0.001", "train.optim.lr"),
+        ("train.optim.lr=nan", "train.optim.lr"),
+        ("pretrain.optim.lr=-1", "pretrain.optim.lr"),
+        ("pretrain.optim.lr=inf", "pretrain.optim.lr"),
+        ("outer.lr=nan", "outer.lr"),
+        ("outer.lr=-0.7", "outer.lr"),
+        ("train.optim.beta1=1.0", "train.optim.beta1"),
+        ("train.optim.beta2=-0.1", "train.optim.beta2"),
+        ("pretrain.optim.beta2=1.5", "pretrain.optim.beta2"),
+        ("outer.momentum=-0.9", "outer.momentum"),
+        ("outer.momentum=nan", "outer.momentum"),
+        ("train.optim.warmup_steps=-5", "train.optim.warmup_steps"),
+        ("pretrain.optim.warmup_steps=-1", "pretrain.optim.warmup_steps"),
+        ("train.optim.eps=0", "train.optim.eps"),
+        ("train.optim.weight_decay=-0.1", "train.optim.weight_decay"),
+        ("model.num_kv_heads=3", "model.num_kv_heads"),
+        ("model.num_kv_heads=0", "model.num_kv_heads"),
+        ("train.name=..", "train.name"),
+        ("train.name=.", "train.name"),
+        ("train.name=a/../../b", "train.name"),
+        ("train.name=''", "train.name"),
+    ],
+)
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match="^" + key.replace(".", r"\.") + ":"):
+        load_config(None, [override])
+
+
+def test_good_edge_values_are_accepted():
+    cfg = load_config(None, ["model.num_kv_heads=2", "outer.momentum=0", "train.optim.beta1=0",
+                             "train.optim.warmup_steps=0", "train.name=my-run.v2"])
+    assert cfg.model.num_kv_heads == 2 and cfg.train.name == "my-run.v2"

@@ -265,7 +265,7 @@ def test_hub_errors_are_wrapped(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match="could not load 'someorg/somecorpus' from the Hugging Face hub.*offline"):
-        load_corpus(CorpusSpec(source="someorg/somecorpus"))
+        load_corpus(CorpusSpec(source="someorg/somecorpus", hub=True))
 
 
 def test_hub_splits_are_used_when_present(monkeypatch):
@@ -275,7 +275,7 @@ def test_hub_splits_are_used_when_present(monkeypatch):
     )
     hub = hub.cast_column("label", datasets.ClassLabel(names=["neg", "pos"]))
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: hub)
-    corpus, stats = load_corpus_with_stats(CorpusSpec(source="someorg/somecorpus"))
+    corpus, stats = load_corpus_with_stats(CorpusSpec(source="someorg/somecorpus", hub=True))
     assert stats.split_method == "source splits"
     assert corpus["train"]["text"][:] == ["a", "b", "c"] and corpus["validation"]["text"][:] == ["d", "e"]
     assert corpus["train"]["label"][:] == ["neg", "pos", "neg"]  # class names, not ints
@@ -289,6 +289,68 @@ def test_bad_spec_values_are_config_errors():
         load_corpus(CorpusSpec(empty_docs="drop"))
     with pytest.raises(ConfigError):
         load_corpus(CorpusSpec(format="xml"))
+
+
+def test_headerless_csv_with_named_columns(tmp_path):
+    path = tmp_path / "c.csv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerows([f"topic{i % 3}", f"Title {i}", f"row, with comma {i}"] for i in range(30))
+    corpus = load_corpus(spec(tmp_path, path, csv_columns=["label", "title", "text"], id_field=None))
+    assert len(corpus["train"]) + len(corpus["validation"]) == 30  # the first line is data, not a header
+    texts = sorted(corpus["train"]["text"][:] + corpus["validation"]["text"][:], key=lambda t: int(t.split()[-1]))
+    assert texts[0] == "row, with comma 0"
+    assert set(corpus["train"]["label"]) <= {"topic0", "topic1", "topic2"}
+    with pytest.raises(ConfigError, match="data.csv_columns"):
+        load_corpus(spec(tmp_path, path, csv_columns=["a", "a"]))
+    jsonl = write_jsonl(tmp_path / "c.jsonl", docs(10))
+    with pytest.raises(ConfigError, match="data.csv_columns"):
+        load_corpus(spec(tmp_path, jsonl, csv_columns=["label", "text"]))
+
+
+def test_label_field_that_is_not_a_column_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{**d, "topic": "x"} for d in docs(20)])
+    with pytest.raises(DataError, match=r"data\.label_field: .* no column 'category'; available columns: id, text, topic"):
+        load_corpus(spec(tmp_path, path, label_field="category"))
+    # The default name is used when the corpus has it and ignored otherwise; null turns labels off.
+    assert "label" not in load_corpus(spec(tmp_path, path))["train"].column_names
+    assert "label" not in load_corpus(spec(tmp_path, path, label_field=None))["train"].column_names
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "blank.jsonl", "empty.jsonl.gz"])
+def test_empty_jsonl_names_the_file(tmp_path, name):
+    path = tmp_path / name
+    content = b"\n  \n" if name.startswith("blank") else b""
+    if name.endswith(".gz"):
+        with gzip.open(path, "wb") as f:
+            f.write(content)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match=f"{name} is empty"):
+        load_corpus(spec(tmp_path, path))
+
+
+@pytest.mark.parametrize(
+    "bad,what",
+    [("{not json}", "not valid JSON"), ('{"id": "x", "text": "cut', "not valid JSON"), ("[1, 2]", "a JSON list, not an object")],
+)
+def test_a_line_that_is_not_json_names_file_and_line(tmp_path, bad, what):
+    path = tmp_path / "c.jsonl"
+    lines = [json.dumps(d) for d in docs(10)]
+    lines.insert(6, bad)  # line 7
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=f"c\\.jsonl, line 7: {what}"):
+        load_corpus(spec(tmp_path, path))
+
+
+@pytest.mark.parametrize("source", ["someorg/somecorpus", "wikitext", "bbcnews"])
+def test_unknown_corpus_name_is_an_error_before_any_hub_access(monkeypatch, source):
+    def no_hub(*args, **kwargs):
+        raise AssertionError("must not reach the hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(DataError, match=f"data.corpus: '{source}' is not a builtin corpus .* data.hub=true"):
+        load_corpus(CorpusSpec(source=source))
 
 
 # ----------------------------------------------------------------------------- headers and real data

@@ -1,0 +1,101 @@
+"""Resuming after the run directory moved, a full disk during a checkpoint, and Ctrl-C."""
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import dipaco.checkpoint.store as checkpoint
+from dipaco.checkpoint.store import CheckpointManager, verify
+from dipaco.cli import main
+from dipaco.config import Config
+from dipaco.train.loop import train
+
+from tiny import TINY
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def with_dir(cfg: Config, run_dir) -> Config:
+    return replace(cfg, run=replace(cfg.run, dir=str(run_dir)))
+
+
+def cli_args(cfg: Config, *extra: str) -> list[str]:
+    return [*TINY, f"run.dir={cfg.run.dir}", f"data.corpus={cfg.data.corpus}", *extra]
+
+
+def test_resume_with_a_relative_or_moved_run_dir(run_cfg, tmp_path, monkeypatch):
+    absolute = Path(run_cfg.run.dir).resolve()
+    train(with_dir(run_cfg, absolute), until_round=1)
+    monkeypatch.chdir(absolute.parent.parent)  # another cwd: the same run, spelled relatively
+    relative = os.path.relpath(absolute)
+    assert not Path(relative).is_absolute()
+    exp = train(with_dir(run_cfg, relative), resume=True, until_round=2)
+    assert exp.checkpoints.latest().name == "round_000002"
+
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.move(str(absolute), str(moved))
+    exp = train(with_dir(run_cfg, moved), resume=True)  # continues the moved run
+    assert exp.checkpoints.latest().name == "round_000002" and exp.cfg.train.rounds == 2
+    longer = replace(run_cfg, run=replace(run_cfg.run, dir=str(moved)), train=replace(run_cfg.train, rounds=3))
+    with pytest.raises(Exception, match=r"train\.rounds: 2 -> 3"):  # a real change is still refused
+        train(longer, resume=True)
+
+
+def test_disk_full_during_a_checkpoint_is_one_line_and_resume_works(run_cfg, monkeypatch, capsys):
+    real_save_file = checkpoint.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        if "round_000002" in filename:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    assert main(["train", *cli_args(run_cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not write checkpoint") and "No space left on device" in err
+    assert "--resume" in err and err.count("\n") == 1 and "Traceback" not in err
+    root = Path(run_cfg.run.dir) / "train" / run_cfg.train.name / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["round_000001"]  # no .round_000002.tmp-* left
+    verify(root / "round_000001")
+
+    monkeypatch.setattr(checkpoint, "save_file", real_save_file)  # space freed
+    assert main(["train", *cli_args(run_cfg), "--resume"]) == 0
+    assert CheckpointManager(root).latest().name == "round_000002"
+
+
+def test_a_failed_write_of_any_kind_removes_the_temporary_directory(tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpts")
+
+    def write(d: Path):
+        (d / "a.bin").write_bytes(b"x")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(1, write)
+    assert list((tmp_path / "ckpts").iterdir()) == []
+
+
+def test_ctrl_c_is_one_line_and_exit_130(run_cfg):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")])}
+    cmd = [sys.executable, "-m", "dipaco", "train", *cli_args(run_cfg, "train.inner_steps=100000")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        line = proc.stdout.readline()  # the first [train] line: the experiment is built, training runs
+        assert line.startswith("[train]"), line
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted: dipaco train stopped; continue with --resume"
+    assert len(err.strip().splitlines()) == 1, err
