@@ -1,8 +1,21 @@
-"""Shared fixtures: the real corpora in ../shared/data, next to the repository, when present."""
+"""Shared fixtures and hooks.
+
+The end-to-end tests need nothing outside the repository (their corpus is the built-in BBC News,
+see tests/dipaco/tiny.py); `e2e_guard` marks them and makes CI fail when one is skipped. The real
+corpora in ../shared/data, next to the repository, serve the benchmarks and one corpus test.
+"""
 
 from pathlib import Path
 
 import pytest
+
+from e2e_guard import (  # noqa: F401  (pytest finds hooks by name in this module)
+    pytest_collection_modifyitems,
+    pytest_collectreport,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -132,8 +132,9 @@ def print_report(report: dict) -> None:
     if train["empty_paths"]:
         echo(f"[route] WARNING: paths {train['empty_paths']} received no training document; training will refuse "
              f"empty shards (use fewer paths, route.method=kmeans, or more data)")
+    ratio = train["docs_max_min_ratio"]  # None when a path is empty
     echo(f"[route] {report['router']} ({report['featurizer'].get('kind')}): docs per path {train['docs_per_path']}, "
-         f"max/min {train['docs_max_min_ratio']}")
+         f"max/min {'inf' if ratio is None else f'{ratio:.2f}'}")
     if "nmi" in train:
         echo(f"[route] agreement with labels (train): NMI {train['nmi']:.3f}, ARI {train['ari']:.3f}, purity {train['purity']:.3f}")
 

@@ -15,6 +15,7 @@ tokenizer, so ``AutoModelForCausalLM.from_pretrained(DIR, local_files_only=True)
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -62,9 +63,35 @@ def export_path(loaded: LoadedExperiment, path: int, out: str | Path, model=None
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     (tmp / PATH_INFO).write_text(json.dumps(info, indent=2))
+    _normal_file_modes(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows (os.umask can only set it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _normal_file_modes(directory: Path) -> None:
+    """Gives every file of an export the mode a plain ``open(..., "w")`` would (0644 under umask 022).
+
+    safetensors creates ``model.safetensors`` with mode 0600 whatever the umask: readable by nobody
+    else, unlike the JSON files next to it and unlike what a model directory to share needs.
+    """
+    mode = 0o666 & ~_umask()
+    for path in directory.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def export(run_dir: str | Path, out: str | Path, path: int | None = None, all_paths: bool = False,

@@ -10,14 +10,15 @@ import pytest
 
 from dipaco.config import Config
 
-from tiny import SHARED_DATA, tiny_config, write_corpus_slice
+from tiny import corpus_source_missing, tiny_config, write_corpus_slice
 
 
 @pytest.fixture(scope="session")
 def prepared_run(tmp_path_factory) -> Config:
     """prepare + pretrain once per session; tests copy the run directory before training in it."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared corpora not found at {SHARED_DATA}")
+    missing = corpus_source_missing()
+    if missing:
+        pytest.skip(missing)
     from dipaco.data.prepare import prepare
     from dipaco.train.pretrain import pretrain
 

@@ -10,10 +10,11 @@ import pytest
 from dipaco.config import Config
 from dipaco.errors import ConfigError, DataError
 from dipaco.eval.evaluate import evaluate_experiment
-from dipaco.route.assign import route
+from dipaco.route.assign import print_report, route
 from dipaco.route.reroute import reroute
 from dipaco.run_dir import RunDir
 from dipaco.train.loop import train
+from routing.quality import routing_report
 from routing.router import Router
 
 
@@ -46,6 +47,18 @@ def test_route_writes_shards_artifact_and_report_and_train_uses_them(run_cfg, fe
     ev = evaluate_experiment(cfg)
     val_paths = np.asarray(splits["validation"]["path"])
     assert [r["docs"] for r in ev["paths"]] == np.bincount(val_paths, minlength=4).tolist()
+
+
+def test_route_prints_the_max_min_shard_ratio_rounded(capsys):
+    def printed(sizes: list[int]) -> str:
+        train = routing_report(np.repeat(np.arange(4), sizes), 4)
+        print_report({"router": "kmeans", "featurizer": {"kind": "tfidf_svd"}, "train": train})
+        return capsys.readouterr().out
+
+    out = printed([29, 30, 31, 30])  # 31/29 = 1.0689...
+    assert "docs per path [29, 30, 31, 30], max/min 1.07\n" in out
+    assert "max/min inf\n" in printed([40, 40, 0, 40])  # an empty path: no finite ratio
+    assert "max/min 1.00\n" in printed([3, 3, 3, 3])
 
 
 def test_train_with_kmeans_before_route_says_what_to_run(run_cfg):

@@ -1,6 +1,8 @@
 """`dipaco export`: a path as a standalone HF model directory that loads offline with identical logits."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -66,3 +68,16 @@ def test_export_refuses_bad_requests(served_run, tmp_path, capsys):
         export(served_run.run.dir, tmp_path / "x", path=4)
     assert main(["export", "--run", str(tmp_path / "nope"), "--path", "0", "--out", str(tmp_path / "y")]) == 2
     assert "run directory not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exported_files_get_the_mode_of_a_normal_file(served_run, tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        out = export(served_run.run.dir, tmp_path / "path1", path=1)[0]
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in out.iterdir()}
+    assert "model.safetensors" in modes and PATH_INFO in modes
+    # 0644 under the usual umask 022 (safetensors alone would leave the weights 0600), 0600 under 077.
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes

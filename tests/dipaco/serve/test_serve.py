@@ -9,12 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+from dipaco.cli import main
+from dipaco.serve.pipeline import Pipeline
+from dipaco.serve.http import create_app  # imports FastAPI only when called
 
-from dipaco.cli import main  # noqa: E402
-from dipaco.serve.pipeline import Pipeline  # noqa: E402
-from dipaco.serve.http import create_app  # noqa: E402
+
+def needs_web():
+    """Skip (in test, not at import) without FastAPI/uvicorn, so the skip is reported per end-to-end test."""
+    pytest.importorskip("fastapi")
+    return pytest.importorskip("uvicorn")
 
 MAX_PROMPT_TOKENS = 48
 MAX_NEW_TOKENS_CAP = 24
@@ -33,6 +36,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def server(served_run):
     """uvicorn in a background thread on a free loopback port; yields (port, pipeline)."""
+    uvicorn = needs_web()
     pipe = Pipeline.from_run(served_run.run.dir, cache_size=2)  # < 4 paths: evictions under load too
     app = create_app(pipe, max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens_cap=MAX_NEW_TOKENS_CAP)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -127,5 +131,6 @@ def test_concurrent_clients_get_the_sequential_answers(server):
 
 
 def test_serve_with_a_bad_run_exits_nonzero(tmp_path, capsys):
+    needs_web()
     assert main(["serve", "--run", str(tmp_path / "missing"), "--port", "0"]) == 2
     assert "run directory not found" in capsys.readouterr().err
