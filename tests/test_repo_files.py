@@ -54,7 +54,7 @@ def test_exported_models_are_ignored_by_git(tmp_path):
     for path in ("exported/path_003/model.safetensors", "exported/path_000/config.json"):
         proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index", path])
         assert proc.returncode == 0, f"{path} is not ignored"
-    assert subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index", "dipaco/export.py"]).returncode == 1
+    assert subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index", "dipaco/serve/export.py"]).returncode == 1
 
 
 def test_license_is_an_spdx_string_and_builds_without_its_deprecation_warning(tmp_path):
