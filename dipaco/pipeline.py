@@ -16,8 +16,9 @@ sharded ``iid`` or ``column`` has no router: a caller then names the path.
 
 Threads: composed paths live in an LRU cache; each cached model has its own lock, so two requests
 never run ``generate`` on the same model instance at once, while requests on different paths run
-in parallel. Each thread tokenizes with its own copy of the tokenizer (a fast tokenizer's settings
-are mutable shared state), so no lock is held while text is tokenized; the router's featurizer
+in parallel. Each call tokenizes with a copy of the tokenizer that no other call uses meanwhile (a
+fast tokenizer's settings are mutable shared state), taken from a pool that grows to the number of
+concurrent callers, so no lock is held while text is tokenized; the router's featurizer
 model is shared behind its own lock (it reads only the routing prefix).
 Sampling draws from a private ``torch.Generator`` per request, so a seeded request returns the
 same text whatever else runs concurrently.
@@ -25,6 +26,7 @@ same text whatever else runs concurrently.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -261,8 +263,9 @@ class Pipeline:
         self.device = resolve_device(device)
         template = build_model(loaded.llama_config(use_cache=True), seed=0, device=self.device).eval()
         self.cache = PathCache(self.bank, template, cache_size)
-        self._tokenizer_copy_lock = threading.Lock()  # held only while a thread copies its tokenizer
-        self._thread_tokenizers = threading.local()
+        self._tokenizer_template = copy.deepcopy(loaded.tokenizer)  # never used itself: only copied
+        self._tokenizer_pool: list = []  # free copies; a caller takes one, tokenizes, puts it back
+        self._tokenizer_pool_lock = threading.Lock()  # held only to take or put back a copy
         self.max_token_chars = max_token_chars(self.tokenizer)
         self._router_lock = threading.Lock()
         self._shards_lock = threading.Lock()
@@ -354,18 +357,23 @@ class Pipeline:
             return self._shards or None
 
     # --- text <-> tokens -------------------------------------------------------------------------
-    def _thread_tokenizer(self):
-        """This thread's own copy of the tokenizer: tokenizing never waits on another request."""
-        tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
-        if tokenizer is None:
-            with self._tokenizer_copy_lock:
-                tokenizer = copy.deepcopy(self.loaded.tokenizer)
-            self._thread_tokenizers.tokenizer = tokenizer
-        return tokenizer
+    @contextlib.contextmanager
+    def _own_tokenizer(self):
+        """A tokenizer no other caller uses until this one is done: tokenizing never waits on another request."""
+        with self._tokenizer_pool_lock:
+            tokenizer = self._tokenizer_pool.pop() if self._tokenizer_pool else None
+        if tokenizer is None:  # every copy is in use: one more (copying only reads the template)
+            tokenizer = copy.deepcopy(self._tokenizer_template)
+        try:
+            yield tokenizer
+        finally:
+            with self._tokenizer_pool_lock:
+                self._tokenizer_pool.append(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         """Token ids as training saw them: no special tokens added."""
-        return list(self._thread_tokenizer()(text, add_special_tokens=False)["input_ids"])
+        with self._own_tokenizer() as tokenizer:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_prefix(self, text: str, n_tokens: int) -> list[int]:
         """The first ``n_tokens`` of ``encode(text)``, tokenizing at most ``n_tokens * max_token_chars``
@@ -393,7 +401,8 @@ class Pipeline:
         return ids[:n_tokens]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._thread_tokenizer().decode(list(ids), skip_special_tokens=True)
+        with self._own_tokenizer() as tokenizer:
+            return tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def routing_prefix_tokens(self) -> int | None:
         """How many leading tokens of a text the router reads (None: all of them, or no router)."""

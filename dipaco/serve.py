@@ -28,7 +28,7 @@ Hardening (a request costs the server at most what a valid one can):
 - Caps default to the model's ``data.seq_len``; larger caps are lowered to it (positions past it
   were never trained and do not exist in the model).
 - Endpoints are plain functions, which FastAPI runs in its thread pool; the pipeline is
-  thread-safe with no global lock on tokenization (a tokenizer per thread), one generation per
+  thread-safe with no global lock on tokenization (a tokenizer per concurrent call), one generation per
   cached path model at a time, different paths in parallel.
 
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
