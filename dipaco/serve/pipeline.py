@@ -16,13 +16,17 @@ sharded ``iid`` or ``column`` has no router: a caller then names the path.
 
 Threads: composed paths live in an LRU cache; each cached model has its own lock, so two requests
 never run ``generate`` on the same model instance at once, while requests on different paths run
-in parallel. The tokenizer and the router's featurizer model are shared behind their own locks.
+in parallel. Each call tokenizes with a copy of the tokenizer that no other call uses meanwhile (a
+fast tokenizer's settings are mutable shared state), taken from a pool that grows to the number of
+concurrent callers, so no lock is held while text is tokenized; the router's featurizer
+model is shared behind its own lock (it reads only the routing prefix).
 Sampling draws from a private ``torch.Generator`` per request, so a seeded request returns the
 same text whatever else runs concurrently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -250,7 +254,10 @@ class Pipeline:
         self.device = resolve_device(device)
         template = build_model(loaded.llama_config(use_cache=True), seed=0, device=self.device).eval()
         self.cache = PathCache(self.bank, template, cache_size)
-        self._tokenizer_lock = threading.Lock()
+        self._tokenizer_template = copy.deepcopy(loaded.tokenizer)  # never used itself: only copied
+        self._tokenizer_pool: list = []  # free copies; a caller takes one, tokenizes, puts it back
+        self._tokenizer_pool_lock = threading.Lock()  # held only to take or put back a copy
+        self.max_token_chars = max_token_chars(self.tokenizer)
         self._router_lock = threading.Lock()
         self._shards_lock = threading.Lock()
         self._shards: dict | None = None
@@ -341,19 +348,68 @@ class Pipeline:
             return self._shards or None
 
     # --- text <-> tokens -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _own_tokenizer(self):
+        """A tokenizer no other caller uses until this one is done: tokenizing never waits on another request."""
+        with self._tokenizer_pool_lock:
+            tokenizer = self._tokenizer_pool.pop() if self._tokenizer_pool else None
+        if tokenizer is None:  # every copy is in use: one more (copying only reads the template)
+            tokenizer = copy.deepcopy(self._tokenizer_template)
+        try:
+            yield tokenizer
+        finally:
+            with self._tokenizer_pool_lock:
+                self._tokenizer_pool.append(tokenizer)
+
     def encode(self, text: str) -> list[int]:
         """Token ids as training saw them: no special tokens added."""
-        with self._tokenizer_lock:  # a fast tokenizer's settings are shared state; one caller at a time
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self._own_tokenizer() as tokenizer:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_prefix(self, text: str, n_tokens: int) -> list[int]:
+        """The first ``n_tokens`` of ``encode(text)``, tokenizing at most ``n_tokens * max_token_chars``
+        characters of ``text`` however long it is.
+
+        ``n_tokens`` tokens never span more characters than that (see :func:`max_token_chars`). The
+        text is cut at the start of the last whitespace run before the bound: the byte-level
+        pre-tokenizer never joins a non-space character to the whitespace after it, so every token
+        before the cut is the whole text's. Only when those characters hold no whitespace (or too
+        little text before it) is the cut made at the bound itself.
+        """
+        if n_tokens < 1:
+            raise DipacoError(f"n_tokens must be >= 1, got {n_tokens}")
+        bound = n_tokens * self.max_token_chars
+        if len(text) <= bound:
+            return self.encode(text)[:n_tokens]
+        cut = bound
+        while cut > 0 and not text[cut].isspace():
+            cut -= 1
+        while cut > 0 and text[cut - 1].isspace():
+            cut -= 1
+        ids = self.encode(text[:cut]) if cut > 0 else []
+        if len(ids) < n_tokens:  # no usable whitespace: the last token read may differ from the whole text's
+            ids = self.encode(text[:bound])
+        return ids[:n_tokens]
 
     def decode(self, ids: Sequence[int]) -> str:
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        with self._own_tokenizer() as tokenizer:
+            return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def routing_prefix_tokens(self) -> int | None:
+        """How many leading tokens of a text the router reads (None: all of them, or no router)."""
+        if self.router is None:
+            return None
+        if self.router.featurizer.get("kind") == "lm_prefix":
+            return int(self.router.featurizer.get("prefix_tokens", 32))
+        return self.cfg.data.prefix_tokens or None
 
     # --- routing -------------------------------------------------------------------------------
     def route(self, text: str) -> tuple[int, list[float]]:
-        """The path the router picks for ``text`` and its score for every path (higher is better)."""
-        return self._route(text, self.encode(text))
+        """The path the router picks for ``text`` and its score for every path (higher is better).
+
+        Only the routing prefix of ``text`` is tokenized (:meth:`routing_prefix_tokens`)."""
+        n = self.routing_prefix_tokens()
+        return self._route(text, self.encode(text) if n is None else self.encode_prefix(text, n))
 
     def _route(self, text: str, ids: list[int]) -> tuple[int, list[float]]:
         if self.router is None:
@@ -429,6 +485,16 @@ class Pipeline:
         text = self.decode(new)
         return Generation(path=path, scores=scores, text=text, prompt_tokens=len(ids), completion_tokens=len(new),
                           latency_ms=(time.perf_counter() - start) * 1000.0, finish_reason=finish, seed=seed)
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` stands for: its longest vocabulary entry.
+
+    A byte-level BPE vocabulary spells each token with one character per byte (and has no
+    normalizer), so a text of N tokens has at most N times this many UTF-8 bytes, hence characters.
+    Callers bound the characters they tokenize with it.
+    """
+    return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
 
 
 def _check_generation_args(max_new_tokens: int, temperature: float, top_p: float, top_k: int,

@@ -1,5 +1,7 @@
-"""`dipaco serve` over real HTTP on loopback: endpoints, request validation, concurrent clients."""
+"""`dipaco serve` over real HTTP on loopback: endpoints, request validation, concurrent clients,
+and hardening against abusive requests (every network call targets 127.0.0.1, bounded in time)."""
 
+import contextlib
 import http.client
 import json
 import socket
@@ -19,6 +21,7 @@ def needs_web():
     pytest.importorskip("fastapi")
     return pytest.importorskip("uvicorn")
 
+
 MAX_PROMPT_TOKENS = 48
 MAX_NEW_TOKENS_CAP = 24
 PROMPTS = [
@@ -33,12 +36,10 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(served_run):
-    """uvicorn in a background thread on a free loopback port; yields (port, pipeline)."""
+@contextlib.contextmanager
+def running(app):
+    """uvicorn serving ``app`` in a background thread on a free loopback port; yields the port."""
     uvicorn = needs_web()
-    pipe = Pipeline.from_run(served_run.run.dir, cache_size=2)  # < 4 paths: evictions under load too
-    app = create_app(pipe, max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens_cap=MAX_NEW_TOKENS_CAP)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -49,14 +50,29 @@ def server(served_run):
     while not srv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
-    yield sock.getsockname()[1], pipe
-    srv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
 
 
-def call(port: int, method: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+@pytest.fixture(scope="module")
+def pipe(served_run):
+    return Pipeline.from_run(served_run.run.dir, cache_size=2)  # < 4 paths: evictions under load too
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    """The app with this module's caps; yields (port, pipeline)."""
+    needs_web()
+    with running(create_app(pipe, max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens_cap=MAX_NEW_TOKENS_CAP)) as port:
+        yield port, pipe
+
+
+def call(port: int, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 60) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         payload = raw if raw is not None else (None if body is None else json.dumps(body).encode())
         conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
@@ -134,3 +150,171 @@ def test_serve_with_a_bad_run_exits_nonzero(tmp_path, capsys):
     needs_web()
     assert main(["serve", "--run", str(tmp_path / "missing"), "--port", "0"]) == 2
     assert "run directory not found" in capsys.readouterr().err
+
+
+# --- hardening: abusive requests cost no more than valid ones ----------------------------------------
+BIG = 4 * 1024 * 1024  # far over any body limit of the tiny run
+
+
+def health(port: int) -> dict:
+    status, body = call(port, "GET", "/healthz")
+    assert status == 200
+    return body
+
+
+def longest_token_chars(pipe) -> int:
+    return max(len(t) for t in pipe.tokenizer.get_vocab())
+
+
+def record_encodes(monkeypatch, pipe) -> list[int]:
+    """Wraps pipe.encode (which the server calls): the lengths of the texts it tokenizes."""
+    lengths: list[int] = []
+    encode = pipe.encode
+
+    def recorded(text):
+        lengths.append(len(text))
+        return encode(text)
+
+    monkeypatch.setattr(pipe, "encode", recorded)
+    return lengths
+
+
+def post_chunked(port: int, path: str, chunks, timeout: float = 30) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=chunks, headers={"Content-Type": "application/json"}, encode_chunked=True)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("path,field", [("/v1/generate", "prompt"), ("/v1/route", "text")])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_is_413_before_it_is_read(server, pipe, monkeypatch, path, field, chunked):
+    port, _ = server
+    limit = health(port).get("max_body_bytes")
+    lengths = record_encodes(monkeypatch, pipe)
+    body = json.dumps({field: "word " * (BIG // 5)}).encode()
+    start = time.monotonic()
+    if chunked:  # no Content-Length: refused as the stream passes the limit
+        status, reply = post_chunked(port, path, (body[i:i + 65536] for i in range(0, len(body), 65536)))
+    else:
+        status, reply = call(port, "POST", path, raw=body, timeout=30)
+    assert status == 413, reply
+    assert f"limit of {limit} bytes" in reply["detail"]
+    assert time.monotonic() - start < 10 and lengths == []  # nothing was tokenized
+    from dipaco.serve.http import default_max_body_bytes
+    assert limit == default_max_body_bytes(MAX_PROMPT_TOKENS, longest_token_chars(pipe))
+    assert call(port, "POST", path, {field: PROMPTS[0]})[0] == 200  # the server is fine
+
+
+def test_an_over_long_prompt_is_refused_before_it_is_tokenized(server, pipe, monkeypatch):
+    port, _ = server
+    max_chars = MAX_PROMPT_TOKENS * longest_token_chars(pipe)
+    lengths = record_encodes(monkeypatch, pipe)
+    status, reply = call(port, "POST", "/v1/generate", {"prompt": "x" * (max_chars + 1)})  # within the body limit
+    assert status == 422 and "prompt" in reply["detail"] and f"at most {max_chars} characters" in reply["detail"]
+    assert lengths == []
+    # At the character bound, a prompt is tokenized (once, whole) and judged by its tokens.
+    status, reply = call(port, "POST", "/v1/generate", {"prompt": "x" * max_chars})
+    assert status == 422 and "cap of 48" in reply["detail"] and max(lengths) == max_chars
+
+
+def test_route_tokenizes_only_the_routing_prefix(server, pipe, monkeypatch):
+    port, _ = server
+    text = PROMPTS[0] + "  and then\nthe  market" * 500  # ~11k characters, within the body limit
+    expected_path, expected_scores = pipe._route(text, pipe.encode(text))  # from every token
+    k = int(pipe.router.featurizer["prefix_tokens"])
+    lengths = record_encodes(monkeypatch, pipe)
+    status, body = call(port, "POST", "/v1/route", {"text": text})
+    assert status == 200 and body["path"] == expected_path and body["scores"] == pytest.approx(expected_scores)
+    assert lengths and max(lengths) <= k * longest_token_chars(pipe) < len(text)
+
+
+def test_encode_prefix_is_the_prefix_of_the_whole_encoding(pipe):
+    texts = [PROMPTS[0] + " rose" * 400, "a   b\n\n  c " * 300, "x" * 5000, "word" + " " * 3000 + "end",
+             " ".join(PROMPTS) * 20, "short"]
+    for text in texts:
+        whole = pipe.encode(text)
+        for n in (1, 5, 16, 33):
+            assert pipe.encode_prefix(text, n) == whole[:n], (text[:40], n)
+
+
+@pytest.mark.parametrize("path,raw,needle", [
+    ("/v1/generate", b'{"prompt": "hello", "temperature": NaN}', "temperature"),
+    ("/v1/generate", b'{"prompt": "hello", "temperature": 1e999}', "temperature"),
+    ("/v1/generate", b'{"prompt": "hello", "top_p": Infinity}', "top_p"),
+    ("/v1/generate", b'{"prompt": "hello", "top_p": -Infinity}', "top_p"),
+    ("/v1/generate", b'{"prompt": "hello", "top_k": -Infinity}', "top_k"),
+    ("/v1/generate", b'{"prompt": "hello", "max_new_tokens": NaN}', "max_new_tokens"),
+    ("/v1/generate", b'{"prompt": "hello", "seed": Infinity}', "seed"),
+    ("/v1/generate", b'{"prompt": "hello", "path": NaN}', "path"),
+    ("/v1/generate", b'{"prompt": "hello", "bogus": NaN}', "bogus"),
+    ("/v1/generate", b'{"prompt": [NaN, Infinity]}', "prompt"),
+    ("/v1/generate", b'{"prompt": "hello \\ud800"}', "prompt"),
+    ("/v1/route", b'{"text": NaN}', "text"),
+    ("/v1/route", b'{"text": "\\udfff"}', "text"),
+])
+def test_non_finite_numbers_and_broken_unicode_are_422(server, path, raw, needle):
+    port, _ = server
+    status, reply = call(port, "POST", path, raw=raw, timeout=30)
+    assert status == 422 and needle in json.dumps(reply["detail"])
+
+
+def test_tokenizing_does_not_wait_for_another_thread(pipe):
+    big = "The government said the economy grew " * 60_000  # ~2.2 MB: seconds to tokenize
+    started, done = threading.Event(), threading.Event()
+
+    def tokenize_big():
+        started.set()
+        pipe.encode(big)
+        done.set()
+
+    thread = threading.Thread(target=tokenize_big, daemon=True)
+    thread.start()
+    started.wait(10)
+    time.sleep(0.2)
+    start = time.monotonic()
+    small = [pipe.encode(p) for p in PROMPTS]
+    elapsed = time.monotonic() - start
+    finished_first = not done.is_set()
+    thread.join(120)
+    assert finished_first and elapsed < 2 and all(small)
+
+
+def test_a_large_request_does_not_stall_small_ones(server):
+    port, _ = server
+    big = json.dumps({"prompt": "The government said the economy grew " * 500_000}).encode()  # ~18 MB
+    replies = []
+    sender = threading.Thread(target=lambda: replies.append(call(port, "POST", "/v1/generate", raw=big, timeout=120)),
+                              daemon=True)
+    sender.start()
+    latencies = []
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline or (sender.is_alive() and time.monotonic() < deadline + 10):
+        start = time.monotonic()
+        status, _ = call(port, "POST", "/v1/generate", {"prompt": PROMPTS[len(latencies) % 8], "max_new_tokens": 4},
+                         timeout=10)
+        latencies.append(time.monotonic() - start)
+        assert status == 200
+    assert max(latencies) < 5, latencies
+    sender.join(120)
+    assert replies and replies[0][0] == 413
+
+
+def test_caps_default_to_the_models_seq_len(pipe):
+    seq_len = pipe.cfg.data.seq_len
+    with running(create_app(pipe)) as port:
+        caps = health(port)
+        assert (caps["max_prompt_tokens"], caps["max_new_tokens_cap"]) == (seq_len, seq_len)
+        status, reply = call(port, "POST", "/v1/generate", {"prompt": PROMPTS[0], "max_new_tokens": seq_len})
+        assert status == 422 and f"seq_len={seq_len}" in reply["detail"]
+        prompt = pipe.decode(pipe.encode(" ".join(PROMPTS) * 3)[: seq_len - 6])
+        n_prompt = len(pipe.encode(prompt))
+        status, reply = call(port, "POST", "/v1/generate", {"prompt": prompt, "path": 0})  # default 32 new tokens: too many
+        assert status == 200 and reply["prompt_tokens"] == n_prompt
+        assert reply["completion_tokens"] <= seq_len - n_prompt
+    with running(create_app(pipe, max_prompt_tokens=10 * seq_len, max_new_tokens_cap=10 * seq_len)) as port:
+        caps = health(port)
+        assert (caps["max_prompt_tokens"], caps["max_new_tokens_cap"]) == (seq_len, seq_len)
