@@ -5,7 +5,7 @@ Layout of ``checkpoints/round_000004/``::
     bank.safetensors            every module, as "<part>.<index>/<llama parameter name>"
     outer.safetensors           one Nesterov momentum buffer per module, by module name
     trainer_state.pt            round index and RNG states
-    paths/path_007/model.safetensors   the path's parameters at the end of the round
+    paths/path_007/model.safetensors   the path's parameters after the round's outer sync
     paths/path_007/inner.pt            its AdamW state, LR schedule and data cursor
     config.yaml                 the resolved config of the run
     MANIFEST.json               sha256 and size of every file above; written last
@@ -20,7 +20,8 @@ temporary directory: rank 0 creates it; every rank writes its own files (its pat
 of the modules it is the lowest holder of), hashes and fsyncs them; the manifests are gathered to
 rank 0, which writes ``MANIFEST.json`` and renames the directory. Rank 0's files keep the names
 above, rank r > 0 writes under ``ranks/rank_RRR/``; a single process therefore writes exactly the
-layout above. ``comm.safetensors`` (error-feedback residuals, per rank) exists only when used.
+layout above. The outer sync (:mod:`dipaco.sync`) names its own state files: ``outer.safetensors``
+(momentum) and ``comm.safetensors`` (error-feedback residuals, per rank; only when used).
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-# Files a checkpoint's readers need whatever the run (the writer of rank 0 always writes them).
+# Files a checkpoint's readers need whatever the run (the writer of rank 0 always writes them);
+# outer.safetensors is the outer sync's state file (dipaco.sync.diloco.MOMENTUM_FILE).
 REQUIRED = ("bank.safetensors", "outer.safetensors", "trainer_state.pt", "config.yaml")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -293,6 +295,18 @@ def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, to
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
+@torch.no_grad()
+def load_model_params(model, file: Path):
+    """Copies a file of ``model``'s named parameters into it, in place; refuses one whose names differ."""
+    params = load_tensors(file)
+    named = dict(model.named_parameters())
+    if set(params) != set(named):
+        raise CheckpointError(f"{file}: model parameters do not match the path model")
+    for name, value in params.items():
+        named[name].copy_(value)
+    return model
+
+
 def save_state(obj: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -408,12 +422,7 @@ def read_training_state(root: Path, bank, loops: dict, rank: int = 0) -> dict:
     wanted = set(bank.state_dict())
     bank.load_state_dict(load_selected(rank_files(root, "bank.safetensors").values(), wanted, bank.device))
     for path, loop in loops.items():
-        params = load_tensors(path_dir(root, path) / "model.safetensors")
-        named = dict(loop.model.named_parameters())
-        if set(params) != set(named):
-            raise CheckpointError(f"{path_dir(root, path)}: model parameters do not match the path model")
-        for name, value in params.items():
-            named[name].copy_(value)
+        load_model_params(loop.model, path_dir(root, path) / "model.safetensors")
         loop.load_state_dict(load_state(path_dir(root, path) / "inner.pt"))
     own = rank_dir(root, rank) / "trainer_state.pt"
     return load_state(own if own.is_file() else root / "trainer_state.pt")

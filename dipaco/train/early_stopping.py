@@ -27,7 +27,7 @@ import numpy as np
 from transformers import PreTrainedModel
 
 from dipaco.atomic import replacing, write_text
-from dipaco.checkpoint.store import load_tensors, save_tensors
+from dipaco.checkpoint.store import load_model_params, save_tensors
 from dipaco.data.hashing import holdout_mask
 from dipaco.errors import CheckpointError
 from dipaco.eval.scoring import score_documents
@@ -80,10 +80,4 @@ def load_best_path(directory: Path, path: int, model: PreTrainedModel) -> PreTra
     file = Path(directory) / f"path_{path:03d}.safetensors"
     if not file.is_file():
         raise CheckpointError(f"{file}: no early-stopped parameters for path {path} (was train.early_stopping_holdout set?)")
-    params = load_tensors(file)
-    named = dict(model.named_parameters())
-    if set(params) != set(named):
-        raise CheckpointError(f"{file}: parameters do not match the path model")
-    for name, value in params.items():
-        named[name].data.copy_(value)
-    return model
+    return load_model_params(model, file)
