@@ -111,7 +111,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
     serve(args.run, host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
           cache_size=args.cache_size, max_prompt_tokens=args.max_prompt_tokens,
-          max_new_tokens_cap=args.max_new_tokens_cap, device=args.device)
+          max_new_tokens_cap=args.max_new_tokens_cap, device=args.device, max_body_bytes=args.max_body_bytes)
 
 
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -182,8 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--cache-size", type=int, default=4, help="composed path models kept in memory (LRU)")
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are refused (422)")
-    p.add_argument("--max-new-tokens-cap", type=int, default=256, help="larger max_new_tokens are refused (422)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longer prompts are refused (422); default: the experiment's data.seq_len, and larger "
+                        "values are lowered to it (prompt + new tokens must fit data.seq_len)")
+    p.add_argument("--max-new-tokens-cap", type=int, default=None,
+                   help="larger max_new_tokens are refused (422); default and ceiling: the experiment's data.seq_len")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies are refused (413) before they are read; default: the largest "
+                        "valid request (prompt cap x longest token x 6 JSON bytes + 16 KiB)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     p.set_defaults(func=_cmd_serve)
     return parser

@@ -36,6 +36,18 @@ def test_help_for_every_command(capsys):
     assert "--resume" in capsys.readouterr().out
 
 
+def test_serve_caps_default_to_the_models_positions_and_reach_the_server(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-body-bytes" in text and "default: the experiment's data.seq_len" in text
+    seen = {}
+    monkeypatch.setattr("dipaco.serve.http.serve", lambda run, **kw: seen.update(kw))
+    assert main(["serve", "--run", "somewhere", "--max-body-bytes", "4096"]) in (0, None)
+    assert seen["max_body_bytes"] == 4096
+    assert seen["max_prompt_tokens"] is None and seen["max_new_tokens_cap"] is None  # the server picks seq_len
+
+
 def test_unknown_config_key_is_one_clear_line(tmp_path, capsys):
     assert main(["train", "train.inner_stepz=3"]) == 2
     err = capsys.readouterr().err
