@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import datasets
 from transformers import PreTrainedTokenizerFast
 
+from dipaco.atomic import replacing
 from dipaco.config import Config, config_diff, load_config, save_config
 from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
 from dipaco.errors import DataError, DipacoError
@@ -58,36 +58,30 @@ def prepare(cfg: Config) -> dict:
     corpus, stats = load_corpus_with_stats(corpus_spec(cfg))
     echo(f"[prepare] {len(corpus['train'])} train / {len(corpus['validation'])} validation documents")
 
-    tmp_tok = run.root / ".tokenizer.tmp"
-    shutil.rmtree(tmp_tok, ignore_errors=True)
-    if cfg.tokenizer.path:
-        tokenizer = load_tokenizer(cfg.tokenizer.path)
-        tokenizer.save_pretrained(tmp_tok)
-    else:
-        echo(f"[prepare] training a byte-level BPE tokenizer, vocab {cfg.tokenizer.vocab_size}")
-        tokenizer = train_tokenizer(corpus["train"]["text"], cfg.tokenizer.vocab_size, tmp_tok, show_progress=cfg.run.progress)
+    # Written next to the old tokenizer and data and swapped at the end: a failure never destroys a good prepare.
+    with replacing(run.tokenizer) as tmp_tok, replacing(run.data) as tmp_data:
+        if cfg.tokenizer.path:
+            tokenizer = load_tokenizer(cfg.tokenizer.path)
+            tokenizer.save_pretrained(tmp_tok)
+        else:
+            echo(f"[prepare] training a byte-level BPE tokenizer, vocab {cfg.tokenizer.vocab_size}")
+            tokenizer = train_tokenizer(corpus["train"]["text"], cfg.tokenizer.vocab_size, tmp_tok, show_progress=cfg.run.progress)
 
-    tokenized = tokenize_corpus(corpus, tokenizer)
-    short = sum(n <= cfg.data.prefix_tokens for n in tokenized["validation"]["num_tokens"])
-    info = {
-        "prepare_hash": prepare_hash(cfg),
-        "vocab_size": len(tokenizer),
-        "splits": {
-            split: {"docs": len(ds), "tokens": int(sum(ds["num_tokens"]))} for split, ds in tokenized.items()
-        },
-        "skipped_empty_docs": stats.n_skipped_empty,
-        "validation_docs_within_prefix": int(short),
-        "has_labels": "label" in tokenized["train"].column_names,
-    }
-    # Write next to the old data and swap at the end, so a failure never destroys a good prepare.
-    tmp_data = run.root / ".data.tmp"
-    shutil.rmtree(tmp_data, ignore_errors=True)
-    tokenized.save_to_disk(str(tmp_data))
-    (tmp_data / PREPARE_INFO).write_text(json.dumps(info, indent=2))
-    save_config(cfg, tmp_data / "config.yaml")
-    for tmp, final in ((tmp_tok, run.tokenizer), (tmp_data, run.data)):
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        tokenized = tokenize_corpus(corpus, tokenizer)
+        short = sum(n <= cfg.data.prefix_tokens for n in tokenized["validation"]["num_tokens"])
+        info = {
+            "prepare_hash": prepare_hash(cfg),
+            "vocab_size": len(tokenizer),
+            "splits": {
+                split: {"docs": len(ds), "tokens": int(sum(ds["num_tokens"]))} for split, ds in tokenized.items()
+            },
+            "skipped_empty_docs": stats.n_skipped_empty,
+            "validation_docs_within_prefix": int(short),
+            "has_labels": "label" in tokenized["train"].column_names,
+        }
+        tokenized.save_to_disk(str(tmp_data))
+        (tmp_data / PREPARE_INFO).write_text(json.dumps(info, indent=2))
+        save_config(cfg, tmp_data / "config.yaml")
     for split, s in info["splits"].items():
         echo(f"[prepare] {split}: {s['docs']} docs, {s['tokens']:,} tokens")
     if short:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
+from dipaco.atomic import replacing
 from dipaco.errors import DipacoError
 from dipaco.metrics import echo
 from dipaco.model.llama import build_model
@@ -43,29 +43,26 @@ def export_path(loaded: LoadedExperiment, path: int, out: str | Path, model=None
         raise DipacoError(f"{out} exists and is not a dipaco export; choose an empty or new directory")
     model = model if model is not None else build_model(loaded.llama_config(use_cache=True), seed=0)
     loaded.bank.load_path(path, model)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)  # safetensors by default
-    loaded.tokenizer.save_pretrained(tmp)
-    info = {
-        "path": path,
-        "modules": loaded.module_names(path),
-        "path_digits": list(loaded.topology.path_digits(path)),
-        "experiment": loaded.name,
-        "checkpoint": loaded.checkpoint.name,
-        "run": str(loaded.run.root.resolve()),
-        "topology": loaded.topology.describe(),
-        "num_paths": loaded.topology.num_paths,
-        "sharding": loaded.cfg.train.sharding,
-        "prefix_tokens": loaded.cfg.data.prefix_tokens,
-        "seq_len": loaded.cfg.data.seq_len,
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
-    (tmp / PATH_INFO).write_text(json.dumps(info, indent=2))
-    _normal_file_modes(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with replacing(out) as tmp:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)  # safetensors by default
+        loaded.tokenizer.save_pretrained(tmp)
+        info = {
+            "path": path,
+            "modules": loaded.module_names(path),
+            "path_digits": list(loaded.topology.path_digits(path)),
+            "experiment": loaded.name,
+            "checkpoint": loaded.checkpoint.name,
+            "run": str(loaded.run.root.resolve()),
+            "topology": loaded.topology.describe(),
+            "num_paths": loaded.topology.num_paths,
+            "sharding": loaded.cfg.train.sharding,
+            "prefix_tokens": loaded.cfg.data.prefix_tokens,
+            "seq_len": loaded.cfg.data.seq_len,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+        (tmp / PATH_INFO).write_text(json.dumps(info, indent=2))
+        _normal_file_modes(tmp)
     return out
 
 
