@@ -117,8 +117,8 @@ def build_early_stopping(cfg: Config, prepared: Prepared, exp_dir: Path, paths: 
                              cfg.eval.batch_size, prepared.tokenizer.pad_token_id, scratch_model)
 
 
-def restore(exp: Experiment, resume_from: str | None) -> int:
-    """Loads the newest (or the given) checkpoint; returns the number of completed rounds.
+def restore(exp: Experiment, resume_from: str | None) -> tuple[int, Path]:
+    """Loads the newest (or the given) checkpoint; returns the number of completed rounds and the checkpoint.
 
     Each rank verifies and reads the module states and its own paths only.
     """
@@ -139,16 +139,23 @@ def restore(exp: Experiment, resume_from: str | None) -> int:
     set_rng_state(state["rng"])
     if exp.world.rank == 0:
         echo(f"[train] resumed from {ckpt} (round {state['round']})")
-    return int(state["round"])
+    return int(state["round"]), ckpt
 
 
-def write_checkpoint(exp: Experiment, root: Path, round_index: int) -> list[Path]:
+def write_checkpoint(exp: Experiment, root: Path, round_index: int, reports: list[dict]) -> list[Path]:
     """This rank's part: its paths, its share of the sync's state, and the bank rows of the modules
-    it is the lowest holder of, so every module is written exactly once."""
+    it is the lowest holder of, so every module is written exactly once. Rank 0 also keeps the
+    round's metrics ``reports``, which a restart logs if it came before they were (:func:`saved_reports`)."""
     writers = module_writers(exp.topology, exp.by_rank)
     modules = {exp.bank.module_name(m) for m in exp.bank.held if writers[m] == exp.world.rank}
     return write_training_state(
         root, round_index, exp.bank, exp.loops, rng_state(), to_yaml(exp.cfg),
         rank=exp.world.rank, modules=modules, sync_state=exp.sync.state_dict(),
-        extra={"format": CHECKPOINT_FORMAT, "world_size": exp.world.size, "paths_by_rank": [list(ps) for ps in exp.by_rank]},
+        extra={"format": CHECKPOINT_FORMAT, "world_size": exp.world.size, "paths_by_rank": [list(ps) for ps in exp.by_rank],
+               **({"reports": reports} if exp.world.rank == 0 else {})},
     )
+
+
+def saved_reports(ckpt: Path) -> list[dict] | None:
+    """The metrics reports of the round a checkpoint completed (None for checkpoints before they were kept)."""
+    return load_state(ckpt / "trainer_state.pt").get("reports")

@@ -28,12 +28,12 @@ from dipaco.comm.world import World, check_same_config, detect_env, init_world, 
 from dipaco.config import Config, save_config
 from dipaco.data.prepare import load_prepared
 from dipaco.errors import ConfigError, DistributedError
-from dipaco.metrics import MetricsLogger, echo
+from dipaco.metrics import MetricsLogger, echo, read_metrics
 from dipaco.model.topology import topology_from_config
 from dipaco.route.shards import check_routing, record_routing
 from dipaco.runtime import seed_everything
 from dipaco.sync import SyncReport
-from dipaco.train.experiment import Experiment, build_experiment, restore, write_checkpoint
+from dipaco.train.experiment import Experiment, build_experiment, restore, saved_reports, write_checkpoint
 from dipaco.train.inner import InnerStats
 from dipaco.train.placement import check_world_size
 
@@ -116,6 +116,16 @@ def log_round(exp: Experiment, metrics: MetricsLogger, round_index: int, reports
     echo(f"[train] round {r}/{cfg.train.rounds} loss {loss_text}{comm_text} -> {ckpt.name}")
 
 
+def log_unlogged_round(exp: Experiment, metrics: MetricsLogger, completed: int, ckpt: Path) -> None:
+    """A round is logged after its checkpoint is in place, so a worker killed in between leaves the
+    checkpoint's round unlogged; the resumed run logs it from the reports the checkpoint kept."""
+    logged = exp.dir / "metrics.jsonl"
+    rounds = {rec.get("round") for rec in read_metrics(logged, "outer")} if logged.is_file() else set()
+    reports = saved_reports(ckpt)
+    if completed > 0 and completed not in rounds and reports is not None:
+        log_round(exp, metrics, completed - 1, reports, ckpt)
+
+
 def train(cfg: Config, resume: bool = False, resume_from: str | None = None, until_round: int | None = None) -> Experiment:
     """Trains in this process, or as one rank of a torchrun job (WORLD_SIZE > 1)."""
     env = detect_env()
@@ -142,7 +152,7 @@ def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, unt
         echo(f"[train] {cfg.train.name}: {exp.topology.describe()}; {cfg.train.rounds} rounds x "
              f"{cfg.train.inner_steps} inner steps{ranks}")
 
-    start, error = 0, None
+    start, resumed, error = 0, None, None
     restarted = world.env.restart_count > 0 and not (resume or resume_from)
     try:
         latest = exp.checkpoints.latest()
@@ -150,7 +160,7 @@ def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, unt
             if restarted and world.rank == 0:
                 echo(f"[train] restart {world.env.restart_count} of the worker group: continuing from {latest.name}")
             check_routing(cfg, exp.dir)
-            start = restore(exp, resume_from)
+            start, resumed = restore(exp, resume_from)
         elif latest is not None:
             raise ConfigError(
                 f"{exp.dir} already has checkpoints; pass --resume to continue it, "
@@ -169,10 +179,12 @@ def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, unt
         record_routing(cfg, exp.dir)
     stop = cfg.train.rounds if until_round is None else min(until_round, cfg.train.rounds)
     metrics = MetricsLogger(exp.dir) if world.rank == 0 else None
+    if metrics is not None and resumed is not None:
+        log_unlogged_round(exp, metrics, start, resumed)
     try:
         for r in range(start, stop):
             reports = world.all_gather_object(run_round(exp, r), f"round {r + 1} report")
-            ckpt = exp.checkpoints.save(r + 1, lambda d: write_checkpoint(exp, d, r + 1), world)
+            ckpt = exp.checkpoints.save(r + 1, lambda d: write_checkpoint(exp, d, r + 1, reports), world)
             if metrics is not None:  # logged once the round is checkpointed: a restarted round is not logged twice
                 log_round(exp, metrics, r, reports, ckpt)
     finally:

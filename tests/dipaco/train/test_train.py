@@ -130,3 +130,20 @@ def test_empty_shard_is_a_clear_error(run_cfg):
     with pytest.raises(Exception, match="shard of path .* is empty"):
         train(cfg)
     assert not RunDir(cfg.run.dir).experiment(cfg.train.name).joinpath("checkpoints").exists()
+
+
+def test_a_round_checkpointed_but_not_yet_logged_is_logged_on_resume(run_cfg):
+    # A worker killed after the checkpoint is renamed into place but before rank 0 logs the round
+    # (the SIGKILL restart test hits this under load): the resumed run logs it from the checkpoint.
+    cfg = with_train(run_cfg, name="unlogged", rounds=3)
+    exp = train(cfg, until_round=2)
+    log = exp.dir / "metrics.jsonl"
+    kept = [line for line in log.read_text().splitlines() if '"round": 2' not in line]
+    log.write_text("".join(line + "\n" for line in kept))
+    train(cfg, resume=True)
+    outer = [r["round"] for r in read_metrics(log, "outer")]
+    assert outer == [1, 2, 3]
+    assert sorted(r["round"] for r in read_metrics(log, "path")) == [1] * 4 + [2] * 4 + [3] * 4
+    # A run resumed after a complete log does not log the round again.
+    train(cfg, resume=True)
+    assert [r["round"] for r in read_metrics(log, "outer")] == [1, 2, 3]
