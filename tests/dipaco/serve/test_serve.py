@@ -326,7 +326,7 @@ def test_bench_serve_abuse_mode_runs_clean(served_run):
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "bench_serve.py"
     spec = importlib.util.spec_from_file_location("bench_serve", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
