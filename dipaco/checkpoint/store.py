@@ -274,11 +274,11 @@ def _write_failed(path: Path, exc: Exception) -> Exception:
     return OSError(errno.EIO, f"write failed ({message}); is the disk full?", str(path))
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+def _write(path: Path, write: Callable[[], None]) -> None:
+    """Runs ``write`` for ``path``; an I/O failure reported in a library's own error type becomes an OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     try:
-        save_file(tensors, str(path), metadata=metadata)
+        write()
     except OSError:
         raise
     except Exception as exc:
@@ -286,6 +286,11 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         if failed is exc:
             raise
         raise failed from exc
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    _write(path, lambda: save_file(tensors, str(path), metadata=metadata))
 
 
 def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -308,16 +313,7 @@ def load_model_params(model, file: Path):
 
 
 def save_state(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        torch.save(obj, path)
-    except OSError:
-        raise
-    except Exception as exc:
-        failed = _write_failed(path, exc)
-        if failed is exc:
-            raise
-        raise failed from exc
+    _write(path, lambda: torch.save(obj, path))
 
 
 def load_state(path: Path) -> dict:
