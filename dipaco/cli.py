@@ -24,6 +24,7 @@ import sys
 
 from dipaco.config import Config, load_config
 from dipaco.errors import DipacoError
+from dipaco.precision import PRECISIONS
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +87,8 @@ def _cmd_report(cfg: Config, args: argparse.Namespace) -> None:
 def _cmd_generate(args: argparse.Namespace) -> None:
     from dipaco.serve.pipeline import Pipeline
 
-    pipe = Pipeline.from_run(args.run, experiment=args.experiment, checkpoint=args.checkpoint, device=args.device)
+    pipe = Pipeline.from_run(args.run, experiment=args.experiment, checkpoint=args.checkpoint, device=args.device,
+                             precision=args.precision)
     out = pipe.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, path=args.path)
     modules = " ".join(pipe.loaded.module_names(out.path))
@@ -111,7 +113,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
     serve(args.run, host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
           cache_size=args.cache_size, max_prompt_tokens=args.max_prompt_tokens,
-          max_new_tokens_cap=args.max_new_tokens_cap, device=args.device, max_body_bytes=args.max_body_bytes)
+          max_new_tokens_cap=args.max_new_tokens_cap, device=args.device, max_body_bytes=args.max_body_bytes,
+          precision=args.precision)
 
 
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, help="sampling seed")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--precision", default="auto", choices=PRECISIONS,
+                   help="forward-pass precision: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("export", help="write a path (or every path) as a standalone Hugging Face model directory")
@@ -191,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies are refused (413) before they are read; default: the largest "
                         "valid request (prompt cap x longest token x 6 JSON bytes + 16 KiB)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--precision", default="auto", choices=PRECISIONS,
+                   help="forward-pass precision: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16")
     p.set_defaults(func=_cmd_serve)
     return parser
 

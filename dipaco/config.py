@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dipaco.errors import ConfigError
+from dipaco.precision import PRECISIONS
 
 
 @dataclass
@@ -25,6 +26,7 @@ class RunConfig:
     dir: str = "runs/demo"  # holds the prepared data, the pretrained model and every experiment
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    deterministic: Optional[bool] = None  # null: on for CPU (bit-exact runs), off for CUDA (slower kernels)
     progress: bool = True  # tqdm bars
 
 
@@ -66,6 +68,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    attention: str = "sdpa"  # sdpa (flash/memory-efficient kernels on CUDA) | eager
+    activation_checkpointing: bool = False  # recompute each block in the backward pass: less memory, ~1/3 more compute
 
 
 @dataclass
@@ -104,6 +108,8 @@ class OptimConfig:
 class PretrainConfig:
     steps: int = 200
     optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (autocast; fp32 master weights)
+    compile: bool = False  # torch.compile the model's forward and backward
 
 
 @dataclass
@@ -131,6 +137,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10  # inner steps between progress-bar loss updates
     early_stopping_holdout: float = 0.0  # >0: hold out this fraction of train docs; keep each path's best params
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (autocast; fp32 master weights)
+    compile: bool = False  # torch.compile each path model (compiled once, shared by every path of the rank)
+    offload_inactive: bool = False  # keep the AdamW states of paths not training right now in (pinned) CPU memory
 
 
 @dataclass
@@ -147,6 +156,7 @@ class RouteConfig:
     topk: int = 1  # >1 also writes `paths_topk` (overlapping training shards)
     svd_components: int = 128  # tfidf_svd only
     batch_size: int = 64  # featurizer batch
+    precision: str = "auto"  # the featurizer's forward pass: auto | fp32 | bf16 | fp16
     reroute_holdout: float = 0.05  # `dipaco reroute`: fraction of train docs scored by every path
     reroute_target: str = "uniform"  # uniform | current: shard sizes the re-routed classifier aims for
 
@@ -168,6 +178,7 @@ class EvalConfig:
     batch_size: int = 16
     max_docs: Optional[int] = None  # evaluate on the first N validation docs only
     early_stopping: bool = False  # evaluate each path's best (early-stopped) parameters
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
 
 
 @dataclass
@@ -199,6 +210,11 @@ _CHOICES = {
     "route.method": ("kmeans", "product"),
     "route.metric": ("euclidean", "cosine"),
     "route.reroute_target": ("uniform", "current"),
+    "model.attention": ("sdpa", "eager"),
+    "train.precision": PRECISIONS,
+    "pretrain.precision": PRECISIONS,
+    "eval.precision": PRECISIONS,
+    "route.precision": PRECISIONS,
 }
 
 _POSITIVE = (
@@ -359,6 +375,7 @@ RESUME_MUTABLE = (
     "run.dir", "run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.",
     "route.",  # re-routing between rounds is the point of `dipaco reroute`
     "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
+    "train.compile", "train.offload_inactive", "model.activation_checkpointing",  # how fast, not what
 )
 
 

@@ -1,7 +1,8 @@
-"""Process-wide setup shared by every job: seeding, determinism, device choice."""
+"""Process-wide setup shared by every job: seeding, determinism, math backends, device choice."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -10,12 +11,34 @@ import torch
 from dipaco.errors import ConfigError
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, device: torch.device | str = "cpu", deterministic: bool | None = None) -> None:
+    """Seeds every generator and sets up the math backends for ``device`` (:func:`configure_backends`)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    # warn_only: some CUDA kernels have no deterministic variant; CPU runs are bit-exact.
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    configure_backends(torch.device(device), deterministic)
+
+
+def configure_backends(device: torch.device, deterministic: bool | None = None) -> bool:
+    """Deterministic algorithms (``None``: on for CPU, off for CUDA), and TF32 matmuls on CUDA.
+
+    On CPU determinism costs nothing measurable and every CPU run is bit-exact, so it is the
+    default there. On CUDA the deterministic kernels (and cuBLAS's fixed workspace) are slower, so
+    it is opt-in (``run.deterministic=true``). TF32 keeps fp32 master weights and only rounds the
+    matmul inputs; it is deterministic too. Returns whether determinism is on.
+    """
+    if deterministic is None:
+        deterministic = device.type != "cuda"
+    if deterministic and device.type == "cuda":
+        # cuBLAS is only reproducible with a fixed workspace; it must be set before its first call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # warn_only: a few CUDA kernels have no deterministic variant; warn rather than fail the run.
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = not deterministic
+    return deterministic
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,13 +1,25 @@
-"""Tokens/s of one DiPaCo path's inner loop against a plain LlamaForCausalLM + AdamW loop.
+"""Tokens/s, MFU and peak memory of one DiPaCo path's inner loop against the best hand-written loop.
 
-Both sides run in this process on the same architecture, batch size and sequence length,
-alternating in blocks (A B, B A, A B ...) so that load from other processes on a shared machine hits
-both alike; the reported figure is the median over blocks. The plain loop is what a user would
-write by hand: forward with labels, backward, gradient clipping, AdamW step, zero_grad. Ours is
-``dipaco.train.inner.InnerLoop`` on a path composed from a ``ModuleBank`` (2x2 grid), fed by a
-``ShardSampler`` and stepping its LR schedule, exactly as ``dipaco train`` runs it.
+Both sides run in this process on the same architecture, batch and sequence length, alternating in
+timed blocks (A B, B A, A B ...) so that load from other processes hits both alike; the figure is
+the median over blocks.
 
-    python scripts/bench_throughput.py --out docs/bench_throughput.json
+* **ours**: ``dipaco.train.inner.InnerLoop`` on a path composed from a ``ModuleBank`` (2x2 grid), fed
+  by a ``ShardSampler`` and stepping its LR schedule, exactly as ``dipaco train`` runs it, with
+  ``train.precision`` / ``train.compile`` as given.
+* **best hand-written**: what a GPU user writes in 30 lines: a ``LlamaForCausalLM`` with SDPA
+  attention, autocast at the same precision (bf16 on CUDA), torch's fused AdamW on CUDA (``foreach``
+  on CPU), clipping, ``zero_grad(set_to_none=True)``, and ``torch.compile`` whenever ours compiles.
+  On CPU at fp32 this is the plain fp32 loop.
+
+MFU counts 6 N + 12 L d T FLOPs per token (N: parameters outside the input embedding, whose
+lookup does no matmul; the attention term is PaLM's, counting the full T x T score matrix)
+against the GPU's dense bf16 peak; it is not reported on CPU. ``--round`` also times whole rounds
+of a 2x2 grid (4 paths: inner steps + outer step + checkpoint) and reports the share that is not
+inner steps.
+
+    python scripts/bench_throughput.py --out docs/bench_throughput.json                 # CPU, demo size
+    python scripts/bench_throughput.py --device cuda --sizes demo,125m --compile --round --out ...
 """
 
 from __future__ import annotations
@@ -16,41 +28,85 @@ import argparse
 import json
 import platform
 import statistics
+import sys
+import tempfile
 import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from transformers import LlamaForCausalLM
 
-from dipaco.model.bank import ModuleBank
-from dipaco.config import ModelConfig, OptimConfig
-from dipaco.train.inner import InnerLoop, build_adamw
-from dipaco.model.llama import build_model, llama_config
-from dipaco.train.sampler import ShardSampler
-from dipaco.model.topology import Topology
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
+from dipaco.comm.world import World  # noqa: E402
+from dipaco.config import Config, ModelConfig, OptimConfig, apply_overrides  # noqa: E402
+from dipaco.model.bank import ModuleBank  # noqa: E402
+from dipaco.model.llama import build_model, llama_config  # noqa: E402
+from dipaco.model.topology import topology_from_config  # noqa: E402
+from dipaco.precision import Precision, resolve_precision  # noqa: E402
+from dipaco.runtime import configure_backends  # noqa: E402
+from dipaco.sync import SyncContext, build_sync  # noqa: E402
+from dipaco.train.experiment import Experiment, write_checkpoint  # noqa: E402
+from dipaco.train.inner import InnerLoop, InnerOptions, build_adamw  # noqa: E402
+from dipaco.train.loop import run_round  # noqa: E402
+from dipaco.train.sampler import ShardSampler  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Size:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    vocab: int
+    seq_len: int
+    batch: int
+
+
+SIZES = {
+    # configs/demo.yaml's path
+    "demo": Size(layers=4, hidden=128, intermediate=384, heads=4, vocab=4096, seq_len=128, batch=16),
+    # a GPT-2-small-class path: 134M parameters with a 32k vocabulary
+    "125m": Size(layers=12, hidden=768, intermediate=2048, heads=12, vocab=32000, seq_len=1024, batch=16),
+}
+# Dense bf16 tensor-core peaks (FLOP/s), by device name.
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--intermediate", type=int, default=384)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    p.add_argument("--blocks", type=int, default=6, help="timed blocks per side, interleaved")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--sizes", default="demo", help=f"comma-separated: {', '.join(SIZES)}")
+    p.add_argument("--precision", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16")
+    p.add_argument("--compile", action="store_true", help="torch.compile both sides")
+    p.add_argument("--batch", type=int, help="override the size's batch")
+    p.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    p.add_argument("--blocks", type=int, default=6, help="timed blocks per side, interleaved")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (compilation happens here)")
+    p.add_argument("--round", action="store_true", help="also time whole rounds of a 2x2 grid (4 paths)")
+    p.add_argument("--round-inner-steps", type=int, default=100)
+    p.add_argument("--round-size", default=None, help="size for --round (default: the last of --sizes)")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args()
 
 
-class PlainLoop:
-    """The hand-written baseline: nothing but the model, AdamW and clipping."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def __init__(self, model: LlamaForCausalLM, data: torch.Tensor, cfg: OptimConfig) -> None:
-        self.model, self.data, self.cfg = model, data, cfg
-        self.optimizer = build_adamw(model, cfg)
+
+class BestLoop:
+    """The strongest loop a user would write by hand: one model, fused AdamW, autocast, compile."""
+
+    def __init__(self, model: LlamaForCausalLM, data: torch.Tensor, cfg: OptimConfig, precision: Precision,
+                 compile: bool) -> None:
+        self.model, self.data, self.cfg, self.precision = model, data, cfg, precision
+        self.forward = torch.compile(model) if compile else model
+        self.optimizer = build_adamw(model, cfg)  # fused on CUDA, foreach on CPU: torch's fastest
+        self.scaler = precision.grad_scaler()
         self.i = 0
 
     def run(self, steps: int) -> None:
@@ -58,62 +114,171 @@ class PlainLoop:
         for _ in range(steps):
             batch = self.data[self.i % self.data.shape[0]]
             self.i += 1
-            loss = self.model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            self.optimizer.step()
+            with self.precision.autocast():
+                loss = self.forward(input_ids=batch, labels=batch).loss
+            if self.scaler is None:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                self.optimizer.step()
+            else:
+                self.scaler.scale(loss).backward()
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         loss.item()  # wait for the device
+
+
+def flops_per_token(model: LlamaForCausalLM, size: Size) -> float:
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return 6 * n + 12 * size.layers * size.hidden * size.seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def timed(device: torch.device, fn) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def model_config(size: Size) -> ModelConfig:
+    return ModelConfig(num_layers=size.layers, hidden_size=size.hidden, intermediate_size=size.intermediate,
+                       num_heads=size.heads)
+
+
+def bench_size(name: str, size: Size, args, device: torch.device, precision: Precision) -> dict:
+    llama = llama_config(model_config(size), size.vocab, size.seq_len, eos_id=0, pad_id=1)
+    optim = OptimConfig(lr=1e-4, warmup_steps=10, batch_size=size.batch)
+    total_steps = args.warmup + args.steps * args.blocks
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, size.vocab, (total_steps * size.batch, size.seq_len), generator=gen)
+
+    topology = topology_from_config(replace(Config().topology, preset="grid:2x2"), size.layers)
+    bank = ModuleBank(topology, build_model(llama, seed=0, device=device))
+    options = InnerOptions(precision, compile=args.compile)
+    ours = InnerLoop(bank.compose(3, build_model(llama, device=device)), ShardSampler(tokens, size.batch, seed=0),
+                     optim, total_steps, device, options)
+    best = BestLoop(build_model(llama, seed=0, device=device), tokens.to(device).view(-1, size.batch, size.seq_len),
+                    optim, precision, args.compile)
+    del bank
+
+    sides = {"dipaco_path": lambda n: ours.run(n), "best_handwritten": lambda n: best.run(n)}
+    memory, warmup_s = {}, {}
+    for side, run in sides.items():  # warm-up: allocator, kernels, compilation (timed: the compile cost)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        warmup_s[side] = timed(device, lambda: run(args.warmup))
+        if device.type == "cuda":
+            memory[side] = torch.cuda.max_memory_allocated(device) / 2**30
+    per_block = args.steps * size.batch * size.seq_len
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    order = list(sides)
+    for block in range(args.blocks):
+        for side in order if block % 2 == 0 else order[::-1]:  # alternate who goes first
+            rates[side].append(per_block / timed(device, lambda: sides[side](args.steps)))
+
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    step_s = {k: size.batch * size.seq_len / v for k, v in median.items()}
+    fpt = flops_per_token(ours.model, size)
+    peak = peak_flops(device)
+    result = {
+        "size": name, "params": sum(p.numel() for p in ours.model.parameters()), **size.__dict__,
+        "precision": precision.name, "compile": args.compile,
+        "tokens_per_s_median": median, "tokens_per_s_blocks": rates,
+        "ratio": median["dipaco_path"] / median["best_handwritten"],
+        "flops_per_token": fpt,
+        "mfu": {k: v * fpt / peak for k, v in median.items()} if peak else None,
+        "peak_memory_gib": memory or None,
+        # the warm-up minus as many steady steps: compilation and first-call costs
+        "first_steps_overhead_s": {k: warmup_s[k] - args.warmup * step_s[k] for k in sides},
+    }
+    print(f"[{name}] {result['params']:,} params, batch {size.batch} x seq {size.seq_len}, {precision.name}"
+          f"{', compiled' if args.compile else ''}, {args.blocks} blocks of {args.steps} steps")
+    for side in sides:
+        mfu = f", MFU {result['mfu'][side]:.1%}" if peak else ""
+        mem = f", peak {memory[side]:.2f} GiB" if memory else ""
+        print(f"  {side:<17} {median[side]:>12,.0f} tokens/s{mfu}{mem}; first {args.warmup} steps "
+              f"+{result['first_steps_overhead_s'][side]:.1f}s")
+    print(f"  ratio ours/best = {result['ratio']:.3f} (target >= 0.95)")
+    return result
+
+
+def bench_round(size: Size, args, device: torch.device, precision: Precision) -> dict:
+    """Whole rounds of a 2x2 grid in one process: 4 paths' inner steps, the outer step, a checkpoint."""
+    overrides = [
+        "topology.preset=grid:2x2", f"model.num_layers={size.layers}", f"model.hidden_size={size.hidden}",
+        f"model.intermediate_size={size.intermediate}", f"model.num_heads={size.heads}",
+        f"data.seq_len={size.seq_len}", f"train.optim.batch_size={size.batch}", "train.rounds=3",
+        f"train.inner_steps={args.round_inner_steps}", f"train.precision={precision.name}",
+        f"train.compile={str(args.compile).lower()}", "run.progress=false", "train.init=random",
+    ]
+    cfg = apply_overrides(Config(), overrides)
+    llama = llama_config(cfg.model, size.vocab, size.seq_len, eos_id=0, pad_id=1)
+    topology = topology_from_config(cfg.topology, size.layers)
+    world = World(device=device)
+    bank = ModuleBank(topology, build_model(llama, seed=0, device=device))
+    steps = cfg.train.rounds * cfg.train.inner_steps
+    gen = torch.Generator().manual_seed(1)
+    options = InnerOptions.from_config(cfg.train, cfg.model, device, "train")
+    loops = {p: InnerLoop(bank.compose(p, build_model(llama, device=device)),
+                          ShardSampler(torch.randint(0, size.vocab, (256, size.seq_len), generator=gen), size.batch, p),
+                          cfg.train.optim, steps, device, options) for p in range(topology.num_paths)}
+    weights = {p: 1.0 / topology.num_paths for p in loops}
+    by_rank = [tuple(loops)]
+    with tempfile.TemporaryDirectory() as tmp:
+        exp = Experiment(cfg=cfg, dir=Path(tmp), topology=topology, bank=bank,
+                         sync=build_sync(SyncContext(cfg, topology, bank, weights, by_rank, world)), loops=loops,
+                         weights=weights, checkpoints=CheckpointManager(Path(tmp) / "checkpoints", keep=1),
+                         world=world, by_rank=by_rank)
+        rounds = []
+        for r in range(cfg.train.rounds):
+            start = time.perf_counter()
+            report = run_round(exp, r)
+            sync(device)
+            ckpt_s = timed(device, lambda: exp.checkpoints.save(r + 1, lambda d: write_checkpoint(exp, d, r + 1, [report]), world))
+            total = time.perf_counter() - start
+            inner = sum(rec["tokens"] / rec["tokens_per_s"] for rec in report["paths"])
+            outer = report["comm"]["outer_seconds"]
+            rounds.append({"round": r + 1, "seconds": total, "inner_s": inner, "outer_s": outer, "checkpoint_s": ckpt_s,
+                           "not_inner_share": 1 - inner / total})
+    steady = rounds[1:]  # round 1 includes compilation and allocator warm-up
+    share = statistics.median(r["not_inner_share"] for r in steady)
+    print(f"[round] 2x2 grid, 4 paths x {cfg.train.inner_steps} inner steps: "
+          + "; ".join(f"r{r['round']} {r['seconds']:.2f}s (inner {r['inner_s']:.2f}, outer {r['outer_s']:.3f}, "
+                      f"ckpt {r['checkpoint_s']:.2f})" for r in rounds))
+    print(f"  not inner steps: {share:.2%} of a round (median of rounds 2..; target <= 5%)")
+    return {"inner_steps": cfg.train.inner_steps, "paths": topology.num_paths, "rounds": rounds,
+            "not_inner_share_median": share}
 
 
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
-    model_cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
-                            intermediate_size=args.intermediate, num_heads=args.heads)
-    llama = llama_config(model_cfg, args.vocab, args.seq_len, eos_id=0, pad_id=1)
-    optim = OptimConfig(lr=1e-3, warmup_steps=10, batch_size=args.batch)
-    gen = torch.Generator().manual_seed(0)
-    total_steps = args.steps * (args.blocks + 1)
-    tokens = torch.randint(0, args.vocab, (total_steps * args.batch, args.seq_len), generator=gen)
-
-    topology = Topology.grid(args.layers, [2, 2])
-    bank = ModuleBank(topology, build_model(llama, seed=0))
-    path_model = bank.compose(3, build_model(llama, device=device))
-    ours = InnerLoop(path_model, ShardSampler(tokens, args.batch, seed=0), optim, total_steps, device)
-    plain = PlainLoop(build_model(llama, seed=0, device=device),
-                      tokens.to(device).view(-1, args.batch, args.seq_len), optim)
-
-    # Warm-up (allocator, kernels) outside the timings.
-    ours.run(args.steps // 2 or 1)
-    plain.run(args.steps // 2 or 1)
-    per_block = args.steps * args.batch * args.seq_len
-    rates: dict[str, list[float]] = {"dipaco_path": [], "plain_llama": []}
-    sides = [("dipaco_path", ours), ("plain_llama", plain)]
-    for block in range(args.blocks):
-        for name, loop in sides if block % 2 == 0 else sides[::-1]:  # alternate who goes first
-            start = time.perf_counter()
-            loop.run(args.steps)
-            rates[name].append(per_block / (time.perf_counter() - start))
-
-    median = {k: statistics.median(v) for k, v in rates.items()}
-    ratio = median["dipaco_path"] / median["plain_llama"]
-    params = sum(p.numel() for p in path_model.parameters())
+    configure_backends(device, None)  # what `dipaco train` does: TF32 on CUDA, determinism on CPU only
+    precision = resolve_precision(args.precision, device, "--precision")
+    names = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SIZES]
+    if unknown:
+        raise SystemExit(f"--sizes: unknown {unknown}; known: {', '.join(SIZES)}")
+    sizes = {n: replace(SIZES[n], batch=args.batch or SIZES[n].batch) for n in names}
     result = {
-        "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "params": params},
-        "batch": args.batch, "seq_len": args.seq_len, "steps_per_block": args.steps, "blocks": args.blocks,
-        "device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "machine": platform.machine(),
-        "tokens_per_s_median": median, "tokens_per_s_blocks": rates, "ratio": ratio, "target": 0.95,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "sizes": [bench_size(n, s, args, device, precision) for n, s in sizes.items()],
     }
-    print(f"model {params:,} params, batch {args.batch} x seq {args.seq_len}, {args.blocks} blocks of {args.steps} steps, "
-          f"{torch.get_num_threads()} threads on {device}")
-    for name, rate in median.items():
-        print(f"  {name:<12} {rate:>10,.0f} tokens/s (median)")
-    print(f"  ratio dipaco/plain = {ratio:.3f} (target >= 0.95)")
+    if args.round:
+        result["round"] = bench_round(sizes[args.round_size or names[-1]], args, device, precision)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

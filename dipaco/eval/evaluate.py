@@ -23,6 +23,7 @@ from dipaco.eval.scoring import Scores, score_documents
 from dipaco.metrics import echo
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
+from dipaco.precision import resolve_precision
 from dipaco.route.shards import assign_paths
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
@@ -63,13 +64,15 @@ def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
     docs, val = validation_docs(cfg, prepared)
     routes = assign_paths(val, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
 
-    model = build_model(path_llama_config(cfg, prepared), device=resolve_device(cfg.run.device))
+    device = resolve_device(cfg.run.device)
+    model = build_model(path_llama_config(cfg, prepared), device=device)
+    precision = resolve_precision(cfg.eval.precision, device, "eval.precision")
     per_path, nll_total, tok_total = [], 0.0, 0
     for p in range(topology.num_paths):
         members = np.flatnonzero(routes == p)
         scores = score_documents(
             load_eval_path(cfg, exp_dir, bank, p, model), [docs[int(i)] for i in members], cfg.data.seq_len,
-            cfg.data.prefix_tokens, cfg.eval.batch_size, prepared.tokenizer.pad_token_id,
+            cfg.data.prefix_tokens, cfg.eval.batch_size, prepared.tokenizer.pad_token_id, precision,
         )
         per_path.append({"path": p, "modules": [topology.modules[m].name for m in topology.path_modules(p)],
                          **_summary(scores, members.size)})
@@ -96,10 +99,11 @@ def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
 def evaluate_pretrained(cfg: Config) -> dict:
     """The dense pretrained model on all validation docs (the initialisation every module starts from)."""
     prepared = load_prepared(cfg, routed=False)
-    model = load_pretrained(cfg, prepared).to(resolve_device(cfg.run.device))
+    device = resolve_device(cfg.run.device)
+    model = load_pretrained(cfg, prepared).to(device)
     docs, _ = validation_docs(cfg, prepared)
     scores = score_documents(model, docs, cfg.data.seq_len, cfg.data.prefix_tokens, cfg.eval.batch_size,
-                             prepared.tokenizer.pad_token_id)
+                             prepared.tokenizer.pad_token_id, resolve_precision(cfg.eval.precision, device, "eval.precision"))
     n = sum(p.numel() for p in model.parameters())
     report = {
         "experiment": "pretrained",

@@ -49,6 +49,7 @@ from dipaco.eval.evaluate import load_eval_path, validation_docs
 from dipaco.eval.scoring import window_nll
 from dipaco.metrics import echo
 from dipaco.model.llama import build_model
+from dipaco.precision import Precision, resolve_precision
 from dipaco.route.router import load_router
 from dipaco.route.shards import assign_paths
 from dipaco.run_dir import RunDir
@@ -107,10 +108,11 @@ def window_paths(doc_len: int, first: int, every: int | None, doc_route: int, de
     return paths
 
 
-def _token_nll(model, windows: Sequence[EvalWindow], batch_size: int, pad_id: int) -> list[torch.Tensor]:
+def _token_nll(model, windows: Sequence[EvalWindow], batch_size: int, pad_id: int,
+               precision: Precision) -> list[torch.Tensor]:
     """NLL of every position of each window under ``model``: entry i is target input_ids[i] (0 if unscored)."""
     out: list[torch.Tensor | None] = [None] * len(windows)
-    for idx, _, token_nll in window_nll(model, windows, batch_size, pad_id):
+    for idx, _, token_nll in window_nll(model, windows, batch_size, pad_id, precision):
         token_nll = token_nll.double().cpu()
         for row, i in enumerate(idx):
             n = len(windows[i].input_ids)
@@ -147,8 +149,9 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
         if kind == "lm_prefix":
             featurizer = load_pretrained(cfg, prepared).to(device)
             contexts = [docs[d][max(0, s - context_tokens) : s] for d, s in points]
-            features = featurize_ids(router, featurizer, contexts, tok.pad_token_id, device=device,
-                                     batch_size=cfg.route.batch_size)
+            with resolve_precision(cfg.route.precision, device, "route.precision").autocast():
+                features = featurize_ids(router, featurizer, contexts, tok.pad_token_id, device=device,
+                                         batch_size=cfg.route.batch_size)
             del featurizer
         elif kind == "tfidf_svd":
             features = router.featurize(tok.batch_decode([docs[d][max(0, s - context_tokens) : s] for d, s in points]))
@@ -174,13 +177,14 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
 
     # 3. One forward pass per (window, path) pair.
     model = build_model(path_llama_config(cfg, prepared), device=device)
-
+    precision = resolve_precision(cfg.eval.precision, device, "eval.precision")
     nll_of: dict[tuple[int, int], torch.Tensor] = {}
     for p in sorted(needed):
         ids = list(needed[p])
         cut = [replace(windows[i], input_ids=windows[i].input_ids[: needed[p][i]],
                        labels=windows[i].labels[: needed[p][i]]) for i in ids]
-        for i, nll in zip(ids, _token_nll(load_eval_path(cfg, exp_dir, bank, p, model), cut, cfg.eval.batch_size, tok.pad_token_id)):
+        for i, nll in zip(ids, _token_nll(load_eval_path(cfg, exp_dir, bank, p, model), cut, cfg.eval.batch_size,
+                                            tok.pad_token_id, precision)):
             nll_of[(i, p)] = F.pad(nll, (0, len(windows[i].input_ids) - len(nll)))
 
     # 4. Sum each setting's choice of path per target.

@@ -23,6 +23,7 @@ from dipaco.data.packing import (
     count_scored_tokens,
     eval_windows,
 )
+from dipaco.precision import Precision
 
 
 @dataclass
@@ -37,18 +38,21 @@ class Scores:
 
 
 @torch.no_grad()
-def window_nll(model: PreTrainedModel, windows: Sequence[EvalWindow], batch_size: int,
-               pad_id: int) -> Iterator[tuple[list[int], EvalBatch, torch.Tensor]]:
+def window_nll(model: PreTrainedModel, windows: Sequence[EvalWindow], batch_size: int, pad_id: int,
+               precision: Precision | None = None) -> Iterator[tuple[list[int], EvalBatch, torch.Tensor]]:
     """The per-token NLL of ``windows`` under ``model``, shortest windows first (less padding), in
     batches of ``batch_size``: yields (indices into ``windows``, the batch, fp32 NLL of each target
-    position 1..width-1 on the model's device, 0 where unscored)."""
+    position 1..width-1 on the model's device, 0 where unscored). ``precision``: the forward pass's
+    autocast (fp32 when None); the NLL itself is always computed from fp32 logits."""
     model.eval()
     device = next(model.parameters()).device
+    precision = precision or Precision("fp32", device)
     order = sorted(range(len(windows)), key=lambda i: len(windows[i].input_ids))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = next(batch_eval_windows([windows[i] for i in idx], len(idx), pad_id))
-        logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+        with precision.autocast():
+            logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
         token_nll = F.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), batch.labels[:, 1:].to(device), ignore_index=IGNORE_INDEX,
             reduction="none",
@@ -63,10 +67,12 @@ def score_documents(
     prefix_tokens: int,
     batch_size: int,
     pad_id: int,
+    precision: Precision | None = None,
 ) -> Scores:
     """Summed NLL over each document's scored tokens (after the prefix) under ``model``."""
     nll = torch.zeros(len(docs), dtype=torch.float64)
-    for _, batch, token_nll in window_nll(model, eval_windows(docs, seq_len, prefix_tokens), batch_size, pad_id):
+    windows = eval_windows(docs, seq_len, prefix_tokens)
+    for _, batch, token_nll in window_nll(model, windows, batch_size, pad_id, precision):
         nll.index_add_(0, batch.doc_index, token_nll.sum(dim=1).double().cpu())
     tokens = np.array([count_scored_tokens(len(d), prefix_tokens) for d in docs], dtype=np.int64)
     return Scores(nll.numpy(), tokens)

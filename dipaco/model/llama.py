@@ -31,6 +31,7 @@ def llama_config(cfg: ModelConfig, vocab_size: int, max_positions: int, eos_id: 
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         use_cache=False,
+        attn_implementation=cfg.attention,  # sdpa: flash / memory-efficient attention kernels on CUDA
     )
 
 
@@ -39,6 +40,19 @@ def build_model(config: LlamaConfig, seed: int | None = None, device: str | torc
     if seed is not None:
         torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(device)
+
+
+def enable_activation_checkpointing(model: LlamaForCausalLM) -> None:
+    """Recomputes every decoder block in the backward pass instead of keeping its activations.
+
+    Non-reentrant checkpointing: it works with frozen inputs and with torch.compile, and leaves
+    the parameters (and so their names) untouched.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def part_parameter_names(model: LlamaForCausalLM, part: Part) -> list[str]:

@@ -37,6 +37,7 @@ from dipaco.metrics import echo
 from dipaco.model.topology import Topology, topology_from_config
 from dipaco.route.shards import ROUTED_INFO, routing_fingerprint
 from dipaco.run_dir import RunDir
+from dipaco.precision import resolve_precision
 from dipaco.runtime import resolve_device, seed_everything
 from dipaco.train.pretrain import load_pretrained
 from routing.featurize import lm_prefix_features, tfidf_svd_features
@@ -63,12 +64,13 @@ def lm_features(cfg: Config, prepared: Prepared, texts: dict[str, list[str]]) ->
     """LM-prefix features of each split's texts, from one load of the pretrained model."""
     device = resolve_device(cfg.run.device)
     model = load_pretrained(cfg, prepared).to(device)
-    return {
-        split: lm_prefix_features(model, prepared.tokenizer, t, prefix_tokens=cfg.data.prefix_tokens,
-                                  batch_size=cfg.route.batch_size, device=device,
-                                  show_progress=cfg.run.progress).float().cpu()
-        for split, t in texts.items()
-    }
+    with resolve_precision(cfg.route.precision, device, "route.precision").autocast():
+        return {
+            split: lm_prefix_features(model, prepared.tokenizer, t, prefix_tokens=cfg.data.prefix_tokens,
+                                      batch_size=cfg.route.batch_size, device=device,
+                                      show_progress=cfg.run.progress).float().cpu()
+            for split, t in texts.items()
+        }
 
 
 def routing_context(ds: datasets.Dataset, prepared: Prepared, prefix_tokens: int) -> list[str]:
@@ -140,7 +142,7 @@ def print_report(report: dict) -> None:
 
 
 def route(cfg: Config) -> dict:
-    seed_everything(cfg.run.seed)
+    seed_everything(cfg.run.seed, resolve_device(cfg.run.device), cfg.run.deterministic)
     run = RunDir(cfg.run.dir)
     prepared = load_prepared(cfg, routed=False)
     topology = topology_from_config(cfg.topology, cfg.model.num_layers)

@@ -26,6 +26,7 @@ from dipaco.route.assign import FEATURES, print_report, routing_summary, write_r
 from dipaco.route.router import load_router
 from dipaco.route.shards import record_routing
 from dipaco.run_dir import RunDir
+from dipaco.precision import resolve_precision
 from dipaco.runtime import resolve_device, seed_everything
 from dipaco.train.pretrain import path_llama_config
 from routing.discriminative import fit_discriminative_router
@@ -34,7 +35,8 @@ from routing.router import Router
 
 def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
     """Discriminative re-routing from the experiment's checkpoint; writes new routing in place."""
-    seed_everything(cfg.run.seed)
+    device = resolve_device(cfg.run.device)
+    seed_everything(cfg.run.seed, device, cfg.run.deterministic)
     if cfg.train.sharding != "kmeans":
         raise ConfigError("dipaco reroute re-shards routed data: set train.sharding=kmeans (and run `dipaco route` first)")
     run = RunDir(cfg.run.dir)
@@ -50,11 +52,12 @@ def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
     if len(docs) < topology.num_paths:
         raise DataError(f"route.reroute_holdout={cfg.route.reroute_holdout} leaves {len(docs)} documents to score "
                         f"{topology.num_paths} paths; raise it")
-    model = build_model(path_llama_config(cfg, prepared), device=resolve_device(cfg.run.device))
+    model = build_model(path_llama_config(cfg, prepared), device=device)
+    precision = resolve_precision(cfg.eval.precision, device, "eval.precision")
     loglik = torch.empty(len(docs), topology.num_paths, dtype=torch.float64)
     for p in range(topology.num_paths):
         scores = score_documents(bank.compose(p, model), docs, cfg.data.seq_len, cfg.data.prefix_tokens,
-                                 cfg.eval.batch_size, prepared.tokenizer.pad_token_id)
+                                 cfg.eval.batch_size, prepared.tokenizer.pad_token_id, precision)
         loglik[:, p] = -torch.from_numpy(scores.nll)
     scored = torch.from_numpy(scores.tokens > 0)  # documents within the prefix carry no signal
     current = np.asarray(prepared.train["path"])

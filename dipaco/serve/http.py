@@ -291,12 +291,13 @@ def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, experiment: str | None = None,
           checkpoint: str | None = None, cache_size: int = DEFAULT_CACHE_SIZE,
           max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None,
-          device: str = "cpu", log_level: str = "info", max_body_bytes: int | None = None) -> None:
+          device: str = "cpu", log_level: str = "info", max_body_bytes: int | None = None,
+          precision: str = "auto") -> None:
     """Loads the run (a bad one is a DipacoError before any socket opens), then serves until stopped."""
     _import_web()
     import uvicorn
 
-    pipeline = Pipeline.from_run(run_dir, experiment=experiment, checkpoint=checkpoint, device=device,
+    pipeline = Pipeline.from_run(run_dir, experiment=experiment, checkpoint=checkpoint, device=device, precision=precision,
                                  cache_size=cache_size)
     app = create_app(pipeline, max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
                      max_body_bytes=max_body_bytes)

@@ -56,6 +56,7 @@ from dipaco.model.llama import build_model
 from dipaco.data.prepare import Prepared
 from dipaco.train.pretrain import load_pretrained, path_llama_config
 from dipaco.run_dir import RunDir
+from dipaco.precision import resolve_precision
 from dipaco.runtime import resolve_device
 from dipaco.data.tokenizer import load_tokenizer
 from dipaco.model.topology import Topology
@@ -243,7 +244,7 @@ class Generation:
 
 class Pipeline:
     def __init__(self, loaded: LoadedExperiment, router=None, featurizer_model=None,
-                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto") -> None:
         self.loaded = loaded
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer
@@ -252,6 +253,7 @@ class Pipeline:
         self.router = router
         self.featurizer_model = featurizer_model
         self.device = resolve_device(device)
+        self.precision = resolve_precision(precision, self.device, "--precision")
         template = build_model(loaded.llama_config(use_cache=True), seed=0, device=self.device).eval()
         self.cache = PathCache(self.bank, template, cache_size)
         self._tokenizer_template = copy.deepcopy(loaded.tokenizer)  # never used itself: only copied
@@ -264,7 +266,7 @@ class Pipeline:
 
     @classmethod
     def from_run(cls, run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
-                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE) -> "Pipeline":
+                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto") -> "Pipeline":
         """Loads everything up front, so a missing or bad run fails here with a DipacoError."""
         loaded = load_experiment(run_dir, experiment, checkpoint, device)
         router = load_router(loaded)
@@ -272,7 +274,7 @@ class Pipeline:
         if router is not None and router.featurizer.get("kind") == "lm_prefix":
             featurizer_model = load_pretrained(loaded.cfg, tokenizer_only(loaded.tokenizer))
             featurizer_model = featurizer_model.to(resolve_device(device)).eval()
-        return cls(loaded, router, featurizer_model, device=device, cache_size=cache_size)
+        return cls(loaded, router, featurizer_model, device=device, cache_size=cache_size, precision=precision)
 
     # --- facts ---------------------------------------------------------------------------------
     @property
@@ -442,7 +444,8 @@ class Pipeline:
         x = torch.tensor([ids[:k]], dtype=torch.long, device=self.device)
         # The base model's last_hidden_state (after the final norm) is the causal LM's hidden_states[-1],
         # which the featurizer averages; skipping the LM head and the per-layer states saves ~10%.
-        hidden = self.featurizer_model.base_model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state
+        with self.precision.autocast():
+            hidden = self.featurizer_model.base_model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state
         return (hidden.float().sum(dim=1) / x.shape[1]).cpu()
 
     # --- generation ----------------------------------------------------------------------------
@@ -478,7 +481,7 @@ class Pipeline:
             seed = None
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         entry = self.cache.get(path)
-        with entry.lock, torch.inference_mode():
+        with entry.lock, torch.inference_mode(), self.precision.autocast():
             out = entry.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         new = out[0, len(ids):].tolist()
         finish = "stop" if new and new[-1] == self.tokenizer.eos_token_id else "length"

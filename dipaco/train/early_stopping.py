@@ -32,6 +32,7 @@ from dipaco.data.hashing import holdout_mask
 from dipaco.errors import CheckpointError
 from dipaco.eval.scoring import score_documents
 from dipaco.model.bank import ModuleBank
+from dipaco.precision import Precision
 
 
 def early_stopping_holdout(ids: Sequence[str], fraction: float, seed: int) -> np.ndarray:
@@ -41,13 +42,15 @@ def early_stopping_holdout(ids: Sequence[str], fraction: float, seed: int) -> np
 
 class PathEarlyStopping:
     def __init__(self, directory: Path, heldout_docs: dict[int, list[list[int]]], seq_len: int,
-                 prefix_tokens: int, batch_size: int, pad_id: int, scratch_model: PreTrainedModel) -> None:
+                 prefix_tokens: int, batch_size: int, pad_id: int, scratch_model: PreTrainedModel,
+                 precision: Precision | None = None) -> None:
         """``heldout_docs`` maps path id -> token ids of its held-out documents; paths are composed
         into ``scratch_model`` for scoring."""
         self.dir = Path(directory)
         self.docs = heldout_docs
         self.model = scratch_model
-        self.score_args = dict(seq_len=seq_len, prefix_tokens=prefix_tokens, batch_size=batch_size, pad_id=pad_id)
+        self.score_args = dict(seq_len=seq_len, prefix_tokens=prefix_tokens, batch_size=batch_size, pad_id=pad_id,
+                               precision=precision)
         self.best: dict[int, dict] = {}
         for path in heldout_docs:
             record = self.dir / f"path_{path:03d}.json"

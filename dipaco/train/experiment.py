@@ -28,12 +28,13 @@ from dipaco.metrics import echo
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
 from dipaco.model.topology import Topology, topology_from_config
+from dipaco.precision import resolve_precision
 from dipaco.route.shards import assign_paths, build_shards, path_weights
 from dipaco.run_dir import RunDir
 from dipaco.runtime import rng_state, set_rng_state
 from dipaco.sync import OuterSync, SavedState, SyncContext, build_sync
 from dipaco.train.early_stopping import PathEarlyStopping, early_stopping_holdout
-from dipaco.train.inner import InnerLoop
+from dipaco.train.inner import InnerLoop, InnerOptions
 from dipaco.train.placement import module_writers, paths_by_rank
 from dipaco.train.pretrain import load_pretrained, path_llama_config
 from dipaco.train.sampler import ShardSampler
@@ -78,11 +79,12 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
     held = {m for p in mine for m in topology.path_modules(p)}
     bank = ModuleBank(topology, init.to(device), modules=held)
     total_steps = cfg.train.rounds * cfg.train.inner_steps
+    options = InnerOptions.from_config(cfg.train, cfg.model, device, "train")
     loops = {}
     for p in mine:
         model = build_model(llama, device=device)
         sampler = ShardSampler(shards[p], cfg.train.optim.batch_size, seed=cfg.run.seed * 7919 + p)
-        loops[p] = InnerLoop(bank.compose(p, model), sampler, cfg.train.optim, total_steps, device)
+        loops[p] = InnerLoop(bank.compose(p, model), sampler, cfg.train.optim, total_steps, device, options)
     weights = path_weights(shards, cfg.outer.weighting)
     exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
     early_stopping = None
@@ -113,8 +115,10 @@ def build_early_stopping(cfg: Config, prepared: Prepared, exp_dir: Path, paths: 
     if starved:
         raise DataError(f"train.early_stopping_holdout={cfg.train.early_stopping_holdout} leaves paths {starved} "
                         f"without held-out documents; raise it")
+    device = next(scratch_model.parameters()).device
     return PathEarlyStopping(exp_dir / "early_stopping", docs, cfg.data.seq_len, cfg.data.prefix_tokens,
-                             cfg.eval.batch_size, prepared.tokenizer.pad_token_id, scratch_model)
+                             cfg.eval.batch_size, prepared.tokenizer.pad_token_id, scratch_model,
+                             resolve_precision(cfg.eval.precision, device, "eval.precision"))
 
 
 def restore(exp: Experiment, resume_from: str | None) -> tuple[int, Path]:

@@ -1,18 +1,25 @@
 """The inner loop: AdamW steps of one model on one shard (a path in DiPaCo, the dense model in pretraining).
 
 The loop owns everything that is private to a path and persists across rounds: the AdamW state,
-the LR schedule position and the data cursor. DiPaCo never averages or communicates any of it.
+the LR schedule position, the data cursor and fp16's loss scale. DiPaCo never averages or
+communicates any of it.
+
+How fast it runs is set by :class:`InnerOptions`: autocast precision, torch.compile, activation
+checkpointing, and keeping the AdamW state in CPU memory while other paths train. None of them
+changes which parameters are trained or their names, so the bank's name-based mapping holds.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
-from dipaco.config import OptimConfig
+from dipaco.config import ModelConfig, OptimConfig
+from dipaco.model.llama import enable_activation_checkpointing
+from dipaco.precision import Precision, resolve_precision
 from dipaco.train.lr_schedule import build_scheduler
 from dipaco.train.sampler import ShardSampler
 
@@ -24,6 +31,7 @@ class InnerStats:
     tokens: int
     seconds: float
     lr: float  # learning rate after the last step
+    swap_seconds: float = 0.0  # moving the AdamW state to and from CPU memory (train.offload_inactive)
 
     @property
     def tokens_per_s(self) -> float:
@@ -37,18 +45,87 @@ class InnerStats:
         steps = sum(s.steps for s in parts)
         return InnerStats(steps=steps, loss=sum(s.loss * s.steps for s in parts) / max(steps, 1),
                           tokens=sum(s.tokens for s in parts), seconds=sum(s.seconds for s in parts),
-                          lr=parts[-1].lr)
+                          lr=parts[-1].lr, swap_seconds=sum(s.swap_seconds for s in parts))
+
+
+@dataclass(frozen=True)
+class InnerOptions:
+    """How an inner loop runs on its device (``train.*`` / ``pretrain.*`` and ``model.*`` keys)."""
+
+    precision: Precision
+    compile: bool = False
+    activation_checkpointing: bool = False
+    offload_inactive: bool = False
+
+    @staticmethod
+    def from_config(section, model: ModelConfig, device: torch.device, key: str) -> "InnerOptions":
+        """From ``train`` or ``pretrain`` (``key`` names it in errors) and ``model``."""
+        return InnerOptions(
+            precision=resolve_precision(section.precision, device, f"{key}.precision"),
+            compile=section.compile,
+            activation_checkpointing=model.activation_checkpointing,
+            offload_inactive=getattr(section, "offload_inactive", False),
+        )
 
 
 def build_adamw(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; norms (1-D weights) are not decayed."""
+    """AdamW with weight decay on matrices only; norms (1-D weights) are not decayed.
+
+    The fused kernel on CUDA (one launch for every parameter), the multi-tensor ``foreach`` one
+    elsewhere: both are torch's own, and much faster than the per-parameter loop.
+    """
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    kernel = {"fused": True} if on_cuda else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
+
+
+class StateOffload:
+    """Keeps an optimizer's state in host memory while its path is not training.
+
+    The host copies are allocated once (pinned when the state lives on CUDA, so the copies are
+    DMA transfers) and reused every round; only the device copies are freed and re-made. Each
+    tensor goes back to the device it came from (AdamW keeps some ``step`` counters on the CPU).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.on_host = False
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._devices: dict[tuple[int, str], torch.device] = {}
+
+    def to_host(self) -> None:
+        if self.on_host:
+            return
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if not torch.is_tensor(value):
+                    continue
+                slot = (id(param), key)
+                buf = self._buffers.get(slot)
+                if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                    buf = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.device.type == "cuda")
+                    self._buffers[slot] = buf
+                buf.copy_(value)
+                self._devices[slot] = value.device
+                state[key] = buf
+        self.on_host = True
+
+    def to_home(self) -> None:
+        if not self.on_host:
+            return
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                slot = (id(param), key)
+                if torch.is_tensor(value) and slot in self._devices:
+                    # copy=True: the host buffer is never trained on, even when home is the CPU.
+                    state[key] = value.to(self._devices[slot], non_blocking=True, copy=True)
+        self.on_host = False
 
 
 class InnerLoop:
@@ -59,30 +136,65 @@ class InnerLoop:
         cfg: OptimConfig,
         total_steps: int,
         device: torch.device | str = "cpu",
+        options: InnerOptions | None = None,
     ) -> None:
         self.model = model
         self.sampler = sampler
         self.cfg = cfg
         self.device = torch.device(device)
+        self.options = options or InnerOptions(resolve_precision("auto", self.device))
+        if self.options.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        # The compiled callable lives beside the model, never in its place: the bank maps parameters
+        # by their names, which the compiled wrapper would prefix with ``_orig_mod.``. Dynamo's code
+        # cache is shared by every model of the same architecture, so a rank's paths compile once.
+        self.forward = torch.compile(model) if self.options.compile else model
         self.optimizer = build_adamw(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+        self.scaler = self.options.precision.grad_scaler()
+        self.offload = StateOffload(self.optimizer) if self.options.offload_inactive else None
         self.step = 0
 
     def train_step(self) -> torch.Tensor:
         batch = self.sampler.next_batch().to(self.device, non_blocking=True)
-        loss = self.model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        with self.options.precision.autocast():
+            loss = self.forward(input_ids=batch, labels=batch).loss
+        if self.scaler is None:
+            loss.backward()
+            self._clip()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            self._clip()
+            self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+            self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss.detach()
 
+    def _clip(self) -> None:
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+
+    def _swap(self, to_home: bool) -> float:
+        """Moves the AdamW state home or to host memory; returns the seconds it took."""
+        if self.offload is None:
+            return 0.0
+        start = time.perf_counter()
+        self.offload.to_home() if to_home else self.offload.to_host()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
     def run(self, steps: int, progress=None, log_every: int = 10) -> InnerStats:
-        """Runs ``steps`` AdamW steps; ``progress`` is an optional tqdm bar advanced per step."""
+        """Runs ``steps`` AdamW steps; ``progress`` is an optional tqdm bar advanced per step.
+
+        With ``offload_inactive`` the AdamW state comes back from host memory first and returns
+        there after, so only the path that is training holds its state on the device."""
         self.model.train()
+        swap = self._swap(to_home=True)
         start = time.perf_counter()
         total = torch.zeros((), device=self.device)
         recent = torch.zeros((), device=self.device)
@@ -96,13 +208,16 @@ class InnerLoop:
                     # .item() syncs the device, so only at log points.
                     progress.set_postfix(loss=f"{recent.item() / ((i % log_every) + 1):.3f}", refresh=False)
                     recent.zero_()
+        loss = total.item() / max(steps, 1)  # syncs the device, so the time below is the steps' own
         seconds = time.perf_counter() - start
+        swap += self._swap(to_home=False)
         return InnerStats(
             steps=steps,
-            loss=total.item() / max(steps, 1),
+            loss=loss,
             tokens=steps * self.sampler.tokens_per_batch,
             seconds=seconds,
             lr=self.scheduler.get_last_lr()[0],
+            swap_seconds=swap,
         )
 
     def state_dict(self) -> dict:
@@ -111,6 +226,7 @@ class InnerLoop:
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "step": self.step,
+            **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -118,3 +234,7 @@ class InnerLoop:
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
+        if self.scaler is not None:
+            if "grad_scaler" not in state:
+                raise ValueError("the checkpoint has no fp16 loss-scaler state: it was not trained with precision=fp16")
+            self.scaler.load_state_dict(state["grad_scaler"])

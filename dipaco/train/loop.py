@@ -58,7 +58,8 @@ def run_round(exp: Experiment, round_index: int) -> dict:
     for p, stats in segments.items():
         total = InnerStats.combine(stats)
         records.append(dict(step=exp.loops[p].step, round=round_index + 1, path=p, loss=total.loss,
-                            tokens_per_s=total.tokens_per_s, lr=total.lr, tokens=total.tokens))
+                            tokens_per_s=total.tokens_per_s, lr=total.lr, tokens=total.tokens,
+                            **({"swap_seconds": total.swap_seconds} if cfg.train.offload_inactive else {})))
     heldout_ppl = exp.early_stopping.update(exp.bank, round_index + 1) if exp.early_stopping else {}
     norms = {name: v for report in syncs for name, v in report.norms.items()}
     dropped = sorted({p for report in syncs for p in report.dropped})
@@ -131,8 +132,9 @@ def train(cfg: Config, resume: bool = False, resume_from: str | None = None, unt
     env = detect_env()
     topology = topology_from_config(cfg.topology, cfg.model.num_layers)
     check_world_size(topology.num_paths, env.world_size)  # on every rank, before any collective
-    seed_everything(cfg.run.seed)
-    world = init_world(cfg.dist, env, rank_device(cfg.run.device, env))
+    device = rank_device(cfg.run.device, env)
+    seed_everything(cfg.run.seed, device, cfg.run.deterministic)
+    world = init_world(cfg.dist, env, device)
     try:
         return _train(cfg, world, resume, resume_from, until_round)
     finally:
@@ -149,8 +151,10 @@ def _train(cfg: Config, world: World, resume: bool, resume_from: str | None, unt
     world.agree(error, "setting up the experiment")
     if world.rank == 0:
         ranks = "" if world.size == 1 else "; " + ", ".join(f"rank {r}: paths {list(ps)}" for r, ps in enumerate(exp.by_rank))
+        options = next(iter(exp.loops.values())).options
+        speed = f"{options.precision.name} on {world.device}" + (", compiled" if options.compile else "")
         echo(f"[train] {cfg.train.name}: {exp.topology.describe()}; {cfg.train.rounds} rounds x "
-             f"{cfg.train.inner_steps} inner steps{ranks}")
+             f"{cfg.train.inner_steps} inner steps; {speed}{ranks}")
 
     start, resumed, error = 0, None, None
     restarted = world.env.restart_count > 0 and not (resume or resume_from)

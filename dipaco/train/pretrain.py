@@ -22,7 +22,7 @@ from dipaco.model.llama import build_model, llama_config
 from dipaco.route.shards import build_shards
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device, seed_everything
-from dipaco.train.inner import InnerLoop
+from dipaco.train.inner import InnerLoop, InnerOptions
 from dipaco.train.sampler import ShardSampler
 
 
@@ -46,17 +46,20 @@ def load_pretrained(cfg: Config, prepared: Prepared) -> LlamaForCausalLM:
 
 
 def pretrain(cfg: Config) -> None:
-    seed_everything(cfg.run.seed)
     device = resolve_device(cfg.run.device)
+    seed_everything(cfg.run.seed, device, cfg.run.deterministic)
     run = RunDir(cfg.run.dir)
     prepared = load_prepared(cfg, routed=False)  # pretraining comes before routing
     everything = np.zeros(len(prepared.train), dtype=np.int64)  # one shard: all training docs
     sequences = build_shards(prepared.train, everything, 1, cfg.data.seq_len, prepared.tokenizer.eos_token_id)[0]
     model = build_model(path_llama_config(cfg, prepared), seed=cfg.run.seed, device=device)
     steps = cfg.pretrain.steps
-    loop = InnerLoop(model, ShardSampler(sequences, cfg.pretrain.optim.batch_size, cfg.run.seed), cfg.pretrain.optim, steps, device)
+    options = InnerOptions.from_config(cfg.pretrain, cfg.model, device, "pretrain")
+    loop = InnerLoop(model, ShardSampler(sequences, cfg.pretrain.optim.batch_size, cfg.run.seed), cfg.pretrain.optim,
+                     steps, device, options)
     n_params = sum(p.numel() for p in model.parameters())
-    echo(f"[pretrain] dense model {n_params:,} params, {sequences.shape[0]} sequences of {cfg.data.seq_len}, {steps} steps")
+    echo(f"[pretrain] dense model {n_params:,} params, {sequences.shape[0]} sequences of {cfg.data.seq_len}, {steps} steps, "
+         f"{options.precision.name} on {device}{', compiled' if options.compile else ''}")
 
     start = time.perf_counter()
     with replacing(run.pretrain) as tmp:
