@@ -180,7 +180,7 @@ class DistConfig:
     comm_dtype: str = "fp32"  # outer-gradient payload: fp32 | bf16 | fp16 | int8 | int4 | fp4 (E2M1)
     chunk_size: int = 1024  # int8, int4, fp4: elements per absmax scale (even for the 4-bit codecs)
     adaptive: bool = False  # per-module codec from its outer-gradient statistics (dipaco.comm.adaptive)
-    adaptive_tolerance: float = 0.3  # adaptive: the cheapest codec whose relative error is at most this
+    adaptive_tolerance: float = 0.12  # adaptive: the cheapest codec whose relative error is at most this
     error_feedback: bool = True  # lossy comm_dtype: carry each module's quantization residual to the next round
     check_replicas: bool = False  # debug: compare module checksums across holders every round
 

@@ -336,9 +336,13 @@ class Transport:
     # --- debug: replicas must stay identical ---------------------------------------------------
     @torch.no_grad()
     def check_identical(self, tensors: Mapping[int, tuple[torch.Tensor | None, ...]], stats: CommStats | None = None) -> None:
-        """All-gathers a checksum of every communicated module's ``tensors`` among its holders; raises
-        naming the module and ranks on any difference."""
-        for group, handle in self.mine:
+        """All-gathers a checksum of each module's ``tensors`` among its holders; raises naming the
+        module and ranks on any difference. Modules absent from ``tensors`` are not checked (every
+        holder must give the same modules)."""
+        for full, handle in self.mine:
+            group = CommGroup(full.ranks, tuple(m for m in full.modules if m in tensors))
+            if not group.modules:
+                continue
             n = len(group.ranks)
             mine = torch.tensor([checksum(*tensors[m]) for m in group.modules], dtype=torch.int64,
                                 device=self.world.comm_device)
