@@ -67,8 +67,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="sequences of 128 tokens per inner step")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128, help="model width (the MLP is 3x)")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--dtypes", default="fp32,bf16,int8")
-    p.add_argument("--rows", help="outer-sync rows (comma-separated names of ROWS, or 'all'): the issue-12 table")
+    p.add_argument("--rows", help="outer-sync rows: comma-separated names of ROWS, 'default' or 'all' (the issue-12 table)")
     p.add_argument("--rate", help="also run every row over a loopback limited to this rate (tc syntax, e.g. 20mbit)")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args()
@@ -95,9 +99,10 @@ def write_corpus(data: Path, out: Path, per_source: int) -> Path:
 def base_overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
     return [
         f"run.dir={work / 'run'}", f"data.corpus={corpus}", "run.progress=false",
-        "run.device=cpu", "model.num_layers=4", "model.hidden_size=128", "model.intermediate_size=384",
-        "model.num_heads=4", "tokenizer.vocab_size=2048", "data.seq_len=128", "data.prefix_tokens=32",
-        "pretrain.steps=150", "pretrain.optim.warmup_steps=15", "pretrain.optim.batch_size=16",
+        "run.device=cpu", f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
+        f"model.intermediate_size={3 * args.hidden}", f"model.num_heads={max(1, args.hidden // 32)}",
+        f"tokenizer.vocab_size={args.vocab}", "data.seq_len=128", "data.prefix_tokens=32",
+        f"pretrain.steps={args.pretrain_steps}", "pretrain.optim.warmup_steps=15", "pretrain.optim.batch_size=16",
         f"topology.preset={args.topology}", f"train.rounds={args.rounds}", f"train.inner_steps={args.inner_steps}",
         f"train.optim.batch_size={args.batch}", "train.optim.warmup_steps=20", "eval.batch_size=32", "eval.max_docs=300",
     ]
@@ -187,23 +192,27 @@ DEFAULT_ROWS = ["diloco_fp32", "diloco_int8", "streaming_F2_tau0_a0_fp32", "stre
 
 def wait_share(exp_dir: Path) -> dict:
     """Share of the round spent issuing and waiting for exchanges, on the rank that arrived last
-    (the smaller comm_seconds of each round), median over the rounds after the first."""
+    (the smaller comm_seconds of each round). Steady state: median over the rounds after the first
+    and before the last (the last round lands every exchange still in flight at once)."""
     comm = read_metrics(exp_dir / "metrics.jsonl", "comm")
-    later = [r for r in comm if r["round"] > 1] or comm
+    rounds = max(r["round"] for r in comm)
+    steady = [r for r in comm if 1 < r["round"] < rounds] or comm
     by_round: dict[int, list[dict]] = {}
-    for r in later:
+    for r in steady:
         by_round.setdefault(r["round"], []).append(r)
     last = [min(rs, key=lambda r: r["comm_seconds"]) for rs in by_round.values()]
+    final = [r for r in comm if r["round"] == rounds]
     return {"wait_share_median": statistics.median(r["comm_seconds"] / r["round_seconds"] for r in last),
-            "wait_share_incl_lag_median": statistics.median(r["comm_seconds"] / r["round_seconds"] for r in later),
-            "round_seconds_median": statistics.median(r["round_seconds"] for r in later)}
+            "wait_share_incl_lag_median": statistics.median(r["comm_seconds"] / r["round_seconds"] for r in steady),
+            "last_round_wait_share": min(r["comm_seconds"] / r["round_seconds"] for r in final),
+            "round_seconds_median": statistics.median(r["round_seconds"] for r in steady)}
 
 
 def sync_table(args, cfg, cfg_file: Path, work: Path) -> dict:
     from dipaco.config import apply_overrides
     from dipaco.eval.evaluate import evaluate_experiment
 
-    names = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    names = {"all": list(ROWS), "default": list(DEFAULT_ROWS)}.get(args.rows) or args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         sys.exit(f"--rows: unknown {unknown}; one of {', '.join(ROWS)}")
