@@ -122,6 +122,7 @@ class DelayedConfig:
     """``outer.sync=delayed`` (DiLoCoX's one-step-delay overlap, arXiv 2506.21263; dipaco.sync.delayed)."""
 
     delay: int = 1  # rounds between a round's outer gradient and the round it is applied at; 0 = DiLoCo
+    eager: bool = False  # each path keeps its own last delta at once; the average lands a round later (delay 1)
 
 
 @dataclass
@@ -337,6 +338,9 @@ def _validate_comm(cfg: Config) -> None:
     _check_range("dist.adaptive_tolerance", dist.adaptive_tolerance, 0.0, math.inf)
     if cfg.outer.delayed.delay < 0:
         raise ConfigError(f"outer.delayed.delay: must be >= 0, got {cfg.outer.delayed.delay}")
+    if cfg.outer.delayed.eager and cfg.outer.delayed.delay != 1:
+        raise ConfigError(f"outer.delayed.eager: needs outer.delayed.delay=1 (a path's own delta is kept while "
+                          f"exactly one exchange is in flight), got delay={cfg.outer.delayed.delay}")
     if stream.num_fragments is not None and stream.num_fragments < 1:
         raise ConfigError(f"outer.streaming.num_fragments: must be >= 1 or null, got {stream.num_fragments}")
     if stream.overlap_steps < 0:

@@ -185,9 +185,13 @@ ROWS = {
        for f in (2, 4) for tau in (0, 2) for alpha in ("0", "0.5") for dtype in ("fp32", "fp4")},
     "delayed_int8": ["outer.sync=delayed", "dist.comm_dtype=int8"],
     "delayed_adaptive": ["outer.sync=delayed", "dist.comm_dtype=int8", "dist.adaptive=true"],
+    "delayed_eager_int8": ["outer.sync=delayed", "outer.delayed.eager=true", "dist.comm_dtype=int8"],
+    "delayed_eager_adaptive": ["outer.sync=delayed", "outer.delayed.eager=true", "dist.comm_dtype=int8",
+                               "dist.adaptive=true"],
 }
 DEFAULT_ROWS = ["diloco_fp32", "diloco_int8", "streaming_F2_tau0_a0_fp32", "streaming_F4_tau0_a0_fp32",
-                "streaming_F4_tau2_a0_fp4", "streaming_F4_tau2_a0.5_fp4", "delayed_int8", "delayed_adaptive"]
+                "streaming_F4_tau2_a0_fp4", "streaming_F4_tau2_a0.5_fp4", "delayed_int8", "delayed_adaptive",
+                "delayed_eager_int8", "delayed_eager_adaptive"]
 
 
 def wait_share(exp_dir: Path) -> dict:

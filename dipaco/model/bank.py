@@ -96,6 +96,13 @@ class ModuleBank:
                     target.copy_(chunk.view_as(target))
 
     @torch.no_grad()
+    def add_to_path(self, model: PreTrainedModel, part: Part, vector: torch.Tensor, alpha: float = 1.0) -> None:
+        """theta_path[part] += alpha * vector (a flat vector in the bank's layout of ``part``)."""
+        targets = self._path_params(model, part)
+        for target, chunk in zip(targets, torch.split(vector, [t.numel() for t in targets])):
+            target.add_(chunk.view_as(target).to(target.device, target.dtype), alpha=alpha)
+
+    @torch.no_grad()
     def path_vector(self, model: PreTrainedModel, part: Part) -> torch.Tensor:
         """The path model's parameters for ``part`` as one flat fp32 vector on the bank's device."""
         return self._flatten(self._path_params(model, part)).to(self.device, torch.float32)

@@ -24,9 +24,19 @@ holder, multi-rank fp32 equal to one process up to the order of additions). Exch
 checkpoint are finished and saved with the round they apply at, so a resumed run continues
 bit-exactly (CPU).
 
-Not implemented: the eager variant (Kale et al.), in which each worker applies its own fresh delta at
-once and the others' delayed ones later: the holders of a module would then hold different values,
-which the checkpoint (one copy per module) and ``dist.check_replicas`` rule out.
+Eager variant (``outer.delayed.eager=true``, delay 1; after Kale et al.'s eager updates, made
+replica-safe): the bank is updated exactly as above, only by averaged deltas, so every holder keeps
+the same bits; what changes is where each *path* restarts. With d_p the path's own change over round
+t, measured from where it started the round (s_p - theta_p),
+
+* the exchange of round t carries sum_p w_p d_p (not the change from the bank);
+* the path restarts round t + 1 from theta_{t+1} - d_p: the bank with everyone's outer gradient up
+  to round t - 1, plus its own round t at once (its round-t share reaches the bank a round later,
+  in the average, when its own d_p is no longer added);
+* the last round lands everything, and the paths restart from the bank.
+
+A single path with ``outer.lr=1, outer.momentum=0`` then trains exactly as if alone, while the bank
+lags one round behind it. Each path's d_p is checkpointed (per rank, by path).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from dipaco.sync.base import SavedState, SyncContext, SyncReport
 from dipaco.sync.diloco import DiLoCo, Exchange
 
 IN_FLIGHT_FILE = "delayed"  # delayed.safetensors: the outer gradients in flight at the checkpoint
+OWN_FILE = "delayed_own"  # delayed_own.safetensors (eager): each path's own last delta, per rank
 
 
 class DelayedDiLoCo(DiLoCo):
@@ -48,8 +59,10 @@ class DelayedDiLoCo(DiLoCo):
 
     def __init__(self, ctx: SyncContext, two_phase_from: int = 3) -> None:
         super().__init__(ctx, two_phase_from)
-        self.delay = ctx.cfg.outer.delayed.delay
+        self.delay, self.eager = ctx.cfg.outer.delayed.delay, ctx.cfg.outer.delayed.eager
         self.in_flight: list[Exchange] = []  # oldest first
+        self.paths = tuple(ctx.by_rank[ctx.world.rank])
+        self.own: dict[int, dict[str, torch.Tensor]] = {}  # eager: path -> part name -> d_p while it is in flight
 
     @torch.no_grad()
     def at(self, round_index: int, offset: int, paths: Mapping[int, PreTrainedModel]) -> SyncReport:
@@ -61,7 +74,15 @@ class DelayedDiLoCo(DiLoCo):
         # whether or not a checkpoint (which finishes them) came in between: resume stays bit-exact.
         for exchange in self.in_flight:
             self.finish(exchange)
+        if self.eager:  # theta_p + d_p(t-1): the path as if it had started the round from the bank
+            for p, model in paths.items():
+                for part in self.topology.parts:
+                    if p in self.own:
+                        self.bank.add_to_path(model, part, self.own[p][part.name])
         self.in_flight.append(self.send(round_index, paths, due=(due, offset)))
+        own = {p: {part.name: self.bank.params[m] - self.bank.path_vector(model, part)
+                   for part, m in zip(self.topology.parts, self.topology.path_modules(p))}
+               for p, model in paths.items()} if self.eager else {}
         report = SyncReport(comm_seconds=self.in_flight[-1].wait_seconds)
         self.in_flight[-1].wait_seconds = 0.0  # issuing it is counted now; the round it lands counts its wait
         while self.in_flight and (last or self.in_flight[0].due[0] <= round_index):
@@ -72,8 +93,12 @@ class DelayedDiLoCo(DiLoCo):
             report.stats.bytes_received += applied.stats.bytes_received
             report.stats.modules.update(applied.stats.modules)
             report.comm_seconds += applied.comm_seconds
-        for p, model in paths.items():  # every path restarts from the bank
+        self.own = own if self.in_flight else {}  # eager: a path keeps its own delta while it is in flight
+        for p, model in paths.items():  # every path restarts from the bank (eager: minus its own delta)
             self.bank.load_path(p, model)
+            for part in self.topology.parts:
+                if p in self.own:
+                    self.bank.add_to_path(model, part, self.own[p][part.name], alpha=-1.0)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -83,8 +108,18 @@ class DelayedDiLoCo(DiLoCo):
         state = super().state_dict()
         if in_flight:
             state[IN_FLIGHT_FILE] = in_flight
+        if self.own:
+            state[OWN_FILE] = {f"path_{p:03d}/{name}": v for p, parts in sorted(self.own.items())
+                               for name, v in parts.items()}
         return state
 
     def load_state(self, saved: SavedState) -> None:
         super().load_state(saved)
         self.in_flight = self.load_exchanges(saved, IN_FLIGHT_FILE)
+        self.own = {}
+        mine = {f"path_{p:03d}": p for p in self.paths}
+        for tensors in saved.per_rank(OWN_FILE).values():  # by path: the ranks' paths may have changed
+            for key, value in tensors.items():
+                path, part = key.split("/", 1)
+                if path in mine:
+                    self.own.setdefault(mine[path], {})[part] = value.to(self.bank.device)

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.comm.world import World
-from dipaco.config import Config, OuterConfig, StreamingConfig, TrainConfig, load_config
+from dipaco.config import Config, DelayedConfig, OuterConfig, StreamingConfig, TrainConfig, load_config
 from dipaco.errors import ConfigError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
@@ -149,6 +149,7 @@ def test_one_fragment_without_overlap_is_diloco_bit_for_bit_and_delay_zero_too(r
 @pytest.mark.parametrize("outer", [
     {"sync": "streaming", "streaming": StreamingConfig(num_fragments=2, overlap_steps=1, mix_alpha=0.5)},
     {"sync": "delayed"},
+    {"sync": "delayed", "delayed": DelayedConfig(eager=True)},
 ])
 def test_resume_with_an_outer_gradient_in_flight_is_bit_exact(run_cfg, outer):
     cfg = replace(run_cfg, train=replace(run_cfg.train, rounds=3, inner_steps=4), outer=replace(run_cfg.outer, **outer))
