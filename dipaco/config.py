@@ -113,6 +113,25 @@ class PretrainConfig:
 
 
 @dataclass
+class StreamingConfig:
+    """``outer.sync=streaming`` (Streaming DiLoCo, arXiv 2501.18512; dipaco.sync.streaming)."""
+
+    num_fragments: Optional[int] = None  # F; null = one fragment per unit
+    fragment: str = "module"  # the unit fragments are made of: level (a part) | module
+    pattern: str = "strided"  # units to fragments: strided (i mod F) | sequential (blocks of units) | balanced (by size)
+    overlap_steps: int = 0  # tau: a fragment's exchange runs during this many inner steps; < inner_steps / F
+    mix_alpha: float = 0.0  # alpha: theta_path <- alpha * local + (1 - alpha) * global when a fragment lands
+
+
+@dataclass
+class DelayedConfig:
+    """``outer.sync=delayed`` (DiLoCoX's one-step-delay overlap, arXiv 2506.21263; dipaco.sync.delayed)."""
+
+    delay: int = 1  # rounds between a round's outer gradient and the round it is applied at; 0 = DiLoCo
+    eager: bool = False  # each path keeps its own last delta at once; the average lands a round later (delay 1)
+
+
+@dataclass
 class OuterConfig:
     """Per-module outer optimizer: SGD with Nesterov momentum on averaged path deltas (DiLoCo)."""
 
@@ -123,6 +142,8 @@ class OuterConfig:
     rescale: str = "none"  # none | sqrt_paths (x sqrt(n)) | inv_sqrt_paths (/ sqrt(n))
     drop_prob: float = 0.0  # each path's contribution is dropped with this probability per round (seeded)
     sync: str = "diloco"  # the outer-sync algorithm: a name in dipaco.sync.SYNCS
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    delayed: DelayedConfig = field(default_factory=DelayedConfig)
 
 
 @dataclass
@@ -167,8 +188,10 @@ class DistConfig:
 
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl
     timeout_s: float = 1800.0  # a collective waiting longer fails clearly (> the slowest rank's lag)
-    comm_dtype: str = "fp32"  # outer-gradient payload: fp32 | bf16 | fp16 | int8
-    chunk_size: int = 1024  # int8: elements per absmax scale
+    comm_dtype: str = "fp32"  # outer-gradient payload: fp32 | bf16 | fp16 | int8 | int4 | fp4 (E2M1)
+    chunk_size: int = 1024  # int8, int4, fp4: elements per absmax scale (even for the 4-bit codecs)
+    adaptive: bool = False  # per-module codec from its outer-gradient statistics (dipaco.comm.adaptive)
+    adaptive_tolerance: float = 0.12  # adaptive: the cheapest codec whose relative error is at most this
     error_feedback: bool = True  # lossy comm_dtype: carry each module's quantization residual to the next round
     check_replicas: bool = False  # debug: compare module checksums across holders every round
 
@@ -205,7 +228,9 @@ _CHOICES = {
     "train.init": ("pretrained", "random"),
     "train.sharding": ("iid", "column", "kmeans"),
     "dist.backend": ("auto", "gloo", "nccl"),
-    "dist.comm_dtype": ("fp32", "bf16", "fp16", "int8"),
+    "dist.comm_dtype": ("fp32", "bf16", "fp16", "int8", "int4", "fp4"),
+    "outer.streaming.fragment": ("level", "module"),
+    "outer.streaming.pattern": ("strided", "sequential", "balanced"),
     "route.featurizer": ("lm_prefix", "tfidf_svd"),
     "route.method": ("kmeans", "product"),
     "route.metric": ("euclidean", "cosine"),
@@ -274,6 +299,7 @@ def validate(cfg: Config) -> Config:
             f"<run.dir>/train/<name>), got {name!r}"
         )
     _validate_optimizers(cfg)
+    _validate_comm(cfg)
     if cfg.model.num_kv_heads is not None and (
         cfg.model.num_kv_heads <= 0 or cfg.model.num_heads % cfg.model.num_kv_heads
     ):
@@ -310,6 +336,45 @@ def _validate_optimizers(cfg: Config) -> None:
             raise ConfigError(f"{section}.warmup_steps: must be >= 0, got {optim.warmup_steps}")
     _check_range("outer.lr", cfg.outer.lr, 0.0, inf)
     _check_range("outer.momentum", cfg.outer.momentum, 0.0, inf)
+
+
+def _validate_comm(cfg: Config) -> None:
+    """Codecs and the overlapping syncs; checks that need the topology live in the sync classes."""
+    dist, stream = cfg.dist, cfg.outer.streaming
+    if dist.comm_dtype in ("int4", "fp4") and dist.chunk_size % 2:
+        raise ConfigError(f"dist.chunk_size: must be even for dist.comm_dtype={dist.comm_dtype} "
+                          f"(two values per byte), got {dist.chunk_size}")
+    if dist.adaptive:
+        if dist.comm_dtype in ("fp32",):
+            raise ConfigError("dist.adaptive: needs a lossy dist.comm_dtype (bf16, fp16, int8, int4, fp4) for "
+                              "the first sync of each module, before it has statistics; got fp32")
+        if dist.chunk_size % 2:
+            raise ConfigError(f"dist.chunk_size: must be even with dist.adaptive=true (its 4-bit candidates), "
+                              f"got {dist.chunk_size}")
+    _check_range("dist.adaptive_tolerance", dist.adaptive_tolerance, 0.0, math.inf)
+    if cfg.outer.delayed.delay < 0:
+        raise ConfigError(f"outer.delayed.delay: must be >= 0, got {cfg.outer.delayed.delay}")
+    if cfg.outer.delayed.eager and cfg.outer.delayed.delay != 1:
+        raise ConfigError(f"outer.delayed.eager: needs outer.delayed.delay=1 (a path's own delta is kept while "
+                          f"exactly one exchange is in flight), got delay={cfg.outer.delayed.delay}")
+    if stream.num_fragments is not None and stream.num_fragments < 1:
+        raise ConfigError(f"outer.streaming.num_fragments: must be >= 1 or null, got {stream.num_fragments}")
+    if stream.overlap_steps < 0:
+        raise ConfigError(f"outer.streaming.overlap_steps: must be >= 0, got {stream.overlap_steps}")
+    _check_range("outer.streaming.mix_alpha", stream.mix_alpha, 0.0, 1.0)
+    if cfg.outer.sync == "streaming" and stream.num_fragments is not None:
+        check_streaming_schedule(cfg, stream.num_fragments)
+
+
+def check_streaming_schedule(cfg: Config, fragments: int) -> None:
+    """F must divide H, and tau < H / F (each fragment lands before the next one leaves)."""
+    h, tau = cfg.train.inner_steps, cfg.outer.streaming.overlap_steps
+    if h % fragments:
+        raise ConfigError(f"train.inner_steps: {h} is not a multiple of outer.streaming.num_fragments={fragments} "
+                          f"(fragment f syncs at offset f * inner_steps / F)")
+    if tau >= h // fragments:
+        raise ConfigError(f"outer.streaming.overlap_steps: tau={tau} must be < train.inner_steps / "
+                          f"outer.streaming.num_fragments = {h}/{fragments} = {h // fragments}")
 
 
 def _merge(base: Any, path: str | Path | None, overrides: list[str] | None) -> Config:

@@ -20,6 +20,18 @@ The data is a slice of the shared corpora (``--data``, as the tests use), prepar
 once in ``--work``.
 
     python scripts/bench_comm.py --out /tmp/bench_comm.json
+
+``--rows`` runs the outer-sync table instead (issue 12): DiLoCo fp32/int8, Streaming DiLoCo
+(``outer.sync=streaming``: F fragments, tau overlapped steps, mixing alpha; fp32 or fp4) and the
+one-step-delay sync (``outer.sync=delayed``: int8 or adaptive codecs). Each row gives total bytes
+per rank and round over DDP's, the peak bytes of one sync over DiLoCo fp32's peak, the share of the
+round spent issuing and waiting for exchanges (on the last rank to arrive at each sync, so that a
+peer's lag is not counted), and validation perplexity against DiLoCo fp32. With ``--rate`` (root
+needed) every row runs a second time with both ranks in a network namespace this script creates,
+whose loopback is limited by a token bucket (``tc qdisc ... tbf rate RATE``), and the wait share
+is measured there too.
+
+    python scripts/bench_comm.py --rows all --inner-steps 48 --rate 20mbit --out /tmp/bench_sync.json
 """
 
 from __future__ import annotations
@@ -55,7 +67,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="sequences of 128 tokens per inner step")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128, help="model width (the MLP is 3x)")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--dtypes", default="fp32,bf16,int8")
+    p.add_argument("--rows", help="outer-sync rows: comma-separated names of ROWS, 'default' or 'all' (the issue-12 table)")
+    p.add_argument("--rate", help="also run every row over a loopback limited to this rate (tc syntax, e.g. 20mbit)")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args()
 
@@ -81,9 +99,10 @@ def write_corpus(data: Path, out: Path, per_source: int) -> Path:
 def base_overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
     return [
         f"run.dir={work / 'run'}", f"data.corpus={corpus}", "run.progress=false",
-        "run.device=cpu", "model.num_layers=4", "model.hidden_size=128", "model.intermediate_size=384",
-        "model.num_heads=4", "tokenizer.vocab_size=2048", "data.seq_len=128", "data.prefix_tokens=32",
-        "pretrain.steps=150", "pretrain.optim.warmup_steps=15", "pretrain.optim.batch_size=16",
+        "run.device=cpu", f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
+        f"model.intermediate_size={3 * args.hidden}", f"model.num_heads={max(1, args.hidden // 32)}",
+        f"tokenizer.vocab_size={args.vocab}", "data.seq_len=128", "data.prefix_tokens=32",
+        f"pretrain.steps={args.pretrain_steps}", "pretrain.optim.warmup_steps=15", "pretrain.optim.batch_size=16",
         f"topology.preset={args.topology}", f"train.rounds={args.rounds}", f"train.inner_steps={args.inner_steps}",
         f"train.optim.batch_size={args.batch}", "train.optim.warmup_steps=20", "eval.batch_size=32", "eval.max_docs=300",
     ]
@@ -95,10 +114,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(cfg_file: Path, nproc: int, name: str, dtype: str) -> float:
+def run_job(cfg_file: Path, nproc: int, name: str, overrides: list[str], netns: str | None = None) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "dipaco", "train", "--config", str(cfg_file), f"train.name={name}", f"dist.comm_dtype={dtype}"]
+           "-m", "dipaco", "train", "--config", str(cfg_file), f"train.name={name}", *overrides]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
@@ -110,6 +131,23 @@ def run_job(cfg_file: Path, nproc: int, name: str, dtype: str) -> float:
     if proc.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{out[-4000:]}")
     return time.perf_counter() - start
+
+
+class LimitedLoopback:
+    """A network namespace whose loopback is rate-limited by a token bucket; both ranks run in it."""
+
+    def __init__(self, rate: str) -> None:
+        self.name, self.rate = f"dipaco_bench_{os.getpid()}", rate
+
+    def __enter__(self) -> str:
+        for cmd in (["ip", "netns", "add", self.name], ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"],
+                    ["ip", "netns", "exec", self.name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                     "rate", self.rate, "burst", "256kb", "limit", "4mb"]):
+            subprocess.run(cmd, check=True)
+        return self.name
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], check=False)
 
 
 def summarize(exp_dir: Path, inner_steps: int) -> dict:
@@ -137,6 +175,90 @@ def summarize(exp_dir: Path, inner_steps: int) -> dict:
     }
 
 
+# name -> dipaco overrides. "peak / DiLoCo" compares with diloco_fp32's peak.
+ROWS = {
+    "diloco_fp32": ["outer.sync=diloco", "dist.comm_dtype=fp32"],
+    "diloco_int8": ["outer.sync=diloco", "dist.comm_dtype=int8"],
+    **{f"streaming_F{f}_tau{tau}_a{alpha}_{dtype}": [
+        "outer.sync=streaming", f"outer.streaming.num_fragments={f}", f"outer.streaming.overlap_steps={tau}",
+        f"outer.streaming.mix_alpha={alpha}", "outer.streaming.pattern=balanced", f"dist.comm_dtype={dtype}"]
+       for f in (2, 4) for tau in (0, 2) for alpha in ("0", "0.5") for dtype in ("fp32", "fp4")},
+    "delayed_int8": ["outer.sync=delayed", "dist.comm_dtype=int8"],
+    "delayed_adaptive": ["outer.sync=delayed", "dist.comm_dtype=int8", "dist.adaptive=true"],
+    "delayed_eager_int8": ["outer.sync=delayed", "outer.delayed.eager=true", "dist.comm_dtype=int8"],
+    "delayed_eager_adaptive": ["outer.sync=delayed", "outer.delayed.eager=true", "dist.comm_dtype=int8",
+                               "dist.adaptive=true"],
+}
+DEFAULT_ROWS = ["diloco_fp32", "diloco_int8", "streaming_F2_tau0_a0_fp32", "streaming_F4_tau0_a0_fp32",
+                "streaming_F4_tau2_a0_fp4", "streaming_F4_tau2_a0.5_fp4", "delayed_int8", "delayed_adaptive",
+                "delayed_eager_int8", "delayed_eager_adaptive"]
+
+
+def wait_share(exp_dir: Path) -> dict:
+    """Share of the round spent issuing and waiting for exchanges, on the rank that arrived last
+    (the smaller comm_seconds of each round). Steady state: median over the rounds after the first
+    and before the last (the last round lands every exchange still in flight at once)."""
+    comm = read_metrics(exp_dir / "metrics.jsonl", "comm")
+    rounds = max(r["round"] for r in comm)
+    steady = [r for r in comm if 1 < r["round"] < rounds] or comm
+    by_round: dict[int, list[dict]] = {}
+    for r in steady:
+        by_round.setdefault(r["round"], []).append(r)
+    last = [min(rs, key=lambda r: r["comm_seconds"]) for rs in by_round.values()]
+    final = [r for r in comm if r["round"] == rounds]
+    return {"wait_share_median": statistics.median(r["comm_seconds"] / r["round_seconds"] for r in last),
+            "wait_share_incl_lag_median": statistics.median(r["comm_seconds"] / r["round_seconds"] for r in steady),
+            "last_round_wait_share": min(r["comm_seconds"] / r["round_seconds"] for r in final),
+            "round_seconds_median": statistics.median(r["round_seconds"] for r in steady)}
+
+
+def sync_table(args, cfg, cfg_file: Path, work: Path) -> dict:
+    from dipaco.config import apply_overrides
+    from dipaco.eval.evaluate import evaluate_experiment
+
+    names = {"all": list(ROWS), "default": list(DEFAULT_ROWS)}.get(args.rows) or args.rows.split(",")
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        sys.exit(f"--rows: unknown {unknown}; one of {', '.join(ROWS)}")
+    if "diloco_fp32" not in names:
+        names.insert(0, "diloco_fp32")  # the baseline of every ratio
+    results = {}
+    for name in names:
+        exp_dir = work / "run" / "train" / name
+        shutil.rmtree(exp_dir, ignore_errors=True)
+        wall = run_job(cfg_file, args.nproc, name, ROWS[name])
+        comm = read_metrics(exp_dir / "metrics.jsonl", "comm")
+        row = {"overrides": ROWS[name], "job_wall_seconds": wall,
+               "bytes_sent_per_rank_round": statistics.mean(r["bytes_sent"] for r in comm),
+               "ddp_bytes_per_rank_round": statistics.mean(r["ddp_bytes"] for r in comm),
+               "peak_sync_bytes": max(r["peak_sync_bytes"] for r in comm),
+               "ddp_peak_sync_bytes": comm[0]["ddp_peak_sync_bytes"], "loopback": wait_share(exp_dir)}
+        row["val_ppl"] = evaluate_experiment(apply_overrides(cfg, [f"train.name={name}", *ROWS[name]]))["overall"]["ppl"]
+        if args.rate:
+            limited = f"{name}_limited"
+            shutil.rmtree(work / "run" / "train" / limited, ignore_errors=True)
+            with LimitedLoopback(args.rate) as netns:
+                row["limited_wall_seconds"] = run_job(cfg_file, args.nproc, limited, ROWS[name], netns=netns)
+            row["limited"] = wait_share(work / "run" / "train" / limited)
+        results[name] = row
+        print(f"{name}: {json.dumps(row)}", flush=True)
+    base = results["diloco_fp32"]
+    h = args.inner_steps
+    print(f"\n{args.nproc} ranks, {args.topology}, {args.rounds} rounds x {h} inner steps, gloo on CPU; "
+          f"bytes per rank per round; limited link: {args.rate or '-'}")
+    print(f"{'row':<30} {'DDP/total':>9} {'total/DDP':>10} {'peak/DiLoCo':>11} {'wait lo':>8} {'wait lim':>8} "
+          f"{'val ppl':>8} {'vs fp32':>8}")
+    for name, r in results.items():
+        r["total_over_ddp"] = r["bytes_sent_per_rank_round"] / r["ddp_bytes_per_rank_round"]
+        r["peak_over_diloco"] = r["peak_sync_bytes"] / base["peak_sync_bytes"]
+        r["ppl_vs_diloco_fp32"] = r["val_ppl"] / base["val_ppl"] - 1
+        lim = f"{r['limited']['wait_share_median'] * 100:>7.2f}%" if "limited" in r else f"{'-':>8}"
+        print(f"{name:<30} {1 / r['total_over_ddp']:>8.0f}x {r['total_over_ddp']:>10.2e} {r['peak_over_diloco']:>11.3f} "
+              f"{r['loopback']['wait_share_median'] * 100:>7.2f}% {lim} {r['val_ppl']:>8.2f} "
+              f"{r['ppl_vs_diloco_fp32'] * 100:>+7.2f}%")
+    return results
+
+
 def main() -> None:
     args = parse_args()
     work = Path(args.work)
@@ -153,6 +275,16 @@ def main() -> None:
         pretrain(cfg)
     cfg_file = work / "bench.yaml"
     save_config(cfg, cfg_file)
+    import torch
+
+    meta = {"nproc": args.nproc, "topology": args.topology, "rounds": args.rounds, "inner_steps": args.inner_steps,
+            "torch": torch.__version__, "threads_per_rank": 1, "backend": "gloo", "rate": args.rate,
+            "command": " ".join(sys.argv)}
+    if args.rows:
+        results = sync_table(args, cfg, cfg_file, work)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        return
 
     from dipaco.eval.evaluate import evaluate_experiment
 
@@ -161,7 +293,7 @@ def main() -> None:
         name = f"comm_{dtype}_{args.nproc}r_{args.inner_steps}s"
         exp_dir = work / "run" / "train" / name
         shutil.rmtree(exp_dir, ignore_errors=True)
-        wall = run_job(cfg_file, args.nproc, name, dtype)
+        wall = run_job(cfg_file, args.nproc, name, [f"dist.comm_dtype={dtype}"])
         row = summarize(exp_dir, args.inner_steps)
         run_cfg = replace(cfg, train=replace(cfg.train, name=name), dist=replace(cfg.dist, comm_dtype=dtype))
         row["val_ppl"] = evaluate_experiment(run_cfg)["overall"]["ppl"]
@@ -185,10 +317,6 @@ def main() -> None:
               f"{r['val_ppl']:>8.2f} {rel:>8}")
         r["target_ddp_over_ours"] = target
     if args.out:
-        import torch
-
-        meta = {"nproc": args.nproc, "topology": args.topology, "rounds": args.rounds, "inner_steps": h,
-                "torch": torch.__version__, "threads_per_rank": 1, "backend": "gloo", "command": " ".join(sys.argv)}
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 

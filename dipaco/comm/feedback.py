@@ -12,10 +12,11 @@ a sync that applies nothing for a module (no rank contributed) keeps its old res
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import torch
 
+from dipaco.comm.codecs import Codec
 from dipaco.comm.reduce import Payload, Reduced, Reduction, Transport
 from dipaco.errors import CheckpointError
 
@@ -27,8 +28,13 @@ class _FeedbackReduction:
     def wait(self) -> Reduced:
         if self.done is None:
             self.done = self.inner.wait()
-            for m, error in self.done.errors.items():
-                if self.feedback.applied(self.done.payloads[m].meta):
+            for m, payload in self.done.payloads.items():
+                if not self.feedback.applied(payload.meta):
+                    continue
+                error = self.done.errors.get(m)
+                if error is None:  # reduced losslessly (a per-call fp32 codec): the residual went out exactly
+                    self.feedback.residual.pop(m, None)
+                else:
                     self.feedback.residual[m] = error
         return self.done
 
@@ -48,16 +54,23 @@ class ErrorFeedback:
     def mine(self):
         return self.transport.mine
 
+    @property
+    def names(self):
+        return self.transport.names
+
     def check_identical(self, tensors, stats=None) -> None:
         self.transport.check_identical(tensors, stats)
 
-    def start(self, payloads: Mapping[int, Payload]) -> _FeedbackReduction:
+    def start(self, payloads: Mapping[int, Payload], codec: Codec | None = None,
+              only: Collection[int] | None = None) -> _FeedbackReduction:
+        """As :meth:`Transport.start`; the residuals of the modules reduced are carried in."""
         carried = {m: Payload(p.meta, p.values + self.residual[m]) if m in self.residual else p
                    for m, p in payloads.items()}
-        return _FeedbackReduction(self.transport.start(carried, track_error=True), self)
+        return _FeedbackReduction(self.transport.start(carried, track_error=True, codec=codec, only=only), self)
 
-    def reduce(self, payloads: Mapping[int, Payload]) -> Reduced:
-        return self.start(payloads).wait()
+    def reduce(self, payloads: Mapping[int, Payload], codec: Codec | None = None,
+               only: Collection[int] | None = None) -> Reduced:
+        return self.start(payloads, codec, only).wait()
 
     # --- state: by module name -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

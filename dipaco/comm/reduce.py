@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import torch
 import torch.distributed as dist
@@ -157,25 +157,40 @@ class Transport:
             work.wait()
 
     @torch.no_grad()
-    def start(self, payloads: Mapping[int, Payload], track_error: bool = False) -> Reduction:
-        """Issues the collectives of every group of this rank; ``payloads`` must hold each of their modules."""
+    def start(self, payloads: Mapping[int, Payload], track_error: bool = False, codec: Codec | None = None,
+              only: Collection[int] | None = None) -> Reduction:
+        """Issues the collectives of every group of this rank.
+
+        ``payloads`` must hold each module of those groups, or of ``only`` when given: a sync that
+        reduces some modules at a time (a fragment) names them, and every holder must name the same
+        ones. ``codec`` overrides the transport's codec for this call (per-module codec choices are
+        one call per codec, in the same order on every rank). Groups with no module to reduce are
+        skipped.
+        """
+        codec = codec or self.codec
+        wanted = None if only is None else set(only)
         result = Reduced({}, CommStats())
         steps = []
         for group, handle in self.mine:
-            missing = [self.names[m] for m in group.modules if m not in payloads]
+            modules = tuple(m for m in group.modules if wanted is None or m in wanted)
+            if not modules:
+                continue
+            missing = [self.names[m] for m in modules if m not in payloads]
             if missing:
                 raise DistributedError(f"rank {self.world.rank}: no local payload for {missing[:3]}, which it holds")
-            rows = [payloads[m] for m in group.modules]
-            if not self.codec.lossy:
-                steps.append(self._all_reduce(group, handle, rows, result))
+            part = CommGroup(group.ranks, modules)
+            rows = [payloads[m] for m in modules]
+            if not codec.lossy:
+                steps.append(self._all_reduce(part, handle, rows, result))
             elif len(group.ranks) >= self.two_phase_from:
-                steps.append(self._two_phase(group, handle, rows, result, track_error))
+                steps.append(self._two_phase(part, handle, rows, result, track_error, codec))
             else:
-                steps.append(self._gather(group, handle, rows, result, track_error))
+                steps.append(self._gather(part, handle, rows, result, track_error, codec))
         return Reduction(steps, result)
 
-    def reduce(self, payloads: Mapping[int, Payload], track_error: bool = False) -> Reduced:
-        return self.start(payloads, track_error).wait()
+    def reduce(self, payloads: Mapping[int, Payload], track_error: bool = False, codec: Codec | None = None,
+               only: Collection[int] | None = None) -> Reduced:
+        return self.start(payloads, track_error, codec, only).wait()
 
     # --- lossless: ring all-reduce ---------------------------------------------------------------
     def _all_reduce(self, group: CommGroup, handle, rows: list[Payload], result: Reduced) -> Callable[[], None]:
@@ -206,16 +221,16 @@ class Transport:
 
     # --- lossy, small groups: all-gather of encoded payloads -------------------------------------
     def _gather(self, group: CommGroup, handle, rows: list[Payload], result: Reduced,
-                track_error: bool) -> Callable[[], None]:
+                track_error: bool, codec: Codec) -> Callable[[], None]:
         n, k = len(group.ranks), len(rows)
         width = rows[0].meta.numel()
         numels = tuple(p.values.numel() for p in rows)
-        layout = _Layout.build(numels, self.codec, width)
+        layout = _Layout.build(numels, codec, width)
         meta = torch.stack([p.meta for p in rows]).reshape(-1)
         device = meta.device
         scales, payloads = [], []
         for m, p in zip(group.modules, rows):
-            encoded = self.codec.encode(p.values)
+            encoded = codec.encode(p.values)
             scales.append(encoded.scale)
             payloads.append(encoded.payload)
             if track_error:
@@ -238,7 +253,7 @@ class Transport:
                 meta_sum += row[: layout.meta_bytes].view(torch.float32).view(k, width)
                 for j in range(k):
                     (s0, s1), (p0, p1) = layout.scales[j], layout.payloads[j]
-                    totals[j] += self.codec.decode(row[s0:s1], row[p0:p1])
+                    totals[j] += codec.decode(row[s0:s1], row[p0:p1], numels[j])
             for j, m in enumerate(group.modules):
                 result.payloads[m] = Payload(meta_sum[j], totals[j])
                 per_module = ring_allgather_bytes(layout.module_bytes(j), n)
@@ -251,8 +266,7 @@ class Transport:
 
     # --- lossy, larger groups: reduce-scatter (all-to-all) + all-gather of encoded bytes ---------
     def _two_phase(self, group: CommGroup, handle, rows: list[Payload], result: Reduced,
-                   track_error: bool) -> Callable[[], None]:
-        codec = self.codec
+                   track_error: bool, codec: Codec) -> Callable[[], None]:
         n, k, me = len(group.ranks), len(rows), group.ranks.index(self.world.rank)
         width = rows[0].meta.numel()
         numels = [p.values.numel() for p in rows]
@@ -292,7 +306,8 @@ class Transport:
             own = torch.zeros(length, device=device)
             for i in range(n):  # rank order: the same sum wherever it is computed
                 meta_sum += got[i, :meta_bytes].view(torch.float32).view(k, width)
-                own += codec.decode(got[i, meta_bytes: meta_bytes + scale_w], got[i, meta_bytes + scale_w: meta_bytes + body])
+                own += codec.decode(got[i, meta_bytes: meta_bytes + scale_w], got[i, meta_bytes + scale_w: meta_bytes + body],
+                                    length)
             encoded = codec.encode(own)
             if carried is not None:  # the owner carries the re-encoding error of its slice
                 lo, hi = me * length, min((me + 1) * length, total)
@@ -303,7 +318,8 @@ class Transport:
             with self.world.collective(self._what("all-gather", group)):
                 gathered, _ = _all_gather(mine.to(self.world.comm_device), n, handle)
             gathered = gathered.to(device)
-            full = torch.cat([codec.decode(gathered[j, :scale_w], gathered[j, scale_w:body]) for j in range(n)])[:total]
+            full = torch.cat([codec.decode(gathered[j, :scale_w], gathered[j, scale_w:body], length)
+                              for j in range(n)])[:total]
             sent = (n - 1) * sent_slice + ring_allgather_bytes(mine.numel(), n)
             for j, m in enumerate(group.modules):
                 lo, hi = starts[j], starts[j] + numels[j]
@@ -320,9 +336,13 @@ class Transport:
     # --- debug: replicas must stay identical ---------------------------------------------------
     @torch.no_grad()
     def check_identical(self, tensors: Mapping[int, tuple[torch.Tensor | None, ...]], stats: CommStats | None = None) -> None:
-        """All-gathers a checksum of every communicated module's ``tensors`` among its holders; raises
-        naming the module and ranks on any difference."""
-        for group, handle in self.mine:
+        """All-gathers a checksum of each module's ``tensors`` among its holders; raises naming the
+        module and ranks on any difference. Modules absent from ``tensors`` are not checked (every
+        holder must give the same modules)."""
+        for full, handle in self.mine:
+            group = CommGroup(full.ranks, tuple(m for m in full.modules if m in tensors))
+            if not group.modules:
+                continue
             n = len(group.ranks)
             mine = torch.tensor([checksum(*tensors[m]) for m in group.modules], dtype=torch.int64,
                                 device=self.world.comm_device)

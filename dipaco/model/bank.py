@@ -15,7 +15,7 @@ are absent from ``state_dict``; composing a path through one of them is an error
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Collection, Iterable
 
 import torch
 from torch import nn
@@ -73,16 +73,34 @@ class ModuleBank:
         return [self.params[m] for m in self.held]
 
     @torch.no_grad()
-    def load_path(self, path: int, model: PreTrainedModel) -> None:
-        """Overwrites ``model``'s parameters in place with the modules of ``path``."""
-        missing = [self.module_name(m) for m in self.topology.path_modules(path) if not self.holds(m)]
+    def load_path(self, path: int, model: PreTrainedModel, modules: Collection[int] | None = None,
+                  keep: float = 0.0) -> None:
+        """Overwrites ``model``'s parameters in place with the modules of ``path``.
+
+        ``modules``: only the parts whose module is one of these (default: every part). ``keep``:
+        mix instead of overwriting, theta_path <- keep * theta_path + (1 - keep) * theta_bank
+        (Streaming DiLoCo's alpha); 0 copies the bank's values exactly.
+        """
+        chosen = [(part, m) for part, m in zip(self.topology.parts, self.topology.path_modules(path))
+                  if modules is None or m in modules]
+        missing = [self.module_name(m) for _, m in chosen if not self.holds(m)]
         if missing:
             raise ValueError(f"path {path} goes through modules this bank does not hold: {missing}")
-        for part, module_id in zip(self.topology.parts, self.topology.path_modules(path)):
+        for part, module_id in chosen:
             targets = self._path_params(model, part)
             chunks = torch.split(self.params[module_id], [t.numel() for t in targets])
             for target, chunk in zip(targets, chunks):
-                target.copy_(chunk.view_as(target))
+                if keep:
+                    target.mul_(keep).add_(chunk.view_as(target), alpha=1.0 - keep)
+                else:
+                    target.copy_(chunk.view_as(target))
+
+    @torch.no_grad()
+    def add_to_path(self, model: PreTrainedModel, part: Part, vector: torch.Tensor, alpha: float = 1.0) -> None:
+        """theta_path[part] += alpha * vector (a flat vector in the bank's layout of ``part``)."""
+        targets = self._path_params(model, part)
+        for target, chunk in zip(targets, torch.split(vector, [t.numel() for t in targets])):
+            target.add_(chunk.view_as(target).to(target.device, target.dtype), alpha=alpha)
 
     @torch.no_grad()
     def path_vector(self, model: PreTrainedModel, part: Part) -> torch.Tensor:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dipaco.errors import ConfigError
 from dipaco.sync.base import OuterSync, SavedState, SyncContext, SyncReport
+from dipaco.sync.delayed import DelayedDiLoCo
 from dipaco.sync.diloco import DiLoCo
+from dipaco.sync.streaming import StreamingDiLoCo
 
 SYNCS: dict[str, type[OuterSync]] = {
     "diloco": DiLoCo,
+    "streaming": StreamingDiLoCo,
+    "delayed": DelayedDiLoCo,
 }
 
 

@@ -71,6 +71,7 @@ def _comm_record(exp: Experiment, syncs: list[SyncReport], round_s: float) -> di
     steps = exp.cfg.train.inner_steps * len(exp.loops)
     path_numel = sum(exp.bank.numel(part) for part in exp.topology.parts)
     ddp = ddp_bytes(path_numel, steps, exp.world.size)
+    ddp_peak = ddp_bytes(path_numel, 1, exp.world.size)  # DDP syncs every step: one gradient all-reduce
     sent = sum(s.stats.bytes_sent for s in syncs)
     modules: dict[str, dict] = {}
     for report in syncs:
@@ -86,10 +87,11 @@ def _comm_record(exp: Experiment, syncs: list[SyncReport], round_s: float) -> di
         "bytes_sent": sent, "bytes_received": sum(s.stats.bytes_received for s in syncs),
         "check_bytes": sum(s.stats.check_bytes for s in syncs),
         "peak_sync_bytes": max((s.stats.bytes_sent for s in syncs), default=0.0),
-        "ddp_bytes": ddp, "ddp_over_sent": ddp / sent if sent else None,
+        "sync_bytes": [s.stats.bytes_sent for s in syncs],  # per call of the sync, in order
+        "ddp_bytes": ddp, "ddp_over_sent": ddp / sent if sent else None, "ddp_peak_sync_bytes": ddp_peak,
         "modules": modules,
         "round_seconds": round_s, "outer_seconds": sum(s.seconds for s in syncs),
-        "comm_seconds": sum(s.comm_seconds for s in syncs),
+        "comm_seconds": sum(s.comm_seconds for s in syncs),  # issuing and waiting for exchanges
     }
 
 

@@ -1,0 +1,161 @@
+"""Streaming DiLoCo for DiPaCo: modules synced in fragments at staggered steps, overlapped with training.
+
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512) cuts DiLoCo's peak bandwidth and hides its
+latency: the model is split into F fragments, fragment f is synced every H inner steps at offset
+f * H / F, its exchange runs during the next tau inner steps, and when it lands every replica mixes
+theta = alpha * local + (1 - alpha) * global (the paper: alpha = 0.5; alpha = 0 keeps the global
+value alone). With 4-bit outer gradients (``dist.comm_dtype=fp4``) accumulated in fp32 the paper
+reports ~400x fewer bits than data-parallel at equal loss.
+
+In DiPaCo the unit of a fragment is a module (``outer.streaming.fragment=module``) or a level (a
+part: the embedding, one level of modules, the head; ``fragment=level``). Units go to fragments by
+``pattern``: ``strided`` (unit i -> fragment i mod F, the paper's), ``sequential`` (consecutive
+units), or ``balanced`` (largest unit first to the fragment with the fewest parameters, ties to the
+lower index; this evens the peak). The schedule depends on the topology only, never on the ranks.
+
+Schedule within a round of H inner steps (F divides H; tau < H / F):
+
+* fragment 0 leaves at offset H, fragment f > 0 at offset f * H / F;
+* a fragment that leaves at offset s lands at s + tau (fragment 0 at offset tau of the next round);
+  each lands before the next one leaves, so at most one is in flight;
+* in the last round (``train.rounds``) a fragment whose landing would fall after the run lands at
+  once, so the final bank holds every fragment's last outer step.
+
+When fragment f leaves (offset s), every path's modules in f give their weighted deltas against
+the bank, Delta_m = sum_p w_p (theta_m - theta_{p,m}) / sum_p w_p over the paths containing m (the
+DiLoCo step of :mod:`dipaco.sync.diloco`, per module), and the transport starts the exchange as
+asynchronous torch.distributed work; the paths keep training. When it lands (s + tau), the holders
+of each module take the same Nesterov step on Delta_m, and every path containing m is mixed:
+theta_{p,m} <- alpha * theta_{p,m} + (1 - alpha) * theta_m.
+
+Guarantees:
+
+* with F = 1, tau = 0 and alpha = 0 it *is* DiLoCo: the same operations in the same order, so the
+  bank is bit-identical on CPU;
+* the other guarantees of :mod:`dipaco.sync.diloco` hold per fragment (only the paths containing a
+  module contribute to it; a module without contribution is untouched; every holder applies the
+  same bits; multi-rank fp32 equals a single process up to the order of fp32 additions);
+* a fragment in flight at a checkpoint is finished and saved with its landing point, so a resumed
+  run continues bit-exactly (CPU), fragments in flight included.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+import torch
+from transformers import PreTrainedModel
+
+from dipaco.config import check_streaming_schedule
+from dipaco.errors import ConfigError
+from dipaco.sync.base import SavedState, SyncContext, SyncReport
+from dipaco.sync.diloco import DiLoCo, Exchange
+
+IN_FLIGHT_FILE = "streaming"  # streaming.safetensors: the fragment in flight at the checkpoint
+
+
+def fragment_units(topology, unit: str) -> list[tuple[int, ...]]:
+    """The units fragments are made of, in model order: module ids per unit."""
+    if unit == "level":
+        return [tuple(range(p.first_module, p.first_module + p.num_modules)) for p in topology.parts]
+    return [(m.id,) for m in topology.modules]
+
+
+def assign_fragments(sizes: list[int], fragments: int, pattern: str) -> list[int]:
+    """Unit index -> fragment index (``sizes``: parameters per unit, for ``balanced``)."""
+    n = len(sizes)
+    if pattern == "strided":
+        return [i % fragments for i in range(n)]
+    if pattern == "sequential":
+        return [i * fragments // n for i in range(n)]
+    load = [0] * fragments
+    out = [0] * n
+    for i in sorted(range(n), key=lambda i: (-sizes[i], i)):
+        f = min(range(fragments), key=lambda f: (load[f], f))
+        out[i], load[f] = f, load[f] + sizes[i]
+    return out
+
+
+class StreamingDiLoCo(DiLoCo):
+    name = "streaming"
+
+    def __init__(self, ctx: SyncContext, two_phase_from: int = 3) -> None:
+        super().__init__(ctx, two_phase_from)
+        cfg = ctx.cfg.outer.streaming
+        units = fragment_units(ctx.topology, cfg.fragment)
+        count = cfg.num_fragments if cfg.num_fragments is not None else len(units)
+        if count > len(units):
+            raise ConfigError(f"outer.streaming.num_fragments: {count} fragments but outer.streaming.fragment="
+                              f"{cfg.fragment} gives only {len(units)} units")
+        check_streaming_schedule(ctx.cfg, count)
+        sizes = [sum(ctx.bank.numel(ctx.topology.modules[m].part) for m in unit) for unit in units]
+        which = assign_fragments(sizes, count, cfg.pattern)
+        self.fragments: list[tuple[int, ...]] = [
+            tuple(sorted(m for unit, f in zip(units, which) if f == k for m in unit)) for k in range(count)]
+        empty = [k for k, mods in enumerate(self.fragments) if not mods]
+        if empty:
+            raise ConfigError(f"outer.streaming.pattern: {cfg.pattern} leaves fragments {empty} without modules "
+                              f"({len(units)} units into {count} fragments)")
+        h = ctx.cfg.train.inner_steps
+        self.leaves = [h if k == 0 else k * h // count for k in range(count)]
+        self.tau, self.alpha = cfg.overlap_steps, cfg.mix_alpha
+        self.in_flight: Exchange | None = None
+
+    def schedule(self, round_index: int) -> list[tuple[int, int, tuple[int, int]]]:
+        """(offset, fragment, landing (round, offset)) of every fragment that leaves in ``round_index``."""
+        h, last = self.cfg.train.inner_steps, self.cfg.train.rounds - 1
+        out = []
+        for k, offset in enumerate(self.leaves):
+            land = offset + self.tau
+            due = (round_index, land) if land <= h else (round_index + 1, land - h)
+            if due[0] > last:
+                due = (round_index, offset)  # the run ends first: it lands at once
+            out.append((offset, k, due))
+        return sorted(out)
+
+    def sync_points(self) -> tuple[int, ...]:
+        h = self.cfg.train.inner_steps
+        points = set(self.leaves) | {(s + self.tau - 1) % h + 1 for s in self.leaves}
+        return tuple(sorted(points))
+
+    @torch.no_grad()
+    def at(self, round_index: int, offset: int, paths: Mapping[int, PreTrainedModel]) -> SyncReport:
+        start = time.perf_counter()
+        report = SyncReport()
+        if self.in_flight is not None and self.in_flight.due == (round_index, offset):
+            report = self._land(self.in_flight, paths)
+            self.in_flight = None
+        for leave, k, due in self.schedule(round_index):
+            if leave != offset:
+                continue
+            exchange = self.send(round_index, paths, due, modules=self.fragments[k])
+            if due == (round_index, offset):  # tau = 0, or the run's last landing
+                report = self._land(exchange, paths)
+            else:
+                self.in_flight = exchange
+                report.comm_seconds += exchange.wait_seconds  # issuing it; the landing counts its wait
+                exchange.wait_seconds = 0.0
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _land(self, exchange: Exchange, paths: Mapping[int, PreTrainedModel]) -> SyncReport:
+        report = self.apply(exchange)
+        modules = set(exchange.modules)
+        for p, model in paths.items():
+            self.bank.load_path(p, model, modules=modules, keep=self.alpha)
+        return report
+
+    # --- state: DiLoCo's, plus the fragment in flight -------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        flying = [self.in_flight] if self.in_flight is not None else []
+        in_flight = self.exchanges_state(flying)  # first: finishing it updates residuals and codec choices
+        state = super().state_dict()
+        if in_flight:
+            state[IN_FLIGHT_FILE] = in_flight
+        return state
+
+    def load_state(self, saved: SavedState) -> None:
+        super().load_state(saved)
+        exchanges = self.load_exchanges(saved, IN_FLIGHT_FILE)
+        self.in_flight = exchanges[0] if exchanges else None

@@ -1,0 +1,54 @@
+"""The one-step-delay sync (outer.sync=delayed) on a hand-computable single path, plain and eager."""
+
+import pytest
+import torch
+
+from dipaco.comm.world import World
+from dipaco.config import Config, DelayedConfig, OuterConfig, TrainConfig, load_config
+from dipaco.errors import ConfigError
+from dipaco.model.bank import ModuleBank
+from dipaco.model.topology import Topology
+from dipaco.sync import SyncContext, build_sync
+from dipaco.sync.delayed import DelayedDiLoCo
+
+from test_streaming import tiny_model
+
+
+def delayed(rounds: int, eager: bool) -> DelayedDiLoCo:
+    topo = Topology.grid(2, [1])  # one path through every module
+    cfg = Config(train=TrainConfig(inner_steps=4, rounds=rounds),
+                 outer=OuterConfig(lr=1.0, momentum=0.0, sync="delayed", delayed=DelayedConfig(delay=1, eager=eager)))
+    sync = build_sync(SyncContext(cfg, topo, ModuleBank(topo, tiny_model()), {0: 1.0}, [(0,)], World()))
+    assert isinstance(sync, DelayedDiLoCo)
+    return sync
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_each_round_lands_one_round_late_and_eager_paths_keep_their_own_progress(eager):
+    sync = delayed(rounds=4, eager=eager)
+    model = sync.bank.compose(0, tiny_model())
+    b0 = torch.cat(list(sync.bank.params)).clone()
+    vec = lambda: torch.cat([sync.bank.path_vector(model, part) for part in sync.topology.parts])  # noqa: E731
+    bank = lambda: torch.cat(list(sync.bank.params))  # noqa: E731
+    expected_path, expected_bank = [], []
+    for r in range(4):
+        with torch.no_grad():  # a round of "training": every parameter moves by -1
+            for prm in model.parameters():
+                prm.sub_(1.0)
+        sync.at(r, 4, {0: model})
+        expected_path.append(vec().clone())
+        expected_bank.append(bank().clone())
+    # lr 1, no momentum: the bank moves by the path's delta of the round before (round 0: not at all);
+    # the last round lands the one still in flight
+    if eager:  # the path trains as if alone: -1 a round; the bank lags a round behind, then catches up
+        wants = [(b0 - 1, b0), (b0 - 2, b0 - 1), (b0 - 3, b0 - 2), (b0 - 4, b0 - 4)]
+    else:  # the path restarts from the stale bank, so each round re-does the same step from there
+        wants = [(b0, b0), (b0 - 1, b0 - 1), (b0 - 2, b0 - 2), (b0 - 4, b0 - 4)]
+    for r, (want_path, want_bank) in enumerate(wants):
+        torch.testing.assert_close(expected_bank[r], want_bank, rtol=0, atol=1e-5, msg=f"bank, round {r}")
+        torch.testing.assert_close(expected_path[r], want_path, rtol=0, atol=1e-5, msg=f"path, round {r}")
+
+
+def test_eager_needs_a_delay_of_one():
+    with pytest.raises(ConfigError, match="outer.delayed.eager: needs outer.delayed.delay=1"):
+        load_config(None, ["outer.sync=delayed", "outer.delayed.eager=true", "outer.delayed.delay=2"])
