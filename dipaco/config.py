@@ -180,6 +180,7 @@ class RayConfig:
     task_retries: int = 3  # re-queues of one task after its worker died, before the run fails
     checkpoint_every: Optional[int] = None  # completed tasks between run checkpoints (null: the number of paths)
     executor_checkpoint_every: int = 1  # updates between an executor's own checkpoints (1: none is ever lost)
+    executors: Optional[int] = None  # outer executor actors, modules dealt round-robin (null: one per module)
 
 
 @dataclass
@@ -350,6 +351,8 @@ def _validate_driver(cfg: Config) -> None:
                               f"ray.num_workers={ray.num_workers} workers")
     if ray.max_staleness is not None and ray.max_staleness < 0:
         raise ConfigError(f"ray.max_staleness: must be >= 0 or null, got {ray.max_staleness}")
+    if ray.executors is not None and ray.executors <= 0:
+        raise ConfigError(f"ray.executors: must be > 0 or null (one per module), got {ray.executors}")
     if ray.task_retries < 0:
         raise ConfigError(f"ray.task_retries: must be >= 0, got {ray.task_retries}")
     if ray.checkpoint_every is not None and ray.checkpoint_every <= 0:

@@ -73,6 +73,7 @@ from dipaco.train.experiment import CHECKPOINT_FORMAT, Experiment, build_experim
 from dipaco.train.inner import InnerLoop
 from dipaco.train.sampler import ShardSampler
 
+RESTART_BACKOFF_S = 0.5  # wait before re-sending to an actor Ray is restarting
 EXECUTORS_DIR = "executors"  # <experiment>/executors/<module name>/round_NNNNNN: each executor's own checkpoints
 
 
@@ -176,10 +177,11 @@ class TaskQueue:
         self.running[task.id] = task
         return task
 
-    def failed(self, task: Task) -> None:
-        """The task's worker died before it returned: it goes back to the front of the queue."""
+    def failed(self, task: Task, count: bool = True) -> None:
+        """The task did not return (its worker died): it goes back to the front of the queue; ``count``:
+        whether this counts as one of its attempts."""
         del self.running[task.id]
-        task.attempt += 1
+        task.attempt += int(count)
         self.retry.appendleft(task)
 
     def sent(self, task: Task, tokens_per_s: float) -> None:
@@ -245,23 +247,23 @@ class PathWorker:
 
 
 class ModuleExecutor:
-    """The outer executor of one module: its fp32 parameters, delayed-Nesterov state and update log.
+    """The outer executor of a group of modules: their fp32 parameters, delayed-Nesterov state and
+    update log (:class:`~dipaco.sync.async_nesterov.AsyncNesterov`).
 
     It checkpoints itself into ``root`` (atomic, with a manifest, like a run checkpoint) every
     ``every`` updates; constructed again by Ray after a crash, it restores its newest checkpoint.
+    ``saved`` (tensors by file stem, counters) starts it from a run checkpoint instead of ``init``.
     """
 
-    def __init__(self, module: int, name: str, init: torch.Tensor, path_weights: dict[int, float], lr: float,
-                 momentum: float, delay: int, root: str, every: int, config_yaml: str,
+    def __init__(self, names: dict[int, str], init: dict[int, torch.Tensor], path_weights: dict[int, dict[int, float]],
+                 lr: float, momentum: float, delay: dict[int, int], root: str, every: int, config_yaml: str,
                  saved: tuple[dict, dict] | None = None) -> None:
         torch.set_num_threads(1)
-        self.module, self.name, self.every, self.config_yaml = module, name, every, config_yaml
-        self.names = {module: name}
-        self.sync = AsyncNesterov({module: init}, {module: path_weights}, lr, momentum, {module: delay})
+        self.names, self.every, self.config_yaml = dict(names), every, config_yaml
+        self.sync = AsyncNesterov(init, path_weights, lr, momentum, delay)
         self.checkpoints = CheckpointManager(root, keep=2)
-        latest = self.checkpoints.latest()
         self.restored_from = None
-        if latest is not None:
+        if self.checkpoints.latest() is not None:
             ckpt = resolve_checkpoint(self.checkpoints)
             stems = ("bank", "outer", "async_outer")
             self.sync.load({s: load_tensors(ckpt / f"{s}.safetensors") for s in stems},
@@ -276,15 +278,15 @@ class ModuleExecutor:
         return os.getpid()
 
     def status(self) -> dict:
-        return {"version": self.sync.version(self.module), "restored_from": self.restored_from}
+        return {"updates": len(self.sync.log), "restored_from": self.restored_from}
 
-    def pull(self) -> torch.Tensor:
-        return self.sync.params[self.module].clone()
+    def pull(self, module: int) -> torch.Tensor:
+        return self.sync.params[module].clone()
 
-    def push(self, task: str, path: int, start_version: int, delta: torch.Tensor) -> dict | None:
-        """Applies one task's delta (None: that task was already applied here)."""
-        update = self.sync.apply(task, path, self.module, start_version, delta)
-        if update is not None and update.version % self.every == 0:
+    def push(self, task: str, path: int, module: int, start_version: int, delta: torch.Tensor) -> dict | None:
+        """Applies one task's delta to ``module`` (None: that task was already applied to it)."""
+        update = self.sync.apply(task, path, module, start_version, delta)
+        if update is not None and len(self.sync.log) % self.every == 0:
             self._checkpoint()
         return None if update is None else update.__dict__
 
@@ -298,11 +300,17 @@ class ModuleExecutor:
         def write(root: Path) -> None:
             for stem, tensors in self.sync.tensors(self.names).items():
                 save_tensors(tensors, root / f"{stem}.safetensors")
-            save_state({"round": self.sync.version(self.module), "counters": self.sync.counters()},
+            save_state({"round": len(self.sync.log), "counters": self.sync.counters(), "modules": self.names},
                        root / "trainer_state.pt")
             (root / "config.yaml").write_text(self.config_yaml)
 
-        self.checkpoints.save(self.sync.version(self.module), write)
+        self.checkpoints.save(len(self.sync.log), write)
+
+
+def executor_groups(num_modules: int, executors: int | None) -> list[list[int]]:
+    """Modules dealt round-robin to ``executors`` actors (None: one actor per module)."""
+    count = num_modules if executors is None else min(executors, num_modules)
+    return [list(range(g, num_modules, count)) for g in range(count)]
 
 
 # --- the driver --------------------------------------------------------------------------------
@@ -357,21 +365,25 @@ class RayRun:
         llama = exp.loops[0].model.config
         total_steps = cfg.train.rounds * cfg.train.inner_steps
         worker_cls = ray.remote(PathWorker).options(num_cpus=per_worker, max_restarts=-1, max_task_retries=0)
-        shards_ref = ray.put(shards)
-        self.workers = [worker_cls.remote(w, s, cfg, llama, topo, shards_ref, total_steps) for w, s in enumerate(speeds)]
+        self.shards_ref = ray.put(shards)  # held for as long as Ray may restart a worker with it
+        self.workers = [worker_cls.remote(w, s, cfg, llama, topo, self.shards_ref, total_steps)
+                        for w, s in enumerate(speeds)]
         self.speeds = speeds
         executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=0)
         root = exp.dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
         config_yaml = to_yaml(cfg)
-        self.executors = {}
-        for module in topo.modules:
-            m = module.id
-            through = topo.paths_through(m)
-            self.executors[m] = executor_cls.remote(
-                m, module.name, exp.bank.params[m].detach().clone(), {p: exp.weights[p] for p in through},
-                cfg.outer.lr, cfg.outer.momentum, default_delay(len(through), cfg.outer.nesterov_delay),
-                str(root / module.name), cfg.ray.executor_checkpoint_every, config_yaml,
-                None if saved_modules is None else saved_modules[m])
+        self.groups = executor_groups(len(topo.modules), cfg.ray.executors)
+        self.actors, self.init_refs = [], []  # init_refs: held for as long as Ray may restart an executor
+        for g, group in enumerate(self.groups):
+            through = {m: topo.paths_through(m) for m in group}
+            self.init_refs.append(ray.put({m: exp.bank.params[m].detach().clone() for m in group}))
+            self.actors.append(executor_cls.remote(
+                {m: self.names[m] for m in group}, self.init_refs[-1],
+                {m: {p: exp.weights[p] for p in through[m]} for m in group}, cfg.outer.lr, cfg.outer.momentum,
+                {m: default_delay(len(through[m]), cfg.outer.nesterov_delay) for m in group},
+                str(root / f"executor_{g:03d}"), cfg.ray.executor_checkpoint_every, config_yaml,
+                None if saved_modules is None else self._hold(merge_saved([saved_modules[m] for m in group]))))
+        self.executors = {m: self.actors[g] for g, group in enumerate(self.groups) for m in group}
         self.executor_root = root
         self.inner: dict[int, Any] = {p: ray.put(loop.state_dict()) for p, loop in exp.loops.items()}
         self.running: dict[Any, tuple[Task, list]] = {}  # first return ref -> task, all its return refs
@@ -380,9 +392,15 @@ class RayRun:
         self.results: dict[str, dict] = {}
         self.free: deque[int] = deque(range(len(self.workers)))
         self.requeues = 0
+        self.resends: dict[tuple[str, int], int] = {}
         self.staleness: list[int] = []
         self.checkpoint_due = False
         self.last_checkpoint = queue.completed
+
+    def _hold(self, value):
+        """``value`` in the object store, its reference kept so a restarted actor can read it again."""
+        self.init_refs.append(self.ray.put(value))
+        return self.init_refs[-1]
 
     # dispatch ---------------------------------------------------------------------------------
     def dispatch(self) -> None:
@@ -392,7 +410,7 @@ class RayRun:
             if task is None:
                 return
             self.free.popleft()
-            modules = [self.executors[m].pull.remote() for m in self.exp.topology.path_modules(task.path)]
+            modules = [self.executors[m].pull.remote(m) for m in self.exp.topology.path_modules(task.path)]
             refs = self.workers[worker].run.options(num_returns=2 + self.parts).remote(
                 task.path, task.steps, self.inner[task.path], *modules)
             self.running[refs[0]] = (task, refs)
@@ -404,16 +422,10 @@ class RayRun:
         self.free.append(task.worker)
         try:
             meta = ray.get(ref)
-        except ray.exceptions.RayTaskError:
-            raise  # the task itself failed (a bug or bad data): not something a retry heals
-        except ray.exceptions.RayError as exc:  # the worker died (killed, preempted, out of memory)
-            if task.attempt >= self.cfg.ray.task_retries:
-                raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
-                                       f"(ray.task_retries={self.cfg.ray.task_retries}): {type(exc).__name__}") from None
-            self.queue.failed(task)
-            self.requeues += 1
-            echo(f"[train] worker {task.worker} died during {task.id}: re-queued (attempt {task.attempt + 1})")
-            self.metrics.log("requeue", task=task.id, path=task.path, worker=task.worker, attempt=task.attempt)
+        except ray.exceptions.RayError as exc:
+            if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, ray.exceptions.RayError):
+                raise  # the task itself failed (a bug or bad data): not something a retry heals
+            self._requeue(task, exc)
             return
         self.results[task.id] = {**meta, "inner": refs[1]}
         self.queue.sent(task, meta["tokens_per_s"])
@@ -421,8 +433,29 @@ class RayRun:
         for m, delta in zip(self.exp.topology.path_modules(task.path), refs[2:]):
             self._push(task, m, delta)
 
+    def _requeue(self, task: Task, exc: Exception) -> None:
+        """The task's worker died (killed, preempted, out of memory), or a module executor it pulled from
+        was restarting: the task goes back to the queue with the path's previous AdamW state."""
+        worker_died = not isinstance(exc, self.ray.exceptions.RayTaskError)
+        if worker_died and task.attempt >= self.cfg.ray.task_retries:
+            raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
+                                   f"(ray.task_retries={self.cfg.ray.task_retries}): {type(exc).__name__}") from None
+        if not worker_died:
+            self.resends[(task.id, -1)] = stalls = self.resends.get((task.id, -1), 0) + 1
+            if stalls * RESTART_BACKOFF_S > self.cfg.dist.timeout_s:
+                raise DistributedError(f"task {task.id} could not read its modules for dist.timeout_s="
+                                       f"{self.cfg.dist.timeout_s}s: {exc}") from None
+        self.queue.failed(task, count=worker_died)
+        self.requeues += 1
+        why = f"worker {task.worker} died" if worker_died else "a module executor was restarting"
+        echo(f"[train] {why} during {task.id}: re-queued")
+        self.metrics.log("requeue", task=task.id, path=task.path, worker=task.worker, attempt=task.attempt,
+                         reason="worker" if worker_died else "executor")
+        if not worker_died:
+            time.sleep(RESTART_BACKOFF_S)
+
     def _push(self, task: Task, module: int, delta) -> None:
-        ref = self.executors[module].push.remote(task.id, task.path, task.start[module], delta)
+        ref = self.executors[module].push.remote(task.id, task.path, module, task.start[module], delta)
         self.pushes[ref] = (task, module, delta)
 
     def on_push(self, ref) -> None:
@@ -432,8 +465,13 @@ class RayRun:
             update = ray.get(ref)
         except ray.exceptions.RayTaskError:
             raise
-        except ray.exceptions.RayError:  # the executor died: it restarts from its checkpoint; send again
-            echo(f"[train] executor {self.names[module]} died during {task.id}: sending the update again")
+        except ray.exceptions.RayError as exc:  # the executor died: it restarts from its checkpoint; send again
+            self.resends[(task.id, module)] = tries = self.resends.get((task.id, module), 0) + 1
+            if tries * RESTART_BACKOFF_S > self.cfg.dist.timeout_s:
+                raise DistributedError(f"the executor of {self.names[module]} did not come back within "
+                                       f"dist.timeout_s={self.cfg.dist.timeout_s}s: {exc}") from None
+            echo(f"[train] executor of {self.names[module]} unavailable for {task.id}: sending the update again")
+            time.sleep(RESTART_BACKOFF_S)
             self._push(task, module, delta)
             return
         if update is not None:
@@ -488,17 +526,19 @@ class RayRun:
         while self.pushes:
             ready, _ = ray.wait(list(self.pushes), num_returns=1)
             self.on_push(ready[0])
-        states = dict(zip(self.executors, ray.get([e.state.remote() for e in self.executors.values()])))
+        states = ray.get([a.state.remote() for a in self.actors])
         inner = dict(zip(self.inner, ray.get(list(self.inner.values()))))
         sync_state: dict[str, dict[str, torch.Tensor]] = {"outer": {}, "async_outer": {}}
         counters = {}
         with torch.no_grad():
-            for m, (tensors, counter) in states.items():
-                name = self.names[m]
-                exp.bank.params[m].copy_(tensors["bank"][name])
-                sync_state["outer"][name] = tensors["outer"][name]
-                sync_state["async_outer"][name] = tensors["async_outer"][name]
-                counters[name] = counter
+            for group, (tensors, counter) in zip(self.groups, states):
+                for m in group:
+                    name = self.names[m]
+                    exp.bank.params[m].copy_(tensors["bank"][name])
+                    sync_state["outer"][name] = tensors["outer"][name]
+                    sync_state["async_outer"][name] = tensors["async_outer"][name]
+                    counters[name] = {"pending": counter["pending"][m],
+                                      "log": [u for u in counter["log"] if u["module"] == m]}
         for p, loop in exp.loops.items():
             loop.load_state_dict(inner[p])
             exp.bank.load_path(p, loop.model)
@@ -512,12 +552,8 @@ class RayRun:
                          elapsed=time.perf_counter() - self.start, checkpoint=ckpt.name)
         return ckpt
 
-    def executor_logs(self) -> dict[str, list[dict]]:
-        return {self.names[m]: log for m, log in zip(self.executors, self.ray.get(
-            [e.log.remote() for e in self.executors.values()]))}
-
     def close(self) -> None:
-        for actor in (*self.workers, *self.executors.values()):
+        for actor in (*self.workers, *self.actors):
             self.ray.kill(actor, no_restart=True)
 
 
@@ -531,10 +567,23 @@ def _restore_async(exp: Experiment, resume_from: str | None) -> tuple[dict, dict
     bank = {m: exp.bank.params[m].detach().clone() for m in range(len(exp.topology.modules))}
     saved = {}
     for module in exp.topology.modules:
-        name = module.name
+        name, counters = module.name, state["executors"][module.name]
         saved[module.id] = ({"bank": {name: bank[module.id]}, "outer": {name: tensors["outer"][name]},
-                             "async_outer": {name: tensors["async_outer"][name]}}, state["executors"][name])
+                             "async_outer": {name: tensors["async_outer"][name]}},
+                            {"pending": {module.id: counters["pending"]}, "log": counters["log"]})
     return state["queue"], saved
+
+
+def merge_saved(parts: Sequence[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """The saved states of single modules as one executor group's."""
+    tensors: dict[str, dict] = {}
+    counters: dict[str, Any] = {"pending": {}, "log": []}
+    for part_tensors, part_counters in parts:
+        for stem, named in part_tensors.items():
+            tensors.setdefault(stem, {}).update(named)
+        counters["pending"].update(part_counters["pending"])
+        counters["log"].extend(part_counters["log"])
+    return tensors, counters
 
 
 def train_ray(cfg: Config, resume: bool = False, resume_from: str | None = None, until_round: int | None = None,
@@ -567,7 +616,7 @@ def train_ray(cfg: Config, resume: bool = False, resume_from: str | None = None,
     try:
         run = RayRun(cfg, exp, queue, saved)
         echo(f"[train] {cfg.train.name} on Ray: {topo.describe()}; {len(run.workers)} workers "
-             f"(speeds {run.speeds}), {len(run.executors)} module executors; {queue.budget - queue.steps_done} "
+             f"(speeds {run.speeds}), {len(run.actors)} executors for {len(run.executors)} modules; {queue.budget - queue.steps_done} "
              f"inner steps to go ({cfg.ray.schedule}, outer.sync={cfg.outer.sync})")
         if on_start is not None:
             on_start(run)
@@ -586,10 +635,11 @@ def executor_log_files(exp_dir: Path) -> dict[str, list[dict]]:
     runs = sorted((exp_dir / EXECUTORS_DIR).glob("run_*"))
     if not runs:
         return {}
-    logs = {}
-    for module_dir in sorted(p for p in runs[-1].iterdir() if p.is_dir()):
-        ckpt = resolve_checkpoint(CheckpointManager(module_dir))
-        logs[module_dir.name] = load_state(ckpt / "trainer_state.pt")["counters"]["log"]
+    logs: dict[str, list[dict]] = {}
+    for group_dir in sorted(p for p in runs[-1].iterdir() if p.is_dir()):
+        state = load_state(resolve_checkpoint(CheckpointManager(group_dir)) / "trainer_state.pt")
+        for update in state["counters"]["log"]:
+            logs.setdefault(state["modules"][update["module"]], []).append(update)
     return logs
 
 

@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray", reason='the Ray driver needs Ray: pip install -
 
 from dipaco.train.ray_driver import ModuleExecutor, count_applied, executor_log_files, train_ray  # noqa: E402
 
-ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", "run.progress=false"]
+ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", "run.progress=false", "ray.executors=2"]
 
 
 @pytest.fixture(scope="module")
@@ -136,17 +136,17 @@ def test_rounds_schedule_reproduces_diloco(ray_session, run_cfg, tmp_path):
 
 def test_executor_restores_its_checkpoint(tmp_path):
     """Constructed again (as Ray does after a crash), an executor continues from its newest checkpoint."""
-    args = dict(module=0, name="level0.0", init=torch.zeros(3), path_weights={0: 2.0, 1: 1.0}, lr=0.7,
-                momentum=0.9, delay=2, root=str(tmp_path / "level0.0"), every=1, config_yaml="{}\n")
+    args = dict(names={0: "level0.0"}, init={0: torch.zeros(3)}, path_weights={0: {0: 2.0, 1: 1.0}}, lr=0.7,
+                momentum=0.9, delay={0: 2}, root=str(tmp_path / "executor_000"), every=1, config_yaml="{}\n")
     first = ModuleExecutor(**args)
-    first.push("p000-t0000", 0, 0, torch.tensor([0.1, 0.2, 0.3]))
-    first.push("p001-t0000", 1, 0, torch.tensor([0.3, -0.2, 0.0]))
-    first.push("p000-t0001", 0, 2, torch.tensor([0.0, 0.1, 0.1]))
+    first.push("p000-t0000", 0, 0, 0, torch.tensor([0.1, 0.2, 0.3]))
+    first.push("p001-t0000", 1, 0, 0, torch.tensor([0.3, -0.2, 0.0]))
+    first.push("p000-t0001", 0, 0, 2, torch.tensor([0.0, 0.1, 0.1]))
     again = ModuleExecutor(**args)
-    assert again.restored_from == "round_000003" and again.status()["version"] == 3
+    assert again.restored_from == "round_000003" and again.status()["updates"] == 3
     tensors, counters = again.state()
     want, _ = first.state()
     for stem in want:
         assert torch.equal(tensors[stem]["level0.0"], want[stem]["level0.0"])
-    assert again.push("p000-t0001", 0, 2, torch.tensor([9.0, 9.0, 9.0])) is None  # already applied
+    assert again.push("p000-t0001", 0, 0, 2, torch.tensor([9.0, 9.0, 9.0])) is None  # already applied
     assert counters["pending"] == {0: 1}
