@@ -15,7 +15,7 @@ perplexity curve costs no training time. "Outer updates" on the x axis are inner
 three times mid-task and checks from the executors' update logs that every completed task was
 applied exactly once to each of its modules.
 
-    python scripts/bench_async.py                       # ~10 min on 2 busy CPU cores
+    python scripts/bench_async.py                       # ~20 min on 2 busy CPU cores
     python scripts/bench_async.py --rounds 2 --inner-steps 5 --skip-fault   # a quick smoke run
 
 Writes results.json and async_ppl_vs_updates.png into --out-dir (default runs/bench_async).
@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dipaco.atomic import write_text  # noqa: E402
 from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
 from dipaco.config import Config, apply_overrides, load_config  # noqa: E402
 from dipaco.data.prepare import prepare  # noqa: E402
@@ -85,7 +86,7 @@ def curve(cfg: Config, exp_dir: Path, per_round: int) -> list[dict]:
     return points
 
 
-def run_variant(cfg: Config, name: str, overrides: list[str], per_round: int, on_start=None) -> dict:
+def run_variant(cfg: Config, name: str, overrides: list[str], per_round: int, on_start=None) -> tuple[dict, Path, Config]:
     vcfg = apply_overrides(cfg, [f"train.name={name}", *overrides])
     exp_dir = Path(vcfg.run.dir) / "train" / name
     shutil.rmtree(exp_dir, ignore_errors=True)
@@ -109,15 +110,16 @@ def fault_run(cfg: Config, per_round: int, kills: int) -> dict:
 
     def drill(run) -> None:
         def kill() -> None:
+            import ray
+
+            returned = 0  # kill only a worker that is back: it returned a task since the last kill
             while len(killed) < kills:
                 busy = [t for t in list(run.queue.running.values())
                         if t.worker == 0 and time.monotonic() - t.started > 0.2]
-                if busy:
-                    import ray
-
+                if busy and run.queue.returned.get(0, 0) > returned:
                     ray.kill(run.workers[0], no_restart=False)
                     killed.append(busy[0].id)
-                    time.sleep(2.0)  # let Ray restart it before the next kill
+                    returned = run.queue.returned.get(0, 0)
                 time.sleep(0.02)
 
         threading.Thread(target=kill, daemon=True).start()
@@ -155,9 +157,9 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default="runs/bench_async")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--inner-steps", type=int, default=20)
-    parser.add_argument("--eval-docs", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--eval-docs", type=int, default=100)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--skip-fault", action="store_true")
     parser.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/async_ppl_vs_updates.png)")
@@ -170,16 +172,19 @@ def main() -> None:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    results = [run_variant(cfg, name, overrides, per_round)[0] for name, overrides in VARIANTS.items()]
-    fault = None if args.skip_fault else fault_run(cfg, per_round, args.kills)
-    ray.shutdown()
-    sync = results[0]
-    for r in results:
-        r["speedup_vs_sync"] = sync["wall_seconds"] / r["wall_seconds"]
-        r["ppl_vs_sync"] = r["final_ppl"] / sync["final_ppl"] - 1.0
     payload = {"command": " ".join(sys.argv), "speeds": SPEEDS, "rounds": args.rounds, "inner_steps": args.inner_steps,
-               "eval_docs": args.eval_docs, "results": results, "fault": fault}
-    (out / "results.json").write_text(json.dumps(payload, indent=1))
+               "eval_docs": args.eval_docs, "results": [], "fault": None}
+    results = payload["results"]
+    for name, overrides in VARIANTS.items():
+        results.append(run_variant(cfg, name, overrides, per_round)[0])
+        sync = results[0]
+        for r in results:
+            r["speedup_vs_sync"] = sync["wall_seconds"] / r["wall_seconds"]
+            r["ppl_vs_sync"] = r["final_ppl"] / sync["final_ppl"] - 1.0
+        write_text(out / "results.json", json.dumps(payload, indent=1))  # kept as the variants finish
+    fault = payload["fault"] = None if args.skip_fault else fault_run(cfg, per_round, args.kills)
+    write_text(out / "results.json", json.dumps(payload, indent=1))
+    ray.shutdown()
     plot(results, Path(args.plot) if args.plot else out / "async_ppl_vs_updates.png")
     print("| variant | wall s | speed-up | final ppl | vs sync | tasks | staleness mean / p90 / max |")
     print("|---|---|---|---|---|---|---|")

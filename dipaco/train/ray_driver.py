@@ -41,6 +41,7 @@ the newest, re-running the tasks that were in flight.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class TaskQueue:
         self.running: dict[str, Task] = {}  # dispatched, update not yet sent
         self.sending: dict[str, Task] = {}  # update sent, not yet applied everywhere
         self.reserved = 0  # steps of running and sending tasks
+        self.returned: dict[int, int] = {}  # worker -> tasks it returned in this run
 
     def state(self) -> dict:
         return {"next_index": dict(self.next_index), "steps_done": self.steps_done, "completed": self.completed,
@@ -190,6 +192,7 @@ class TaskQueue:
         self.sending[task.id] = task
         for m in task.start:
             self.clock[m] += 1
+        self.returned[task.worker] = self.returned.get(task.worker, 0) + 1
         if tokens_per_s > 0:
             self.speed[task.worker] = tokens_per_s
 
@@ -385,6 +388,10 @@ class RayRun:
                 None if saved_modules is None else self._hold(merge_saved([saved_modules[m] for m in group]))))
         self.executors = {m: self.actors[g] for g, group in enumerate(self.groups) for m in group}
         self.executor_root = root
+        ray.get([actor.pid.remote() for actor in (*self.workers, *self.actors)])  # started: the clock starts now
+        for old in root.parent.glob("run_*"):  # an earlier run's executors: its checkpoint is the truth now
+            if old != root:
+                shutil.rmtree(old, ignore_errors=True)
         self.inner: dict[int, Any] = {p: ray.put(loop.state_dict()) for p, loop in exp.loops.items()}
         self.running: dict[Any, tuple[Task, list]] = {}  # first return ref -> task, all its return refs
         self.pushes: dict[Any, tuple[Task, int, Any]] = {}  # push ref -> task, module, delta ref

@@ -129,9 +129,10 @@ def test_rounds_schedule_reproduces_diloco(ray_session, run_cfg, tmp_path):
     on_ray = load_bank_state(CheckpointManager(ray_exp.dir / "checkpoints").latest())
     diloco = load_bank_state(CheckpointManager(sync_exp.dir / "checkpoints").latest())
     assert set(on_ray) == set(diloco)
-    moved = max(float((diloco[k] - sync_exp.bank.state_dict()[k]).abs().max()) for k in diloco)
+    round_1 = load_bank_state(CheckpointManager(sync_exp.dir / "checkpoints").checkpoints()[0])
+    moved = max(float((diloco[k] - round_1[k]).abs().max()) for k in diloco)
     worst = max(float((on_ray[k] - diloco[k]).abs().max()) for k in diloco)
-    assert worst < 1e-4, worst
+    assert moved > 1e-3 and worst < 1e-4, (moved, worst)  # fp32 sums in another order, nothing more
 
 
 def test_executor_restores_its_checkpoint(tmp_path):
