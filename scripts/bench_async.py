@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--eval-docs", type=int, default=100)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--skip-fault", action="store_true")
+    parser.add_argument("--only-fault", action="store_true", help="only the fault run, added to OUT_DIR/results.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/async_ppl_vs_updates.png)")
     args = parser.parse_args()
     quiet_library_progress_bars()
@@ -174,8 +175,10 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     payload = {"command": " ".join(sys.argv), "speeds": SPEEDS, "rounds": args.rounds, "inner_steps": args.inner_steps,
                "eval_docs": args.eval_docs, "results": [], "fault": None}
+    if args.only_fault:  # add the fault run to an earlier run's results
+        payload = {**json.loads((out / "results.json").read_text()), "fault_command": " ".join(sys.argv)}
     results = payload["results"]
-    for name, overrides in VARIANTS.items():
+    for name, overrides in ({} if args.only_fault else VARIANTS).items():
         results.append(run_variant(cfg, name, overrides, per_round)[0])
         sync = results[0]
         for r in results:

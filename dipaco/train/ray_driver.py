@@ -400,6 +400,7 @@ class RayRun:
         self.free: deque[int] = deque(range(len(self.workers)))
         self.requeues = 0
         self.resends: dict[tuple[str, int], int] = {}
+        self.probes: dict[Any, int] = {}  # pid() call -> a restarted worker not yet back in the pool
         self.staleness: list[int] = []
         self.checkpoint_due = False
         self.last_checkpoint = queue.completed
@@ -426,7 +427,6 @@ class RayRun:
     def on_task(self, ref) -> None:
         ray = self.ray
         task, refs = self.running.pop(ref)
-        self.free.append(task.worker)
         try:
             meta = ray.get(ref)
         except ray.exceptions.RayError as exc:
@@ -434,6 +434,7 @@ class RayRun:
                 raise  # the task itself failed (a bug or bad data): not something a retry heals
             self._requeue(task, exc)
             return
+        self.free.append(task.worker)
         self.results[task.id] = {**meta, "inner": refs[1]}
         self.queue.sent(task, meta["tokens_per_s"])
         self.waiting[task.id] = set(task.start)
@@ -444,7 +445,12 @@ class RayRun:
         """The task's worker died (killed, preempted, out of memory), or a module executor it pulled from
         was restarting: the task goes back to the queue with the path's previous AdamW state."""
         worker_died = not isinstance(exc, self.ray.exceptions.RayTaskError)
-        if worker_died and task.attempt >= self.cfg.ray.task_retries:
+        if worker_died:  # Ray restarts it; it takes tasks again once it answers
+            self._probe(task.worker)
+        else:
+            self.free.append(task.worker)
+        never_ran = isinstance(exc, self.ray.exceptions.ActorUnavailableError)  # sent while it was restarting
+        if worker_died and not never_ran and task.attempt >= self.cfg.ray.task_retries:
             raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
                                    f"(ray.task_retries={self.cfg.ray.task_retries}): {type(exc).__name__}") from None
         if not worker_died:
@@ -452,7 +458,7 @@ class RayRun:
             if stalls * RESTART_BACKOFF_S > self.cfg.dist.timeout_s:
                 raise DistributedError(f"task {task.id} could not read its modules for dist.timeout_s="
                                        f"{self.cfg.dist.timeout_s}s: {exc}") from None
-        self.queue.failed(task, count=worker_died)
+        self.queue.failed(task, count=worker_died and not never_ran)
         self.requeues += 1
         why = f"worker {task.worker} died" if worker_died else "a module executor was restarting"
         echo(f"[train] {why} during {task.id}: re-queued")
@@ -460,6 +466,19 @@ class RayRun:
                          reason="worker" if worker_died else "executor")
         if not worker_died:
             time.sleep(RESTART_BACKOFF_S)
+
+    def _probe(self, worker: int) -> None:
+        self.probes[self.workers[worker].pid.remote()] = worker
+
+    def on_probe(self, ref) -> None:
+        worker = self.probes.pop(ref)
+        try:
+            self.ray.get(ref)
+        except self.ray.exceptions.RayError:
+            time.sleep(RESTART_BACKOFF_S)
+            self._probe(worker)
+            return
+        self.free.append(worker)
 
     def _push(self, task: Task, module: int, delta) -> None:
         ref = self.executors[module].push.remote(task.id, task.path, module, task.start[module], delta)
@@ -506,13 +525,18 @@ class RayRun:
         ray, self.metrics, self.start = self.ray, metrics, time.perf_counter()
         while not self.queue.done():
             self.dispatch()
-            pending = [*self.running, *self.pushes]
+            pending = [*self.running, *self.pushes, *self.probes]
             if not pending:
                 raise DistributedError(f"no task can start and none is running ({self.queue.remaining} inner steps "
                                        f"left); ray.max_staleness may be too small")
             ready, _ = ray.wait(pending, num_returns=1)
             for ref in ready:
-                (self.on_task if ref in self.running else self.on_push)(ref)
+                if ref in self.running:
+                    self.on_task(ref)
+                elif ref in self.pushes:
+                    self.on_push(ref)
+                else:
+                    self.on_probe(ref)
             if self.checkpoint_due:
                 self.checkpoint()
         wall = time.perf_counter() - self.start
