@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -95,7 +96,11 @@ def run_variant(cfg: Config, name: str, overrides: list[str], per_round: int, on
     tasks = read_metrics(exp_dir / "metrics.jsonl", "task")
     points = curve(vcfg, exp_dir, per_round)
     staleness = [s for t in tasks for s in t["staleness"].values()]
+    # The machine's load moves between variants: the wall-clock also in units of the run's own median
+    # full-speed inner step (compute time only; the simulated slowness is a sleep on top).
+    step_s = statistics.median(t["compute_seconds"] / t["steps"] for t in tasks)
     result = {"name": name, "overrides": overrides, "wall_seconds": summary["wall_seconds"],
+              "step_seconds": step_s, "wall_in_steps": summary["wall_seconds"] / step_s,
               "tasks": len(tasks), "inner_steps": summary["inner_steps"], "requeues": summary["requeues"],
               "final_ppl": points[-1]["ppl"], "curve": points, "staleness": staleness_summary(staleness),
               "steps_per_task": sorted({t["steps"] for t in tasks})}
@@ -183,17 +188,20 @@ def main() -> None:
         sync = results[0]
         for r in results:
             r["speedup_vs_sync"] = sync["wall_seconds"] / r["wall_seconds"]
+            r["normalized_speedup_vs_sync"] = sync["wall_in_steps"] / r["wall_in_steps"]
             r["ppl_vs_sync"] = r["final_ppl"] / sync["final_ppl"] - 1.0
         write_text(out / "results.json", json.dumps(payload, indent=1))  # kept as the variants finish
     fault = payload["fault"] = None if args.skip_fault else fault_run(cfg, per_round, args.kills)
     write_text(out / "results.json", json.dumps(payload, indent=1))
     ray.shutdown()
     plot(results, Path(args.plot) if args.plot else out / "async_ppl_vs_updates.png")
-    print("| variant | wall s | speed-up | final ppl | vs sync | tasks | staleness mean / p90 / max |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | wall s | speed-up | step s | wall / step | speed-up (normalized) | final ppl | vs sync | tasks "
+          "| staleness mean / p90 / max |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         s = r["staleness"]
-        print(f"| {r['name']} | {r['wall_seconds']:.1f} | {r['speedup_vs_sync']:.2f}x | {r['final_ppl']:.2f} | "
+        print(f"| {r['name']} | {r['wall_seconds']:.1f} | {r['speedup_vs_sync']:.2f}x | {r['step_seconds']:.3f} | "
+              f"{r['wall_in_steps']:.0f} | {r['normalized_speedup_vs_sync']:.2f}x | {r['final_ppl']:.2f} | "
               f"{100 * r['ppl_vs_sync']:+.1f}% | {r['tasks']} | {s['mean']:.2f} / {s['p90']:.0f} / {s['max']} |")
     if fault:
         print(f"fault run: killed during {fault['killed_tasks']}, {fault['requeue_events']} re-queued, "

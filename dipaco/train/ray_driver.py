@@ -54,7 +54,6 @@ from dipaco.checkpoint.store import (
     CheckpointManager,
     load_state,
     load_tensors,
-    read_training_state,
     resolve_checkpoint,
     save_state,
     save_tensors,
@@ -514,7 +513,8 @@ class RayRun:
         self.queue.applied(task)
         self.metrics.log("task", step=self.queue.completed, task=task.id, path=task.path, worker=task.worker,
                          steps=task.steps, attempt=task.attempt, loss=result["loss"], tokens=result["tokens"],
-                         seconds=result["seconds"], tokens_per_s=result["tokens_per_s"], lr=result["lr"],
+                         seconds=result["seconds"], compute_seconds=result["compute_seconds"],
+                         tokens_per_s=result["tokens_per_s"], lr=result["lr"],
                          staleness=result.get("staleness", {}), steps_done=self.queue.steps_done,
                          elapsed=time.perf_counter() - self.start)
         every = self.cfg.ray.checkpoint_every or self.exp.topology.num_paths
