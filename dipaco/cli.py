@@ -46,6 +46,11 @@ def _cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def _cmd_train(cfg: Config, args: argparse.Namespace) -> None:
+    if cfg.train.driver == "ray":
+        from dipaco.train.ray_driver import train_ray
+
+        train_ray(cfg, resume=args.resume, resume_from=args.resume_from, until_round=args.until_round)
+        return
     from dipaco.train.loop import train
 
     train(cfg, resume=args.resume, resume_from=args.resume_from, until_round=args.until_round)

@@ -141,9 +141,10 @@ class OuterConfig:
     weighting: str = "tokens"  # tokens (w_p proportional to shard tokens) | uniform
     rescale: str = "none"  # none | sqrt_paths (x sqrt(n)) | inv_sqrt_paths (/ sqrt(n))
     drop_prob: float = 0.0  # each path's contribution is dropped with this probability per round (seeded)
-    sync: str = "diloco"  # the outer-sync algorithm: a name in dipaco.sync.SYNCS
+    sync: str = "diloco"  # the outer-sync algorithm: a name in dipaco.sync.SYNCS (or async_nesterov, train.driver=ray)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     delayed: DelayedConfig = field(default_factory=DelayedConfig)
+    nesterov_delay: Optional[int] = None  # async_nesterov: arrivals per momentum step (null: paths through the module; 1: plain)
 
 
 @dataclass
@@ -161,6 +162,8 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (autocast; fp32 master weights)
     compile: bool = False  # torch.compile each path model (compiled once, shared by every path of the rank)
     offload_inactive: bool = False  # keep the AdamW states of paths not training right now in (pinned) CPU memory
+    driver: str = "torchrun"  # torchrun (lock-step rounds, dipaco.train.loop) | ray (async task queue, dipaco.train.ray_driver)
+    dynamic_local_steps: bool = False  # ray: each task takes floor(v / v_max * inner_steps) steps, v = its worker's tokens/s
 
 
 @dataclass
@@ -197,6 +200,23 @@ class DistConfig:
 
 
 @dataclass
+class RayConfig:
+    """The asynchronous driver (train.driver=ray, dipaco.train.ray_driver): path tasks on Ray workers,
+    one outer executor (a Ray actor) per module."""
+
+    address: Optional[str] = None  # null: start an embedded local Ray; "auto" or host:port: join a running cluster
+    num_cpus: Optional[int] = None  # CPUs of the embedded Ray (null: all of them); ignored with an address
+    num_workers: Optional[int] = None  # path workers (null: len(simulate_speeds), else the number of paths)
+    simulate_speeds: Optional[List[float]] = None  # per worker, in (0, 1]: a worker at 0.5 sleeps as long as it computes
+    schedule: str = "async"  # async: a path's next task starts once its modules took its update | rounds: lock-step
+    max_staleness: Optional[int] = None  # bound on updates a module takes while a task computes (null: unbounded)
+    task_retries: int = 3  # re-queues of one task after its worker died, before the run fails
+    checkpoint_every: Optional[int] = None  # completed tasks between run checkpoints (null: the number of paths)
+    executor_checkpoint_every: int = 1  # updates between an executor's own checkpoints (1: none is ever lost)
+    executors: Optional[int] = None  # outer executor actors, modules dealt round-robin (null: one per module)
+
+
+@dataclass
 class EvalConfig:
     batch_size: int = 16
     max_docs: Optional[int] = None  # evaluate on the first N validation docs only
@@ -215,6 +235,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     route: RouteConfig = field(default_factory=RouteConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -225,6 +246,8 @@ _CHOICES = {
     "topology.head": ("shared", "path"),
     "outer.weighting": ("tokens", "uniform"),
     "outer.rescale": ("none", "sqrt_paths", "inv_sqrt_paths"),
+    "train.driver": ("torchrun", "ray"),
+    "ray.schedule": ("async", "rounds"),
     "train.init": ("pretrained", "random"),
     "train.sharding": ("iid", "column", "kmeans"),
     "dist.backend": ("auto", "gloo", "nccl"),
@@ -248,6 +271,7 @@ _POSITIVE = (
     "train.inner_steps", "train.keep_checkpoints", "train.log_every", "train.optim.batch_size",
     "pretrain.optim.batch_size", "eval.batch_size", "route.n_init", "route.max_iter", "route.topk",
     "route.svd_components", "route.batch_size", "dist.timeout_s", "dist.chunk_size",
+    "ray.executor_checkpoint_every",
 )
 
 
@@ -260,10 +284,10 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 def validate(cfg: Config) -> Config:
     """Checks the rules a type annotation cannot; raises ConfigError naming the key."""
-    from dipaco.sync import SYNCS  # the registry imports this module
+    from dipaco.sync import ASYNC_SYNCS, SYNCS  # the registry imports this module
 
-    if cfg.outer.sync not in SYNCS:
-        raise ConfigError(f"outer.sync: {cfg.outer.sync!r} is not one of {', '.join(SYNCS)}")
+    if cfg.outer.sync not in SYNCS and cfg.outer.sync not in ASYNC_SYNCS:
+        raise ConfigError(f"outer.sync: {cfg.outer.sync!r} is not one of {', '.join([*SYNCS, *ASYNC_SYNCS])}")
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {', '.join(choices)}")
@@ -300,6 +324,7 @@ def validate(cfg: Config) -> Config:
         )
     _validate_optimizers(cfg)
     _validate_comm(cfg)
+    _validate_driver(cfg)
     if cfg.model.num_kv_heads is not None and (
         cfg.model.num_kv_heads <= 0 or cfg.model.num_heads % cfg.model.num_kv_heads
     ):
@@ -377,6 +402,55 @@ def check_streaming_schedule(cfg: Config, fragments: int) -> None:
                           f"outer.streaming.num_fragments = {h}/{fragments} = {h // fragments}")
 
 
+def _validate_driver(cfg: Config) -> None:
+    """train.driver, outer.sync and the ray.* keys fit together (the topology-dependent staleness
+    bound is checked by the Ray driver, which builds the topology)."""
+    from dipaco.sync import ASYNC_SYNCS
+
+    is_async = cfg.outer.sync in ASYNC_SYNCS
+    if cfg.train.driver == "ray" and not is_async:
+        raise ConfigError(f"train.driver: ray runs outer.sync={', '.join(ASYNC_SYNCS)} "
+                          f"(ray.schedule=rounds for lock-step rounds), got outer.sync={cfg.outer.sync!r}")
+    if is_async and cfg.train.driver != "ray":
+        raise ConfigError(f"outer.sync: {cfg.outer.sync} has no rounds to run under torchrun; set train.driver=ray")
+    if cfg.outer.nesterov_delay is not None and cfg.outer.nesterov_delay < 1:
+        raise ConfigError(f"outer.nesterov_delay: must be >= 1 or null (the paths through each module), "
+                          f"got {cfg.outer.nesterov_delay}")
+    ray = cfg.ray
+    if ray.num_cpus is not None and ray.num_cpus <= 0:
+        raise ConfigError(f"ray.num_cpus: must be > 0 or null, got {ray.num_cpus}")
+    if ray.num_workers is not None and ray.num_workers <= 0:
+        raise ConfigError(f"ray.num_workers: must be > 0 or null, got {ray.num_workers}")
+    if ray.simulate_speeds is not None:
+        if not ray.simulate_speeds:
+            raise ConfigError("ray.simulate_speeds: must list one speed per worker, or be null")
+        for i, v in enumerate(ray.simulate_speeds):
+            if not (math.isfinite(v) and 0 < v <= 1):
+                raise ConfigError(f"ray.simulate_speeds[{i}]: must be in (0, 1] (1 = full speed), got {v}")
+        if ray.num_workers is not None and ray.num_workers != len(ray.simulate_speeds):
+            raise ConfigError(f"ray.simulate_speeds: {len(ray.simulate_speeds)} speeds for "
+                              f"ray.num_workers={ray.num_workers} workers")
+    if ray.max_staleness is not None and ray.max_staleness < 0:
+        raise ConfigError(f"ray.max_staleness: must be >= 0 or null, got {ray.max_staleness}")
+    if ray.executors is not None and ray.executors <= 0:
+        raise ConfigError(f"ray.executors: must be > 0 or null (one per module), got {ray.executors}")
+    if ray.task_retries < 0:
+        raise ConfigError(f"ray.task_retries: must be >= 0, got {ray.task_retries}")
+    if ray.checkpoint_every is not None and ray.checkpoint_every <= 0:
+        raise ConfigError(f"ray.checkpoint_every: must be > 0 or null, got {ray.checkpoint_every}")
+    if cfg.train.dynamic_local_steps and cfg.train.driver != "ray":
+        raise ConfigError("train.dynamic_local_steps: needs train.driver=ray (lock-step rounds give every path "
+                          "train.inner_steps)")
+    if cfg.train.driver == "ray":
+        unsupported = {"train.early_stopping_holdout": cfg.train.early_stopping_holdout > 0,
+                       "outer.drop_prob": cfg.outer.drop_prob > 0, "outer.rescale": cfg.outer.rescale != "none",
+                       "dist.comm_dtype": cfg.dist.comm_dtype != "fp32", "outer.nesterov": not cfg.outer.nesterov}
+        for key, used in unsupported.items():
+            if used:
+                raise ConfigError(f"{key}: {_get(cfg, key)!r} is not supported by train.driver=ray "
+                                  f"(async_nesterov sends fp32 deltas to Nesterov executors); use its default")
+
+
 def _merge(base: Any, path: str | Path | None, overrides: list[str] | None) -> Config:
     """base <- YAML file <- dotlist overrides, converted back to dataclasses and validated."""
     try:
@@ -441,6 +515,7 @@ RESUME_MUTABLE = (
     "route.",  # re-routing between rounds is the point of `dipaco reroute`
     "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
     "train.compile", "train.offload_inactive", "model.activation_checkpointing",  # how fast, not what
+    "ray.address", "ray.num_cpus",  # where the Ray workers run, not what they compute
 )
 
 

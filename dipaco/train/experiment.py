@@ -32,7 +32,7 @@ from dipaco.precision import resolve_precision
 from dipaco.route.shards import assign_paths, build_shards, path_weights
 from dipaco.run_dir import RunDir
 from dipaco.runtime import rng_state, set_rng_state
-from dipaco.sync import OuterSync, SavedState, SyncContext, build_sync
+from dipaco.sync import ASYNC_SYNCS, OuterSync, SavedState, SyncContext, build_sync
 from dipaco.train.early_stopping import PathEarlyStopping, early_stopping_holdout
 from dipaco.train.inner import InnerLoop, InnerOptions
 from dipaco.train.placement import module_writers, paths_by_rank
@@ -49,7 +49,8 @@ class Experiment:
     dir: Path
     topology: Topology
     bank: ModuleBank  # the modules this rank's paths go through (all of them in a single process)
-    sync: OuterSync  # keeps the modules in sync across paths and ranks (outer.sync)
+    sync: OuterSync | None  # keeps the modules in sync across paths and ranks (outer.sync); None under
+    # train.driver=ray, whose module executors apply the updates (dipaco.train.ray_driver)
     loops: dict[int, InnerLoop]  # this rank's path id -> its inner loop (model, AdamW, schedule, data cursor)
     weights: dict[int, float]  # every path's outer weight w_p
     checkpoints: CheckpointManager
@@ -96,7 +97,7 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
         dir=exp_dir,
         topology=topology,
         bank=bank,
-        sync=build_sync(SyncContext(cfg, topology, bank, weights, by_rank, world)),
+        sync=None if cfg.outer.sync in ASYNC_SYNCS else build_sync(SyncContext(cfg, topology, bank, weights, by_rank, world)),
         loops=loops,
         weights=weights,
         checkpoints=CheckpointManager(exp_dir / "checkpoints", keep=cfg.train.keep_checkpoints),
@@ -139,7 +140,8 @@ def restore(exp: Experiment, resume_from: str | None) -> tuple[int, Path]:
             exp.bank.load_path(p, loop.model)
     saved_placement = load_state(ckpt / "trainer_state.pt").get("paths_by_rank")
     same = saved_placement == [list(ps) for ps in exp.by_rank]
-    exp.sync.load_state(SavedState(ckpt, exp.world.rank, exp.bank.device, same_placement=same))
+    if exp.sync is not None:  # the Ray driver restores its executors' state itself
+        exp.sync.load_state(SavedState(ckpt, exp.world.rank, exp.bank.device, same_placement=same))
     set_rng_state(state["rng"])
     if exp.world.rank == 0:
         echo(f"[train] resumed from {ckpt} (round {state['round']})")

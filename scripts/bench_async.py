@@ -1,0 +1,215 @@
+"""Asynchronous DiPaCo on Ray against synchronous rounds, with slow workers (issue 13).
+
+One embedded Ray (``ray.init(num_cpus=2)``), four workers at simulated speeds [1, 1, 0.5, 0.25]
+(a worker at speed s sleeps (1/s - 1) times as long as it computed), the 2x2 grid, and the same
+total inner steps (rounds x inner_steps x paths) for every variant:
+
+    sync          lock-step rounds (ray.schedule=rounds): per-module DiLoCo; each round waits for the slowest
+    async_plain   asynchronous, a full Nesterov step per arrival (outer.nesterov_delay=1)
+    async_dn      asynchronous, delayed Nesterov (N = paths through the module)
+    async_dn_dyn  delayed Nesterov + dynamic local steps (floor(v / v_max x H) per task)
+
+Every run checkpoints every 4 completed tasks; each checkpoint is evaluated afterwards, so the
+perplexity curve costs no training time. "Outer updates" on the x axis are inner steps done /
+(paths x inner_steps): one per synchronous round. Then a fault run (async_dn_dyn) kills one worker
+three times mid-task and checks from the executors' update logs that every completed task was
+applied exactly once to each of its modules.
+
+    python scripts/bench_async.py                       # ~20 min on 2 busy CPU cores
+    python scripts/bench_async.py --rounds 2 --inner-steps 5 --skip-fault   # a quick smoke run
+
+Writes results.json and async_ppl_vs_updates.png into --out-dir (default runs/bench_async).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dipaco.atomic import write_text  # noqa: E402
+from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
+from dipaco.config import Config, apply_overrides, load_config  # noqa: E402
+from dipaco.data.prepare import prepare  # noqa: E402
+from dipaco.eval.evaluate import evaluate_experiment  # noqa: E402
+from dipaco.metrics import echo, read_metrics  # noqa: E402
+from dipaco.model.topology import topology_from_config  # noqa: E402
+from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
+from dipaco.sync.async_nesterov import staleness_summary  # noqa: E402
+from dipaco.train.pretrain import pretrain  # noqa: E402
+from dipaco.train.ray_driver import count_applied, executor_log_files, train_ray  # noqa: E402
+
+SPEEDS = [1.0, 1.0, 0.5, 0.25]
+BASE = [
+    "data.corpus=bbc", "data.seq_len=64", "data.prefix_tokens=16", "tokenizer.vocab_size=2048",
+    "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=192", "model.num_heads=4",
+    "topology.preset=grid:2x2", "pretrain.steps=150", "pretrain.optim.batch_size=16", "pretrain.optim.warmup_steps=15",
+    "train.sharding=iid", "train.optim.batch_size=8", "train.optim.warmup_steps=10", "run.progress=false",
+    "run.device=cpu", "eval.batch_size=32",
+]
+ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", f"ray.simulate_speeds=[{','.join(map(str, SPEEDS))}]",
+         "ray.num_cpus=2", "ray.checkpoint_every=4", "train.keep_checkpoints=1000"]
+VARIANTS = {
+    "sync": ["ray.schedule=rounds"],
+    "async_plain": ["outer.nesterov_delay=1"],
+    "async_dn": [],
+    "async_dn_dyn": ["train.dynamic_local_steps=true"],
+}
+
+
+def prepared(out: Path, args) -> Config:
+    cfg = load_config(None, [*BASE, f"run.dir={out / 'run'}", f"train.rounds={args.rounds}",
+                             f"train.inner_steps={args.inner_steps}", f"eval.max_docs={args.eval_docs}", *ASYNC])
+    if not (out / "run" / "pretrain" / "config.json").is_file():
+        prepare(cfg)
+        pretrain(cfg)
+    return cfg
+
+
+def curve(cfg: Config, exp_dir: Path, per_round: int) -> list[dict]:
+    """Validation perplexity of every checkpoint, against outer updates (inner steps / per_round)."""
+    done = {r["step"]: r["inner_steps"] for r in read_metrics(exp_dir / "metrics.jsonl", "checkpoint")}
+    points = []
+    for ckpt in CheckpointManager(exp_dir / "checkpoints").checkpoints():
+        tasks = int(ckpt.name.split("_")[1])
+        report = evaluate_experiment(cfg, checkpoint=str(ckpt))
+        points.append({"tasks": tasks, "inner_steps": done[tasks], "updates": done[tasks] / per_round,
+                       "ppl": report["overall"]["ppl"]})
+    return points
+
+
+def run_variant(cfg: Config, name: str, overrides: list[str], per_round: int, on_start=None) -> tuple[dict, Path, Config]:
+    vcfg = apply_overrides(cfg, [f"train.name={name}", *overrides])
+    exp_dir = Path(vcfg.run.dir) / "train" / name
+    shutil.rmtree(exp_dir, ignore_errors=True)
+    train_ray(vcfg, on_start=on_start)
+    summary = read_metrics(exp_dir / "metrics.jsonl", "async")[-1]
+    tasks = read_metrics(exp_dir / "metrics.jsonl", "task")
+    points = curve(vcfg, exp_dir, per_round)
+    staleness = [s for t in tasks for s in t["staleness"].values()]
+    # The machine's load moves between variants: the wall-clock also in units of the run's own median
+    # full-speed inner step (compute time only; the simulated slowness is a sleep on top).
+    step_s = statistics.median(t["compute_seconds"] / t["steps"] for t in tasks)
+    result = {"name": name, "overrides": overrides, "wall_seconds": summary["wall_seconds"],
+              "step_seconds": step_s, "wall_in_steps": summary["wall_seconds"] / step_s,
+              "tasks": len(tasks), "inner_steps": summary["inner_steps"], "requeues": summary["requeues"],
+              "final_ppl": points[-1]["ppl"], "curve": points, "staleness": staleness_summary(staleness),
+              "steps_per_task": sorted({t["steps"] for t in tasks})}
+    echo(f"[bench] {name}: {result['wall_seconds']:.1f}s, ppl {result['final_ppl']:.2f}, {len(tasks)} tasks, "
+         f"staleness {result['staleness']}")
+    return result, exp_dir, vcfg
+
+
+def fault_run(cfg: Config, per_round: int, kills: int) -> dict:
+    """async_dn_dyn with one worker (the fastest) killed ``kills`` times, each while it runs a task."""
+    killed: list[str] = []
+
+    def drill(run) -> None:
+        def kill() -> None:
+            import ray
+
+            # The driver gives a restarted worker tasks only once it answers, so a task running on
+            # worker 0 for 0.2 s is running on a live worker: killing it kills a task mid-way.
+            while len(killed) < kills:
+                busy = [t for t in list(run.queue.running.values())
+                        if t.worker == 0 and time.monotonic() - t.started > 0.2 and t.id not in killed]
+                if busy:
+                    ray.kill(run.workers[0], no_restart=False)
+                    killed.append(busy[0].id)
+                time.sleep(0.02)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    result, exp_dir, vcfg = run_variant(cfg, "fault_async_dn_dyn", VARIANTS["async_dn_dyn"], per_round, on_start=drill)
+    tasks = read_metrics(exp_dir / "metrics.jsonl", "task")
+    topo = topology_from_config(vcfg.topology, vcfg.model.num_layers)
+    applied = count_applied(executor_log_files(exp_dir))
+    expected = {(topo.modules[m].name, t["task"]) for t in tasks for m in topo.path_modules(t["path"])}
+    result.update(killed_tasks=killed, requeue_events=len(read_metrics(exp_dir / "metrics.jsonl", "requeue")),
+                  updates_expected=len(expected), updates_logged=sum(applied.values()),
+                  exactly_once=set(applied) == expected and set(applied.values()) == {1})
+    return result
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in results:
+        ax.plot([p["updates"] for p in r["curve"]], [p["ppl"] for p in r["curve"]], marker="o", ms=3,
+                label=f"{r['name']} ({r['wall_seconds']:.0f}s)")
+    ax.set_xlabel("outer updates (inner steps / (paths x inner_steps))")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(f"2x2 DiPaCo on Ray, worker speeds {SPEEDS}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", default="runs/bench_async")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--eval-docs", type=int, default=100)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--skip-fault", action="store_true")
+    parser.add_argument("--only-fault", action="store_true", help="only the fault run, added to OUT_DIR/results.json")
+    parser.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/async_ppl_vs_updates.png)")
+    args = parser.parse_args()
+    quiet_library_progress_bars()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = prepared(out, args)
+    per_round = args.inner_steps * 4
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    payload = {"command": " ".join(sys.argv), "speeds": SPEEDS, "rounds": args.rounds, "inner_steps": args.inner_steps,
+               "eval_docs": args.eval_docs, "results": [], "fault": None}
+    if args.only_fault:  # add the fault run to an earlier run's results
+        payload = {**json.loads((out / "results.json").read_text()), "fault_command": " ".join(sys.argv)}
+    results = payload["results"]
+    for name, overrides in ({} if args.only_fault else VARIANTS).items():
+        results.append(run_variant(cfg, name, overrides, per_round)[0])
+        sync = results[0]
+        for r in results:
+            r["speedup_vs_sync"] = sync["wall_seconds"] / r["wall_seconds"]
+            r["normalized_speedup_vs_sync"] = sync["wall_in_steps"] / r["wall_in_steps"]
+            r["ppl_vs_sync"] = r["final_ppl"] / sync["final_ppl"] - 1.0
+        write_text(out / "results.json", json.dumps(payload, indent=1))  # kept as the variants finish
+    fault = payload["fault"] = None if args.skip_fault else fault_run(cfg, per_round, args.kills)
+    write_text(out / "results.json", json.dumps(payload, indent=1))
+    ray.shutdown()
+    plot(results, Path(args.plot) if args.plot else out / "async_ppl_vs_updates.png")
+    print("| variant | wall s | speed-up | step s | wall / step | speed-up (normalized) | final ppl | vs sync | tasks "
+          "| staleness mean / p90 / max |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        s = r["staleness"]
+        print(f"| {r['name']} | {r['wall_seconds']:.1f} | {r['speedup_vs_sync']:.2f}x | {r['step_seconds']:.3f} | "
+              f"{r['wall_in_steps']:.0f} | {r['normalized_speedup_vs_sync']:.2f}x | {r['final_ppl']:.2f} | "
+              f"{100 * r['ppl_vs_sync']:+.1f}% | {r['tasks']} | {s['mean']:.2f} / {s['p90']:.0f} / {s['max']} |")
+    if fault:
+        print(f"fault run: killed during {fault['killed_tasks']}, {fault['requeue_events']} re-queued, "
+              f"{fault['updates_logged']}/{fault['updates_expected']} updates logged, exactly once: "
+              f"{fault['exactly_once']}, {fault['wall_seconds']:.1f}s, ppl {fault['final_ppl']:.2f}")
+    if not all(math.isfinite(r["final_ppl"]) for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""AsyncNesterov (delayed Nesterov, arXiv 2401.09135) on hand-computable arrivals; dynamic local steps;
+the task queue's staleness bound. Plain torch and Python: no Ray."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dipaco.errors import CheckpointError
+from dipaco.model.topology import Topology
+from dipaco.sync.async_nesterov import AsyncNesterov, default_delay, dynamic_local_steps, staleness_summary
+from dipaco.train.ray_driver import TaskQueue
+
+
+def one_module(delay: int, weights=None, lr=0.5, momentum=0.5, start=(1.0, 2.0)) -> AsyncNesterov:
+    return AsyncNesterov({0: torch.tensor(start)}, {0: weights or {0: 1.0, 1: 1.0}}, lr, momentum, {0: delay})
+
+
+def test_delayed_nesterov_by_hand():
+    """N=2, eta=0.5, beta=0.5, uniform weights: plain half-steps, the momentum moves every 2nd arrival."""
+    sync = one_module(delay=2)
+    sync.apply("a", 0, 0, 0, torch.tensor([0.4, 0.0]))  # plain: theta -= 0.5 * g / 2
+    assert torch.allclose(sync.params[0], torch.tensor([0.9, 2.0]))
+    assert torch.equal(sync.momentum[0], torch.zeros(2))
+    # 2nd: mom = 0.5*0 + (0.4+0.2, 0+0.8)/2 = (0.3, 0.4); theta -= 0.5*((0.2,0.8)/2 + 0.5*(0.3,0.4))
+    u = sync.apply("b", 1, 0, 0, torch.tensor([0.2, 0.8]))
+    assert torch.allclose(sync.momentum[0], torch.tensor([0.3, 0.4]))
+    assert torch.allclose(sync.params[0], torch.tensor([0.9 - 0.125, 2.0 - 0.3]))
+    assert u.momentum_step and u.staleness == 1 and u.version == 2
+    # 3rd, plain again from version 2: buffer was reset, momentum unchanged
+    sync.apply("c", 0, 0, 2, torch.tensor([0.0, 0.4]))
+    assert torch.allclose(sync.params[0], torch.tensor([0.775, 1.7 - 0.1]))
+    assert torch.allclose(sync.momentum[0], torch.tensor([0.3, 0.4]))
+    assert [u.staleness for u in sync.log] == [0, 1, 0]
+
+
+def test_plain_nesterov_is_delay_one():
+    """N=1: every arrival is a full torch SGD-Nesterov step."""
+    sync = one_module(delay=1, lr=0.7, momentum=0.9)
+    ref = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    for i, g in enumerate([torch.tensor([0.3, -0.1]), torch.tensor([0.2, 0.5]), torch.tensor([-0.4, 0.1])]):
+        sync.apply(f"t{i}", i % 2, 0, i, g)
+        ref.grad = g.clone()
+        sgd.step()
+        assert torch.allclose(sync.params[0], ref.detach(), atol=1e-6)
+
+
+def test_one_round_of_arrivals_is_diloco():
+    """N arrivals from one start version, token-weighted, = torch SGD-Nesterov on DiLoCo's weighted mean."""
+    weights = {0: 3.0, 1: 1.0, 2: 2.0}
+    sync = AsyncNesterov({0: torch.zeros(4)}, {0: weights}, 0.7, 0.9, {0: 3})
+    ref = torch.nn.Parameter(torch.zeros(4))
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    gen = torch.Generator().manual_seed(0)
+    for r in range(3):
+        deltas = {p: torch.randn(4, generator=gen) for p in weights}
+        for p in (2, 0, 1):  # any arrival order within the round
+            sync.apply(f"p{p}-r{r}", p, 0, 3 * r, deltas[p])
+        ref.grad = sum(weights[p] * deltas[p] for p in weights) / sum(weights.values())
+        sgd.step()
+        assert torch.allclose(sync.params[0], ref.detach(), atol=1e-6)
+
+
+def test_each_task_is_applied_once_and_state_round_trips():
+    sync = one_module(delay=2)
+    assert sync.apply("a", 0, 0, 0, torch.ones(2)) is not None
+    before = sync.params[0].clone()
+    assert sync.apply("a", 0, 0, 0, torch.ones(2)) is None  # re-sent: refused
+    assert torch.equal(sync.params[0], before) and sync.version(0) == 1
+    names = {0: "level0.0"}
+    copy = one_module(delay=2)
+    copy.load(sync.tensors(names), sync.counters(), names)
+    for s in (sync, copy):  # both continue identically, buffer and pending count included
+        s.apply("b", 1, 0, 0, torch.tensor([0.5, -1.0]))
+    assert torch.equal(sync.params[0], copy.params[0]) and torch.equal(sync.momentum[0], copy.momentum[0])
+    assert copy.apply("a", 0, 0, 0, torch.ones(2)) is None  # the restored log still refuses it
+    with pytest.raises(CheckpointError, match="level0.0"):
+        copy.load({"bank": {}}, sync.counters(), names)
+
+
+def test_bad_arrivals_are_refused():
+    sync = one_module(delay=2)
+    with pytest.raises(ValueError, match="does not go through"):
+        sync.apply("a", 5, 0, 0, torch.ones(2))
+    with pytest.raises(ValueError, match="start version"):
+        sync.apply("a", 0, 0, 3, torch.ones(2))
+    with pytest.raises(ValueError, match="shape"):
+        sync.apply("a", 0, 0, 0, torch.ones(3))
+
+
+def test_dynamic_local_steps_and_delay_defaults():
+    assert [dynamic_local_steps(v, 100.0, 20) for v in (100.0, 50.0, 26.0, 1.0)] == [20, 10, 5, 1]
+    assert dynamic_local_steps(30.0, 40.0, 7) == 5  # floor(0.75 * 7)
+    assert dynamic_local_steps(0.0, 40.0, 7) == 7  # not measured yet: the full H
+    assert default_delay(4, None) == 4 and default_delay(4, 1) == 1
+    assert staleness_summary([0, 1, 1, 3])["max"] == 3 and staleness_summary([0, 1, 1, 3])["mean"] == 1.25
+
+
+def test_queue_bounds_staleness_and_budget():
+    """Simulated arrivals with one fast worker and one slow: no update ever staler than S."""
+    topo = Topology.from_preset("grid:2x2", 2)
+    bound = 3  # the embedding and head are shared by all 4 paths: 3 others at least
+    queue = TaskQueue(topo, inner_steps=4, budget=4 * 4 * 6, max_staleness=bound)
+    version = {m.id: 0 for m in topo.modules}
+    worst, clock, running = 0, 0.0, []
+    speeds = [1.0, 1.0, 0.5, 0.2]
+    free = list(range(4))
+    while not queue.done():
+        for w in list(free):
+            task = queue.dispatch(w)
+            if task is not None:
+                free.remove(w)
+                running.append((clock + task.steps / speeds[w], task))
+        running.sort(key=lambda x: x[0])
+        clock, task = running.pop(0)
+        queue.sent(task, speeds[task.worker])
+        for m, start in task.start.items():
+            worst = max(worst, version[m] - start)
+            version[m] += 1
+        queue.applied(task)
+        free.append(task.worker)
+    assert worst <= bound and queue.steps_done == 96
+    assert sum(queue.next_index.values()) == queue.completed
+
+
+def test_rounds_schedule_is_lock_step():
+    topo = Topology.from_preset("grid:2x2", 2)
+    queue = TaskQueue(topo, inner_steps=5, budget=2 * 5 * 4, schedule="rounds")
+    first = [queue.dispatch(w) for w in range(4)]
+    assert {t.path for t in first} == {0, 1, 2, 3} and all(t.index == 0 for t in first)
+    queue.sent(first[0], 1.0)
+    queue.applied(first[0])
+    assert queue.dispatch(0) is None  # path 0's round 2 waits for the others
+    for t in first[1:]:
+        queue.sent(t, 1.0)
+        queue.applied(t)
+    assert queue.dispatch(0).index == 1

@@ -1,0 +1,149 @@
+"""The Ray driver (train.driver=ray) end to end on the tiny 2x2 run: an asynchronous run that stops,
+resumes and is evaluated by `dipaco eval`; a worker and an executor killed mid-run; lock-step rounds
+that reproduce per-module DiLoCo. One embedded Ray (2 CPUs) for the module."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dipaco.checkpoint.store import CheckpointManager, load_bank_state
+from dipaco.config import Config, apply_overrides
+from dipaco.metrics import read_metrics
+
+ray = pytest.importorskip("ray", reason='the Ray driver needs Ray: pip install -e ".[ray]" (dev includes it)')
+
+from dipaco.train.ray_driver import ModuleExecutor, count_applied, executor_log_files, train_ray  # noqa: E402
+
+ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", "run.progress=false", "ray.executors=2"]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def with_overrides(cfg: Config, *overrides: str) -> Config:
+    return apply_overrides(cfg, [*ASYNC, *overrides])
+
+
+def completed_tasks(exp_dir: Path) -> list[dict]:
+    return read_metrics(exp_dir / "metrics.jsonl", "task")
+
+
+def check_exactly_once(exp_dir: Path, topology_modules: dict[int, list[str]]) -> None:
+    """Every completed task is in the update log of each of its path's modules exactly once, and the
+    logs hold nothing else."""
+    tasks = completed_tasks(exp_dir)
+    applied = count_applied(executor_log_files(exp_dir))
+    expected = {(name, t["task"]) for t in tasks for name in topology_modules[t["path"]]}
+    assert set(applied) == expected
+    assert set(applied.values()) == {1}
+
+
+def modules_by_path(cfg: Config) -> dict[int, list[str]]:
+    from dipaco.model.topology import topology_from_config
+
+    topo = topology_from_config(cfg.topology, cfg.model.num_layers)
+    return {p: [topo.modules[m].name for m in topo.path_modules(p)] for p in range(topo.num_paths)}
+
+
+def test_async_run_stops_resumes_and_evaluates(ray_session, run_cfg):
+    from dipaco.cli import main
+
+    cfg = with_overrides(run_cfg, "ray.simulate_speeds=[1.0,0.5]", "train.dynamic_local_steps=true",
+                         "ray.max_staleness=4")
+    exp = train_ray(cfg, until_round=1)
+    first = completed_tasks(exp.dir)
+    assert sum(t["steps"] for t in first) == 5 * 4  # one round's worth of inner steps
+    exp = train_ray(cfg, resume=True)
+    tasks = completed_tasks(exp.dir)
+    assert sum(t["steps"] for t in tasks) == 2 * 5 * 4  # the whole budget, nothing counted twice
+    assert max(s for t in tasks for s in t["staleness"].values()) <= 4
+    assert len({t["task"] for t in tasks}) == len(tasks)
+    summary = read_metrics(exp.dir / "metrics.jsonl", "async")[-1]
+    assert summary["inner_steps"] == 40 and summary["requeues"] == 0
+    latest = CheckpointManager(exp.dir / "checkpoints").latest()
+    assert latest.name == f"round_{len(tasks):06d}"
+
+    assert main(["eval", *overrides_of(cfg)]) == 0  # the final bank, read like a synchronous run's
+    report = json.loads((exp.dir / "eval.json").read_text())
+    assert report["checkpoint"].endswith(latest.name) and torch.isfinite(torch.tensor(report["overall"]["ppl"]))
+
+
+def overrides_of(cfg: Config) -> list[str]:
+    """The tiny run's config as CLI overrides (eval reads the same experiment)."""
+    from tiny import TINY
+
+    return [*TINY, f"run.dir={cfg.run.dir}", f"data.corpus={cfg.data.corpus}", *ASYNC,
+            "ray.simulate_speeds=[1.0,0.5]", "train.dynamic_local_steps=true", "ray.max_staleness=4"]
+
+
+def test_killed_worker_and_executor_lose_no_update(ray_session, run_cfg):
+    """A slow worker is killed mid-task and an executor is killed mid-run: the task is re-queued, the
+    executor restarts from its own checkpoint, and every update is applied exactly once."""
+    cfg = with_overrides(run_cfg, "ray.simulate_speeds=[1.0,0.25]", "train.rounds=2")
+    killed: dict[str, int] = {"worker": 0, "executor": 0}
+
+    def drill(run) -> None:
+        def kill() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not killed["worker"]:
+                busy = [t for t in list(run.queue.running.values()) if t.worker == 1 and time.monotonic() - t.started > 0.5]
+                if busy:
+                    ray.kill(run.workers[1], no_restart=False)
+                    killed["worker"] += 1
+                time.sleep(0.05)
+            while time.monotonic() < deadline and run.queue.completed < 2:
+                time.sleep(0.05)
+            ray.kill(run.executors[1], no_restart=False)  # level0.0 or the like: a shared module
+            killed["executor"] += 1
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    exp = train_ray(cfg, on_start=drill)
+    assert killed == {"worker": 1, "executor": 1}
+    assert read_metrics(exp.dir / "metrics.jsonl", "requeue")
+    tasks = completed_tasks(exp.dir)
+    assert sum(t["steps"] for t in tasks) == 2 * 5 * 4
+    check_exactly_once(exp.dir, modules_by_path(cfg))
+
+
+def test_rounds_schedule_reproduces_diloco(ray_session, run_cfg, tmp_path):
+    """ray.schedule=rounds with the default delay applies the same outer steps as outer.sync=diloco."""
+    from dipaco.train.loop import train
+
+    ray_exp = train_ray(with_overrides(run_cfg, "ray.schedule=rounds", "train.name=on_ray"))
+    sync_exp = train(apply_overrides(run_cfg, ["train.name=diloco"]))
+    on_ray = load_bank_state(CheckpointManager(ray_exp.dir / "checkpoints").latest())
+    diloco = load_bank_state(CheckpointManager(sync_exp.dir / "checkpoints").latest())
+    assert set(on_ray) == set(diloco)
+    round_1 = load_bank_state(CheckpointManager(sync_exp.dir / "checkpoints").checkpoints()[0])
+    moved = max(float((diloco[k] - round_1[k]).abs().max()) for k in diloco)
+    worst = max(float((on_ray[k] - diloco[k]).abs().max()) for k in diloco)
+    assert moved > 1e-3 and worst < 1e-4, (moved, worst)  # fp32 sums in another order, nothing more
+
+
+def test_executor_restores_its_checkpoint(tmp_path):
+    """Constructed again (as Ray does after a crash), an executor continues from its newest checkpoint."""
+    args = dict(names={0: "level0.0"}, init={0: torch.zeros(3)}, path_weights={0: {0: 2.0, 1: 1.0}}, lr=0.7,
+                momentum=0.9, delay={0: 2}, root=str(tmp_path / "executor_000"), every=1, config_yaml="{}\n")
+    first = ModuleExecutor(**args)
+    first.push("p000-t0000", 0, 0, 0, torch.tensor([0.1, 0.2, 0.3]))
+    first.push("p001-t0000", 1, 0, 0, torch.tensor([0.3, -0.2, 0.0]))
+    first.push("p000-t0001", 0, 0, 2, torch.tensor([0.0, 0.1, 0.1]))
+    again = ModuleExecutor(**args)
+    assert again.restored_from == "round_000003" and again.status()["updates"] == 3
+    tensors, counters = again.state()
+    want, _ = first.state()
+    for stem in want:
+        assert torch.equal(tensors[stem]["level0.0"], want[stem]["level0.0"])
+    assert again.push("p000-t0001", 0, 0, 2, torch.tensor([9.0, 9.0, 9.0])) is None  # already applied
+    assert counters["pending"] == {0: 1}
