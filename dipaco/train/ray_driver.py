@@ -70,7 +70,7 @@ from dipaco.route.shards import check_routing, record_routing
 from dipaco.runtime import rng_state, seed_everything
 from dipaco.sync.async_nesterov import AsyncNesterov, default_delay, dynamic_local_steps, staleness_summary
 from dipaco.train.experiment import CHECKPOINT_FORMAT, Experiment, build_experiment, restore
-from dipaco.train.inner import InnerLoop
+from dipaco.train.inner import InnerLoop, InnerOptions
 from dipaco.train.sampler import ShardSampler
 
 RESTART_BACKOFF_S = 0.5  # wait before re-sending to an actor Ray is restarting
@@ -233,7 +233,8 @@ class PathWorker:
                 self.bank.params[m].copy_(value)
         self.bank.load_path(path, model)
         sampler = ShardSampler(self.shards[path], self.cfg.train.optim.batch_size, seed=self.cfg.run.seed * 7919 + path)
-        loop = InnerLoop(model, sampler, self.cfg.train.optim, self.total_steps)
+        options = InnerOptions.from_config(self.cfg.train, self.cfg.model, torch.device("cpu"), "train")
+        loop = InnerLoop(model, sampler, self.cfg.train.optim, self.total_steps, "cpu", options)
         if inner_state is not None:
             loop.load_state_dict(inner_state)
         start = time.perf_counter()
