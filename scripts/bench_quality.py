@@ -498,7 +498,9 @@ def main() -> None:
             echo(f"[bench] {row.name}: kept from results.json (ppl {by_name[row.name]['ppl']:.2f})")
             continue
         echo(f"[bench] === {row.name} ({row.preset}, routing {row.routing or 'none'}) ===")
-        by_name[row.name] = run_row(row, base, out_dir, resume=args.resume)
+        # A row cut off mid-way (not in results.json) continues from its checkpoint; a row named with --rows
+        # whose result is kept trains again from scratch.
+        by_name[row.name] = run_row(row, base, out_dir, resume=args.resume and row.name not in by_name)
         echo(f"[bench] {row.name}: ppl {by_name[row.name]['ppl']:.2f} in {by_name[row.name]['wall_time_s']:.0f}s")
         write_results(out_dir / "results.json", base, init, ordered())
     results = ordered()
