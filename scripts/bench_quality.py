@@ -260,9 +260,9 @@ def train_row(row: Row, cfg: Config, resume: bool) -> tuple:
     shutil.rmtree(exp_dir, ignore_errors=True)
     if not row.reroutes:
         return train(cfg), False
-    exp, done = None, False
+    done = False
     for point in reroute_rounds(cfg.train.rounds, row.reroutes):
-        exp = train(cfg, resume=done, until_round=point)
+        train(cfg, resume=done, until_round=point)
         reroute(cfg)  # discriminative re-routing on the paths' losses (one EM step), then continue
         done = True
     return train(cfg, resume=done), False
