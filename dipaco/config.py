@@ -170,14 +170,20 @@ class TrainConfig:
 class RouteConfig:
     """`dipaco route`: document features -> k-means -> one path per document (see routing/)."""
 
-    featurizer: str = "lm_prefix"  # lm_prefix (the pretrained model's prefix states) | tfidf_svd
+    featurizer: str = "lm_prefix"  # lm_prefix (the pretrained model's prefix states) | tfidf_svd | encoder
+    layers: List[int] = field(default_factory=lambda: [-1])  # lm_prefix/encoder: hidden states pooled (0 = embeddings)
+    skip_tokens: int = 0  # lm_prefix/encoder: leave each document's first tokens out of the mean
+    transform: str = "none"  # none | center_l2 | pca_l2 | whiten_l2: fitted on the train features, kept by the router
+    transform_components: Optional[int] = None  # pca_l2/whiten_l2: principal axes kept (null = all)
+    encoder: Optional[str] = None  # featurizer=encoder: a Hugging Face encoder's hub name or local directory
+    encoder_max_tokens: int = 128  # featurizer=encoder: the encoder's tokens per routing context
     method: str = "kmeans"  # kmeans (P clusters) | product (one k-means per grid level)
     metric: str = "euclidean"  # euclidean | cosine
     balance_slack: Optional[float] = 0.1  # shards hold at most ceil(N/P * (1 + slack)) docs; null = unbalanced
     min_shard_fraction: float = 0.0  # with a slack: shards hold at least floor(N/P * this) docs
     n_init: int = 3
     max_iter: int = 100
-    topk: int = 1  # >1 also writes `paths_topk` (overlapping training shards)
+    topk: int = 1  # >1: each train doc also trains its next-best paths (overlapping shards, `paths_topk`)
     svd_components: int = 128  # tfidf_svd only
     batch_size: int = 64  # featurizer batch
     precision: str = "auto"  # the featurizer's forward pass: auto | fp32 | bf16 | fp16
@@ -254,7 +260,8 @@ _CHOICES = {
     "dist.comm_dtype": ("fp32", "bf16", "fp16", "int8", "int4", "fp4"),
     "outer.streaming.fragment": ("level", "module"),
     "outer.streaming.pattern": ("strided", "sequential", "balanced"),
-    "route.featurizer": ("lm_prefix", "tfidf_svd"),
+    "route.featurizer": ("lm_prefix", "tfidf_svd", "encoder"),
+    "route.transform": ("none", "center_l2", "pca_l2", "whiten_l2"),
     "route.method": ("kmeans", "product"),
     "route.metric": ("euclidean", "cosine"),
     "route.reroute_target": ("uniform", "current"),
@@ -270,7 +277,7 @@ _POSITIVE = (
     "model.intermediate_size", "model.num_heads", "topology.replicas", "train.rounds",
     "train.inner_steps", "train.keep_checkpoints", "train.log_every", "train.optim.batch_size",
     "pretrain.optim.batch_size", "eval.batch_size", "route.n_init", "route.max_iter", "route.topk",
-    "route.svd_components", "route.batch_size", "dist.timeout_s", "dist.chunk_size",
+    "route.svd_components", "route.batch_size", "route.encoder_max_tokens", "dist.timeout_s", "dist.chunk_size",
     "ray.executor_checkpoint_every",
 )
 
@@ -308,6 +315,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"route.balance_slack: must be >= 0 or null, got {cfg.route.balance_slack}")
     if not 0.0 <= cfg.route.min_shard_fraction <= 1.0:
         raise ConfigError(f"route.min_shard_fraction: must be in [0, 1], got {cfg.route.min_shard_fraction}")
+    _validate_route_features(cfg)
     if not 0.0 < cfg.route.reroute_holdout < 1.0:
         raise ConfigError(f"route.reroute_holdout: must be in (0, 1), got {cfg.route.reroute_holdout}")
     if not 0.0 <= cfg.outer.drop_prob < 1.0:
@@ -333,6 +341,19 @@ def validate(cfg: Config) -> Config:
             f"got {cfg.model.num_kv_heads}"
         )
     return cfg
+
+
+def _validate_route_features(cfg: Config) -> None:
+    route = cfg.route
+    if not route.layers:
+        raise ConfigError("route.layers: must name at least one hidden state, e.g. [-1]")
+    if route.skip_tokens < 0 or (route.featurizer == "lm_prefix" and route.skip_tokens >= max(cfg.data.prefix_tokens, 1)):
+        raise ConfigError(f"route.skip_tokens: must be in [0, data.prefix_tokens={cfg.data.prefix_tokens}), "
+                          f"got {route.skip_tokens}")
+    if route.transform_components is not None and route.transform_components <= 0:
+        raise ConfigError(f"route.transform_components: must be > 0 or null, got {route.transform_components}")
+    if route.featurizer == "encoder" and not route.encoder:
+        raise ConfigError("route.encoder: route.featurizer=encoder needs a Hugging Face encoder name or local directory")
 
 
 def _check_range(key: str, value: float, low: float, high: float, *, high_open: bool = True) -> None:

@@ -1,10 +1,13 @@
 """Document features for routing: texts in, one vector per document out.
 
-Two featurizers:
+Three featurizers:
 
 - `lm_prefix_features`: DiPaCo's generative-routing feature. z(doc) is the mean of
-  the last hidden state of a pretrained causal LM over the first `prefix_tokens`
-  tokens of the document (the paper uses 32; those tokens are the routing context).
+  a hidden state of a pretrained causal LM over the first `prefix_tokens` tokens of the
+  document (the paper uses 32; those tokens are the routing context), optionally several
+  layers concatenated and the first tokens left out (`pool_prefix_states`).
+- `encoder_features`: the same pooling over any Hugging Face encoder (hub name or local
+  directory, `load_encoder`), for users who have a sentence encoder.
 - `tfidf_svd_features`: c-BTM's TF-IDF + truncated SVD (LSA) feature. Needs no model,
   so it is also the cheap baseline.
 
@@ -15,6 +18,7 @@ safetensors + JSON and loads with any scikit-learn version (or none).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections import Counter
@@ -69,6 +73,44 @@ def _accepts(fn: Any, name: str) -> bool:
         return False
 
 
+def check_layers(layers: Sequence[int], num_states: int) -> list[int]:
+    """`layers` as indices into a model's `hidden_states` tuple (embeddings first, then one entry per
+    block; -1 is the last), checked: ValueError names any index outside it."""
+    layers = [int(layer) for layer in layers]
+    if not layers:
+        raise ValueError("layers must name at least one hidden state")
+    bad = [layer for layer in layers if not -num_states <= layer < num_states]
+    if bad:
+        raise ValueError(f"layers {bad} are outside the model's {num_states} hidden states "
+                         f"(0 = embeddings, {num_states - 1} or -1 = last)")
+    return layers
+
+
+def prefix_token_weights(mask: torch.Tensor, skip_tokens: int) -> torch.Tensor:
+    """(N, T) float weights: each row's real tokens from position `skip_tokens` on.
+
+    The first tokens of a document are mostly formatting and function words (a title's first
+    word, "The", a quote mark) that every topic shares; averaging them in pulls every document
+    towards the same point. A row with no more than `skip_tokens` tokens keeps its last token.
+    """
+    if skip_tokens < 0:
+        raise ValueError(f"skip_tokens must be >= 0, got {skip_tokens}")
+    lengths = mask.sum(dim=1, keepdim=True)
+    start = torch.clamp(lengths - 1, max=skip_tokens)
+    positions = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
+    return (mask.bool() & (positions >= start)).to(torch.float32)
+
+
+def pool_prefix_states(hidden_states: Sequence[torch.Tensor], mask: torch.Tensor,
+                       layers: Sequence[int] = (-1,), skip_tokens: int = 0) -> torch.Tensor:
+    """(N, D * len(layers)) float32: the masked mean over the kept tokens of each chosen hidden state,
+    concatenated in the order of `layers`. The one pooling rule of every LM featurizer."""
+    weights = prefix_token_weights(mask, skip_tokens).unsqueeze(-1)
+    pooled = [(hidden_states[layer].float() * weights).sum(dim=1) / weights.sum(dim=1)
+              for layer in check_layers(layers, len(hidden_states))]
+    return torch.cat(pooled, dim=1)
+
+
 def lm_prefix_features(
     model: Any,
     tokenizer: Any,
@@ -77,22 +119,36 @@ def lm_prefix_features(
     batch_size: int = 32,
     device: str | torch.device = "cpu",
     show_progress: bool = True,
+    layers: Sequence[int] = (-1,),
+    skip_tokens: int = 0,
 ) -> torch.Tensor:
-    """Mean of the LM's last hidden state over each document's first `prefix_tokens` tokens.
+    """Mean of the LM's hidden states over each document's first `prefix_tokens` tokens.
 
     Works with any Hugging Face causal LM: we call it with `output_hidden_states=True` and
-    take `hidden_states[-1]`. For Llama-style models in transformers 5.x that entry is the
-    output of the final norm (transformers overwrites it with `last_hidden_state`), i.e. what
-    the LM head sees; that is the representation we want to cluster.
+    pool `hidden_states[l]` for each l in `layers` (default: the last). For Llama-style models
+    in transformers 5.x the last entry is the output of the final norm (transformers overwrites
+    it with `last_hidden_state`), i.e. what the LM head sees. Several layers are concatenated;
+    `skip_tokens` leaves each document's first tokens out of the mean (see `pool_prefix_states`).
 
     A document shorter than the prefix uses the tokens it has. Documents with no tokens at
     all raise ValueError listing their indices (decide to skip or fail before calling).
     The model is moved to `device` (in place, as `nn.Module.to` does) and put in eval mode
-    for the call; its train/eval flag is restored afterwards. Returns float32 (N, hidden) on CPU.
+    for the call; its train/eval flag is restored afterwards. Returns float32 (N, hidden *
+    len(layers)) on CPU.
     """
+    seqs = tokenize_prefixes(tokenizer, texts, prefix_tokens)
+    # Only the hidden states matter; skip the (N, T, vocab) logits when the model allows it.
+    extra = {"logits_to_keep": 1} if _accepts(model.forward, "logits_to_keep") else {}
+    return pooled_features(model, tokenizer, seqs, batch_size, device, show_progress, layers, skip_tokens,
+                           extra, "lm prefix features")
+
+
+def pooled_features(model: Any, tokenizer: Any, seqs: list[list[int]], batch_size: int,
+                    device: str | torch.device, show_progress: bool, layers: Sequence[int], skip_tokens: int,
+                    extra: dict[str, Any], desc: str) -> torch.Tensor:
+    """`pool_prefix_states` of `model` over token-id sequences, in length-sorted batches."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    seqs = tokenize_prefixes(tokenizer, texts, prefix_tokens)
     empty = [i for i, s in enumerate(seqs) if len(s) == 0]
     if empty:
         raise ValueError(
@@ -105,8 +161,6 @@ def lm_prefix_features(
 
     pad_id = getattr(tokenizer, "pad_token_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)  # pads are masked out, any valid id works
-    # Only the hidden states matter; skip the (N, T, vocab) logits when the model allows it.
-    extra = {"logits_to_keep": 1} if _accepts(model.forward, "logits_to_keep") else {}
 
     # Longest first: batches hold similar lengths, so little compute goes to padding.
     order = sorted(range(n), key=lambda i: -len(seqs[i]))
@@ -115,18 +169,13 @@ def lm_prefix_features(
     model.to(device)
     model.eval()
     try:
-        with torch.inference_mode(), tqdm(
-            total=n, disable=not show_progress, unit="doc", desc="lm prefix features"
-        ) as bar:
+        with torch.inference_mode(), tqdm(total=n, disable=not show_progress, unit="doc", desc=desc) as bar:
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
                 ids, mask = pad_right([seqs[i] for i in idx], pad_id)
                 ids, mask = ids.to(device), mask.to(device)
-                hidden = model(
-                    input_ids=ids, attention_mask=mask, output_hidden_states=True, **extra
-                ).hidden_states[-1]
-                m = mask.unsqueeze(-1).to(torch.float32)
-                feats = (hidden.float() * m).sum(dim=1) / m.sum(dim=1)
+                states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **extra).hidden_states
+                feats = pool_prefix_states(states, mask, layers, skip_tokens)
                 if out is None:
                     out = torch.empty(n, feats.shape[1], dtype=torch.float32)
                 out[torch.tensor(idx)] = feats.cpu()
@@ -134,8 +183,50 @@ def lm_prefix_features(
     finally:
         model.train(was_training)
     assert out is not None
-    check_finite(out, "lm prefix features")
+    check_finite(out, desc)
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# Encoder features (any Hugging Face encoder, by hub name or local directory)
+
+
+@functools.lru_cache(maxsize=2)
+def load_encoder(name_or_dir: str, device: str | torch.device = "cpu") -> tuple[Any, Any]:
+    """(model, tokenizer) of a Hugging Face encoder: a hub name (downloaded and cached by
+    `transformers`) or a local directory holding `config.json`, the weights and the tokenizer.
+    Kept in memory (two at most), so routing one text at a time does not reload it."""
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir)
+        model = AutoModel.from_pretrained(name_or_dir)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the encoder {name_or_dir!r} (a hub name or a local directory): {exc}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def encoder_features(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    max_tokens: int = 128,
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+    show_progress: bool = True,
+    layers: Sequence[int] = (-1,),
+    skip_tokens: int = 0,
+) -> torch.Tensor:
+    """Masked mean of an encoder's hidden states over each text's first `max_tokens` encoder tokens.
+
+    The texts are routing contexts already cut to the run's prefix (decoded from its own
+    tokenizer), so `max_tokens` only bounds the encoder's sequence. The encoder's special tokens
+    ([CLS], [SEP]) are part of its input as it was trained, and of the mean.
+    """
+    enc = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=max_tokens)
+    seqs = [list(ids) for ids in enc["input_ids"]]
+    return pooled_features(model, tokenizer, seqs, batch_size, device, show_progress, layers, skip_tokens,
+                           {}, "encoder features")
 
 
 # ----------------------------------------------------------------------------------------

@@ -10,8 +10,12 @@ A router maps a document's feature vector to a path id in [0, num_paths). Three 
   score = x @ weight.T + bias.
 
 On disk a router is a directory with `router.safetensors` (centroids, classifier, TF-IDF
-arrays) and `router.json` (everything else, including the featurizer spec, the TF-IDF
-vocabulary and any topology dict the caller passed, stored verbatim).
+arrays, feature transform) and `router.json` (everything else, including the featurizer spec,
+the TF-IDF vocabulary and any topology dict the caller passed, stored verbatim).
+
+A router may hold a fitted `FeatureTransform` (centring, PCA whitening, L2 normalisation): its
+centroids or classifier live in the transformed space, and `scores`/`assign` apply the transform
+to the raw features they are given, so callers always pass what the featurizer produced.
 
 Balancing: `assign` is always the unconstrained rule (nearest centroid / best score).
 Capacity-constrained assignment (`assign_balanced`) is for sharding the training set the
@@ -31,7 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from routing.assignment import balanced_assign_costs, capacity, floor_size
-from routing.featurize import TfidfSvd, lm_prefix_features
+from routing.featurize import TfidfSvd, encoder_features, lm_prefix_features, load_encoder
 from routing.kmeans import (
     Metric,
     balanced_kmeans,
@@ -44,6 +48,7 @@ from routing.kmeans import (
     split_dims,
     sq_distances,
 )
+from routing.transform import FeatureTransform
 from routing.validate import Features, as_features
 
 FORMAT = "dipaco-router"
@@ -71,6 +76,7 @@ class Router:
     balance_min_fraction: float = 0.0  # and each shard's floor, as a fraction of N/P (see floor_size)
     topology: dict[str, Any] | None = None  # caller's topology, stored verbatim
     meta: dict[str, Any] = field(default_factory=dict)  # provenance: seed, inertia, sizes...
+    transform: FeatureTransform | None = None  # applied to raw features before routing
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -83,6 +89,9 @@ class Router:
             self._check_linear()
         else:
             self._check_centroids()
+        if self.transform is not None and self.transform.out_dim != self._routed_dim():
+            raise ValueError(f"feature transform gives {self.transform.out_dim}-dim features but the "
+                             f"{self.kind} router routes {self._routed_dim()}-dim ones")
 
     def _check_centroids(self) -> None:
         self.centroids = [as_features(c, "centroids").cpu() for c in self.centroids]
@@ -120,7 +129,10 @@ class Router:
 
     @property
     def dim(self) -> int:
-        """Feature width the router expects."""
+        """Feature width the router expects (the featurizer's, before any transform)."""
+        return self._routed_dim() if self.transform is None else self.transform.in_dim
+
+    def _routed_dim(self) -> int:
         if self.kind == "linear":
             assert self.weight is not None
             return int(self.weight.shape[1])
@@ -151,7 +163,11 @@ class Router:
         x = as_features(features)
         if x.shape[1] != self.dim:
             raise ValueError(f"router expects {self.dim}-dim features, got {x.shape[1]}")
-        return x
+        return x if self.transform is None else self.transform(x)
+
+    def transformed(self, features: Features) -> torch.Tensor:
+        """The features as the centroids or classifier see them (after the router's transform)."""
+        return self._features(features)
 
     def _level_inputs(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(features, centroids) of each level, as the metric sees them, on x's device."""
@@ -163,7 +179,9 @@ class Router:
 
     def scores(self, features: Features) -> torch.Tensor:
         """(N, P) scores, higher is better: negative (summed per-level) squared distances or logits."""
-        x = self._features(features)
+        return self._scores(self._features(features))
+
+    def _scores(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "linear":
             assert self.weight is not None and self.bias is not None
             return torch.addmm(self.bias.to(x.device), x, self.weight.to(x.device).T)
@@ -179,7 +197,7 @@ class Router:
         """Path id of each document by the unconstrained rule (for new documents)."""
         x = self._features(features)
         if self.kind == "linear":
-            return self.scores(x).argmax(dim=1).cpu()
+            return self._scores(x).argmax(dim=1).cpu()
         # Per-level argmin equals the argmax of the summed scores, without the (N, P) matrix.
         digits = torch.stack([nearest(xl, cl)[0] for xl, cl in self._level_inputs(x)], dim=1)
         return mixed_radix_encode(digits.cpu(), self.radices)
@@ -210,8 +228,10 @@ class Router:
         tokenizer: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Features of new texts with this router's featurizer (LM kinds need model + tokenizer)."""
+        """Raw features of new texts with this router's featurizer (``lm_prefix`` needs the caller's
+        model and tokenizer; ``encoder`` loads its encoder by the name or directory it records)."""
         kind = self.featurizer.get("kind")
+        pooling = {"layers": self.featurizer.get("layers", [-1]), "skip_tokens": int(self.featurizer.get("skip_tokens", 0))}
         if kind == "tfidf_svd":
             if self.tfidf is None:
                 raise ValueError("featurizer is tfidf_svd but the router holds no fitted TF-IDF arrays")
@@ -220,7 +240,13 @@ class Router:
             if model is None or tokenizer is None:
                 raise ValueError("the lm_prefix featurizer needs the caller's model and tokenizer")
             prefix = int(self.featurizer.get("prefix_tokens", 32))
-            return lm_prefix_features(model, tokenizer, texts, prefix_tokens=prefix, **kwargs)
+            return lm_prefix_features(model, tokenizer, texts, prefix_tokens=prefix, **pooling, **kwargs)
+        if kind == "encoder":
+            device = kwargs.pop("device", "cpu")
+            if model is None or tokenizer is None:
+                model, tokenizer = load_encoder(self.featurizer["model"], device)
+            return encoder_features(model, tokenizer, texts, max_tokens=int(self.featurizer.get("max_tokens", 128)),
+                                    device=device, **pooling, **kwargs)
         raise ValueError(f"cannot featurize texts with featurizer spec {self.featurizer!r}")
 
     # ------------------------------------------------------------------------------------
@@ -240,6 +266,9 @@ class Router:
         if self.tfidf is not None:
             for name, arr in self.tfidf.arrays().items():
                 tensors[f"tfidf.{name}"] = torch.from_numpy(arr).contiguous()
+        if self.transform is not None:
+            for name, t in self.transform.tensors().items():
+                tensors[f"transform.{name}"] = t
         doc = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -254,6 +283,7 @@ class Router:
             "topology": self.topology,
             "meta": self.meta,
             "tfidf": None if self.tfidf is None else self.tfidf.state(),
+            "transform": None if self.transform is None else self.transform.state(),
         }
         # Write to temporary names and rename, so a crash never leaves a half-written router.
         tmp_t, tmp_j = d / (TENSORS_NAME + ".tmp"), d / (JSON_NAME + ".tmp")
@@ -296,6 +326,10 @@ class Router:
             if doc.get("tfidf") is not None:
                 arrays = {k[len("tfidf."):]: v.numpy() for k, v in tensors.items() if k.startswith("tfidf.")}
                 tfidf = TfidfSvd.from_parts(doc["tfidf"], arrays)
+            transform = None
+            if doc.get("transform") is not None:
+                parts = {k[len("transform."):]: v for k, v in tensors.items() if k.startswith("transform.")}
+                transform = FeatureTransform.from_parts(doc["transform"], parts)
             router = cls(
                 kind=doc["kind"],
                 radices=doc["radices"],
@@ -309,6 +343,7 @@ class Router:
                 balance_min_fraction=doc.get("balance_min_fraction", 0.0),
                 topology=doc.get("topology"),
                 meta=doc.get("meta") or {},
+                transform=transform,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RouterFileError(f"router in {d} is incomplete or inconsistent: {e!r}") from e
@@ -330,6 +365,7 @@ def fit_router(
     tfidf: TfidfSvd | None = None,
     topology: dict[str, Any] | None = None,
     seed: int = 0,
+    transform: FeatureTransform | None = None,
     **kmeans_kwargs: Any,
 ) -> tuple[Router, torch.Tensor]:
     """Fit a k-means router (product k-means when len(radices) > 1) and shard the training set.
@@ -339,12 +375,17 @@ def fit_router(
     nearest-centroid otherwise. For one
     level with a slack, centroids are refined by balanced k-means so they match the shards.
     `featurizer` defaults to `tfidf.spec()` when a fitted TF-IDF transform is given.
+    With a `transform` (fitted on these features), k-means runs on the transformed features and
+    the router keeps the transform, so it routes raw features of new documents the same way.
     """
     radices = [int(r) for r in radices]
     if featurizer is None:
         featurizer = tfidf.spec() if tfidf is not None else {}
     common = dict(featurizer=featurizer, tfidf=tfidf, balance_slack=slack, topology=topology,
-                  balance_min_fraction=min_fraction)
+                  balance_min_fraction=min_fraction, transform=transform)
+    raw = features
+    if transform is not None:
+        features = transform(features)
     if len(radices) == 1:
         if slack is None:
             res = kmeans(features, radices[0], metric=metric, seed=seed, **kmeans_kwargs)
@@ -358,5 +399,5 @@ def fit_router(
     prod = product_kmeans(features, radices, metric=metric, seed=seed, **kmeans_kwargs)
     meta = {"inertia_per_level": prod.inertia, "seed": seed}
     router = Router("product_kmeans", radices, metric, prod.centroids, meta=meta, **common)
-    labels = prod.paths if slack is None else router.assign_balanced(features, slack)
+    labels = prod.paths if slack is None else router.assign_balanced(raw, slack)
     return router, labels

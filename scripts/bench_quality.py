@@ -8,11 +8,21 @@ steps differ. Rows (P = paths of the small grid, Q = paths of the large one):
     dense_Px            one path for P times the steps                             compute Px
     diloco_P            P replicas of the dense model on k-means shards            compute Px
     moe_P               P independent models on k-means shards (flat MoE)          compute Px
-    dipaco_2x2_*        kmeans / product k-means / + discriminative re-routing /
-                        + per-path early stopping                                  compute Px
+    moe_P_featurizer    flat MoE on the improved featurizer's shards               compute Px
+    moe_P_iid           flat MoE on iid shards: the control of the two rows above  compute Px
+    dipaco_2x2_*        kmeans / improved featurizer / + top-2 overlapping shards /
+                        product k-means / + discriminative re-routing once / EM re-sharding
+                        (re-routing after several rounds) / + per-path early stopping /
+                        iid shards (the control every routed 2x2 row is judged against)   compute Px
     dense_deep_Px       dense with DiPaCo 2x2's total parameter count (twice the layers,
                         its own pretraining), trained on as many tokens as DiPaCo  compute ~1.45Px
-    diloco_Q, dipaco_4x4_*  (kmeans / product k-means / + early stopping)          compute Qx
+    diloco_Q, dipaco_4x4_*  (kmeans / product k-means / + early stopping / iid)    compute Qx
+
+"kmeans" routing is `dipaco route`'s default featurizer (the pretrained model's mean last hidden
+state over the prefix); "featurizer" is the improved one (TF-IDF + SVD of the same prefix text, cosine
+k-means; see docs/benchmarks.md for the NMI study that chose it). Each row
+reports the NMI and purity of its training shards against the corpus labels, so what routing buys
+is visible beside the routed row's perplexity and its iid control's.
 
 Outputs (in --out-dir): results.json (every row, every round), a markdown table, and PNG plots of
 validation perplexity against training tokens and of shard sizes.
@@ -21,6 +31,9 @@ validation perplexity against training tokens and of shard sizes.
     python scripts/bench_quality.py --smoke         # ~1 min, for CI
     python scripts/bench_quality.py --scale 4       # wider model, more steps: for a GPU (run.device=auto)
     python scripts/bench_quality.py --resume        # keep the rows results.json already holds, run the rest
+    timeout 590 python scripts/bench_quality.py --preset gpu --resume   # the GPU regime, 10-minute commands:
+                                                    # repeat until it prints the table; a row cut off
+                                                    # continues from its last round's checkpoint
 """
 
 from __future__ import annotations
@@ -44,7 +57,9 @@ from omegaconf import OmegaConf  # noqa: E402
 from dipaco.data.corpus import strip_header  # noqa: E402
 from dipaco.eval.evaluate import evaluate_experiment, evaluate_pretrained  # noqa: E402
 from dipaco.metrics import echo  # noqa: E402
-from dipaco.data.prepare import prepare  # noqa: E402
+from dipaco.data.prepare import load_prepared, prepare  # noqa: E402
+from dipaco.route.shards import assign_paths  # noqa: E402
+from routing.quality import routing_report  # noqa: E402
 from dipaco.train.pretrain import pretrain  # noqa: E402
 from dipaco.route.assign import route  # noqa: E402
 from dipaco.route.reroute import reroute  # noqa: E402
@@ -62,13 +77,16 @@ class Row:
     preset: str
     routing: str | None  # None = iid (one path: every doc), else a routing variant name
     rounds_factor: int = 1  # dense_Px trains P times the rounds
-    reroute: bool = False  # discriminative re-routing half-way, then resume
+    reroutes: int = 0  # discriminative re-routings, at evenly spaced rounds (1: half-way; more: EM re-sharding)
     early_stopping: bool = False  # hold out train docs, score each path's best round
     model: list[str] = field(default_factory=list)  # another architecture: own run dir and pretraining
     overrides: list[str] = field(default_factory=list)
 
 
 EARLY_STOP_HOLDOUT = "train.early_stopping_holdout=0.05"
+
+
+EM_REROUTES = 3  # re-routings of the EM row: after rounds R/4, R/2, 3R/4 (every round when R = 4)
 
 
 def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[Row]:
@@ -78,9 +96,15 @@ def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[R
         Row(f"dense_{small}x", "dense", None, rounds_factor=small, overrides=dense),
         Row(f"diloco_{small}", f"diloco:{small}", f"kmeans{small}"),
         Row(f"moe_{small}", f"moe:{small}", f"kmeans{small}"),
+        Row(f"moe_{small}_featurizer", f"moe:{small}", f"featurizer{small}"),
+        Row(f"moe_{small}_iid", f"moe:{small}", None),
         Row("dipaco_2x2_kmeans", "grid:2x2", f"kmeans{small}"),
+        Row("dipaco_2x2_featurizer", "grid:2x2", f"featurizer{small}"),
+        Row("dipaco_2x2_top2", "grid:2x2", f"featurizer{small}", overrides=["route.topk=2"]),
+        Row("dipaco_2x2_iid", "grid:2x2", None),
         Row("dipaco_2x2_product", "grid:2x2", "product2x2"),
-        Row("dipaco_2x2_reroute", "grid:2x2", f"kmeans{small}", reroute=True),
+        Row("dipaco_2x2_reroute", "grid:2x2", f"kmeans{small}", reroutes=1),
+        Row("dipaco_2x2_em", "grid:2x2", f"featurizer{small}", reroutes=EM_REROUTES),
         Row("dipaco_2x2_early_stop", "grid:2x2", f"kmeans{small}", early_stopping=True, overrides=[EARLY_STOP_HOLDOUT]),
         # A 2x2 grid holds two modules per level, so its total count is a dense model with twice the layers.
         Row(f"dense_deep_{small}x", "dense", None, rounds_factor=small, model=[f"model.num_layers={2 * num_layers}"],
@@ -93,12 +117,36 @@ def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[R
             Row("dipaco_4x4_product", "grid:4x4", "product4x4"),
             Row("dipaco_4x4_early_stop", "grid:4x4", f"kmeans{large}", early_stopping=True,
                 overrides=[EARLY_STOP_HOLDOUT]),
+            Row("dipaco_4x4_iid", "grid:4x4", None),
         ]
     return out
 
 
+# The GPU regime's rows (issue 14): dense 1x and Px, DiLoCo-P, flat MoE-P, DiPaCo k-means / improved
+# featurizer / top-2 overlap / iid control, and the MoE controls.
+GPU_ROWS = ("dense_1x", "dense_{p}x", "diloco_{p}", "moe_{p}", "moe_{p}_featurizer", "moe_{p}_iid",
+            "dipaco_2x2_kmeans", "dipaco_2x2_featurizer", "dipaco_2x2_top2", "dipaco_2x2_iid",
+            "diloco_{q}", "dipaco_4x4_kmeans", "dipaco_4x4_iid")
+
+
+IMPROVED_SVD = 64  # TF-IDF SVD width of the improved featurizer
+
+# Left out of --smoke to keep CI's time: the smoke run still has an iid control (dipaco_2x2_iid), and at
+# its 2 rounds the EM row would re-route at the same single point as dipaco_2x2_reroute.
+SMOKE_SKIP = ("moe_4_featurizer", "moe_4_iid", "dipaco_2x2_em")
+
+
+def improved_featurizer() -> list[str]:
+    """The featurizer the NMI study (scripts/bench_routing.py --sections featurizers, docs/benchmarks.md)
+    found topical on the same 32-token prefix: TF-IDF + SVD of the prefix text, cosine k-means. No pooling,
+    layer choice or whitening of the small path model's hidden states came near it."""
+    return ["route.featurizer=tfidf_svd", f"route.svd_components={IMPROVED_SVD}", "route.metric=cosine",
+            "route.topk=2"]  # topk: the top-2 row's overlapping shards; the other rows train with route.topk=1
+
+
 ROUTINGS = {  # variant -> (topology used to fit it, route.method, other route settings)
     "kmeans4": ("grid:2x2", "kmeans", []),
+    "featurizer4": ("grid:2x2", "kmeans", None),  # None: improved_featurizer()
     "product2x2": ("grid:2x2", "product", []),
     "kmeans16": ("grid:4x4", "kmeans", []),
     # Product cells are not fitted to the joint data: with the cap alone one 4x4 cell got 1 document.
@@ -107,6 +155,15 @@ ROUTINGS = {  # variant -> (topology used to fit it, route.method, other route s
 
 
 def scale_overrides(args: argparse.Namespace) -> list[str]:
+    if args.preset == "gpu":
+        # Sized for one H100 within a session's 30 minutes of device time (the P = 4 rows; --large adds
+        # P = 16): the --scale 4 model, 16 rounds (4x today's outer steps) x 50 inner steps of 32 sequences,
+        # i.e. 3.3M tokens per path (2x --scale 4's 1.6M).
+        return [
+            "model.hidden_size=512", "model.intermediate_size=1536", "model.num_heads=16", "pretrain.steps=1600",
+            "pretrain.optim.batch_size=32", "train.rounds=16", "train.inner_steps=50", "train.optim.batch_size=32",
+            "run.device=auto",
+        ]
     if args.smoke:
         return [
             "model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
@@ -158,6 +215,7 @@ def variant_run(base: Config, variant: str | None, out_dir: Path, private: str |
     if not (run_dir / "routing").exists():
         new_run_dir(base, run_dir, ("data", "tokenizer", "pretrain"))
         preset, method, settings = ROUTINGS[variant]
+        settings = improved_featurizer() if settings is None else settings
         route(apply_overrides(base, [f"run.dir={run_dir}", f"topology.preset={preset}",
                                      "train.sharding=kmeans", f"route.method={method}", *settings]))
     if private is not None:
@@ -185,24 +243,54 @@ def curve_rounds(last: int) -> list[int]:
     return sorted({2**k for k in range(last.bit_length()) if 2**k <= last} | {last})
 
 
-def run_row(row: Row, base: Config, out_dir: Path) -> dict:
+def reroute_rounds(rounds: int, reroutes: int) -> list[int]:
+    """Rounds after which to re-route: ``reroutes`` evenly spaced points inside (0, rounds)."""
+    if rounds < 2:
+        return []
+    return sorted({max(1, min(rounds - 1, round(rounds * i / (reroutes + 1)))) for i in range(1, reroutes + 1)})
+
+
+def train_row(row: Row, cfg: Config, resume: bool) -> tuple:
+    """Trains the row; with ``resume``, a plain row continues from its last round's checkpoint (a command cut
+    off by a time limit loses at most one round). Re-routing rows start over: their routing changed mid-way."""
+    exp_dir = RunDir(cfg.run.dir).experiment(row.name)
+    if resume and not row.reroutes and CheckpointManager(exp_dir / "checkpoints").latest() is not None:
+        echo(f"[bench] {row.name}: continuing from {CheckpointManager(exp_dir / 'checkpoints').latest().name}")
+        return train(cfg, resume=True), True
+    shutil.rmtree(exp_dir, ignore_errors=True)
+    if not row.reroutes:
+        return train(cfg), False
+    done = False
+    for point in reroute_rounds(cfg.train.rounds, row.reroutes):
+        train(cfg, resume=done, until_round=point)
+        reroute(cfg)  # discriminative re-routing on the paths' losses (one EM step), then continue
+        done = True
+    return train(cfg, resume=done), False
+
+
+def routing_quality(cfg: Config, num_paths: int) -> dict:
+    """NMI and purity of the training shards the row used (each document's own path) against the labels."""
+    if num_paths == 1:
+        return {"nmi": None, "purity": None}
+    prepared = load_prepared(cfg, routed=cfg.train.sharding == "kmeans")
+    if "label" not in prepared.train.column_names:
+        return {"nmi": None, "purity": None}
+    paths = assign_paths(prepared.train, num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
+    report = routing_report(paths, num_paths, labels=prepared.train["label"])
+    return {"nmi": report["nmi"], "purity": report["purity"]}
+
+
+def run_row(row: Row, base: Config, out_dir: Path, resume: bool = False) -> dict:
     init_ppl = None
     if row.model:
         assert row.routing is None, "rows with their own architecture are dense (no routing)"
         base, init_ppl = architecture_run(base, row.name, row.model, out_dir)
-    cfg = apply_overrides(variant_run(base, row.routing, out_dir, private=row.name if row.reroute else None), [
+    cfg = apply_overrides(variant_run(base, row.routing, out_dir, private=row.name if row.reroutes else None), [
         f"topology.preset={row.preset}", f"train.name={row.name}",
         f"train.rounds={base.train.rounds * row.rounds_factor}", *row.overrides,
     ])
-    exp_dir = RunDir(cfg.run.dir).experiment(row.name)
-    shutil.rmtree(exp_dir, ignore_errors=True)
     start = time.perf_counter()
-    if row.reroute:
-        exp = train(cfg, until_round=max(cfg.train.rounds // 2, 1))
-        reroute(cfg)
-        exp = train(cfg, resume=True)
-    else:
-        exp = train(cfg)
+    exp, resumed = train_row(row, cfg, resume)
     wall = time.perf_counter() - start
     curve = []
     tokens_per_round = exp.topology.num_paths * cfg.train.inner_steps * cfg.train.optim.batch_size * cfg.data.seq_len
@@ -222,7 +310,8 @@ def run_row(row: Row, base: Config, out_dir: Path) -> dict:
         "steps_per_path": cfg.train.rounds * cfg.train.inner_steps,
         "tokens_seen": curve[-1]["tokens"], "wall_time_s": wall, "ppl": final_ppl,
         "per_path_ppl": [p["ppl"] for p in report["paths"]], "curve": curve, "routing": row.routing,
-        "init_ppl": init_ppl, "early_stopping_best_rounds": best_rounds,
+        "init_ppl": init_ppl, "early_stopping_best_rounds": best_rounds, "resumed": resumed,
+        "overlap_topk": cfg.route.topk, **routing_quality(cfg, exp.topology.num_paths),
     }
 
 
@@ -230,19 +319,27 @@ def _count(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
 
 
+def _score(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def markdown_table(results: list[dict], dense_steps: int) -> str:
     """Compute is relative to dense_1x: paths x steps x params per path (forward+backward FLOPs scale
-    with parameters x tokens at this sequence length)."""
+    with parameters x tokens at this sequence length). NMI and purity: the training shards against the
+    corpus labels (an iid row's are chance level: its control)."""
     ref_params = min(r["params_per_path"] for r in results)
     lines = [
-        "| model | paths | params/path | params total | compute | tokens seen | wall time | val ppl |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | paths | params/path | params total | steps/path | compute | tokens seen | NMI | purity "
+        "| wall time | val ppl |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         compute = r["paths"] * r["steps_per_path"] * r["params_per_path"] / (dense_steps * ref_params)
         lines.append(
             f"| {r['name']} | {r['paths']} | {_count(r['params_per_path'])} | {_count(r['params_total'])} | "
-            f"{compute:.3g}x | {_count(r['tokens_seen'])} | {r['wall_time_s'] / 60:.1f} min | {r['ppl']:.2f} |"
+            f"{r['steps_per_path']} | {compute:.3g}x | {_count(r['tokens_seen'])} | {_score(r.get('nmi'))} | "
+            f"{_score(r.get('purity'))} | {r['wall_time_s'] / 60:.1f} min{' (resumed)' if r.get('resumed') else ''} "
+            f"| {r['ppl']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -254,6 +351,20 @@ def targets(results: list[dict]) -> list[str]:
     def check(label: str, ok: bool | None, detail: str) -> None:
         out.append(f"- {label}: {'met' if ok else 'MISSED' if ok is not None else 'not run'} ({detail})")
 
+    # Issue 14: what routing buys, against iid controls of the same topology and compute.
+    for control, routed in (("dipaco_2x2_iid", [k for k in by if k.startswith("dipaco_2x2_") and k != "dipaco_2x2_iid"]),
+                            ("dipaco_4x4_iid", [k for k in by if k.startswith("dipaco_4x4_") and k != "dipaco_4x4_iid"]),
+                            ("moe_4_iid", [k for k in by if k.startswith("moe_4") and k != "moe_4_iid"])):
+        if control in by:
+            for name in routed:
+                gain = 1 - by[name] / by[control]
+                check(f"{name} beats its iid control by >= 3%", gain >= 0.03,
+                      f"{by[name]:.2f} vs {by[control]:.2f}: {gain:+.1%}")
+    routed_2x2 = {k: v for k, v in by.items() if k.startswith("dipaco_2x2_") and k != "dipaco_2x2_iid"}
+    if routed_2x2 and "diloco_4" in by:
+        best = min(routed_2x2, key=routed_2x2.get)
+        check("DiPaCo 2x2 beats DiLoCo-4 at equal compute", routed_2x2[best] < by["diloco_4"],
+              f"best 2x2 row {best} {routed_2x2[best]:.2f} vs {by['diloco_4']:.2f}")
     if "dense_1x" in by and "dipaco_2x2_kmeans" in by:
         gain = 1 - by["dipaco_2x2_kmeans"] / by["dense_1x"]
         check("DiPaCo 2x2 beats dense 1x by >= 5%", gain >= 0.05, f"{gain:+.1%}")
@@ -340,6 +451,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model and steps (about a minute)")
     p.add_argument("--scale", type=int, default=1, help="multiply width and steps (for a GPU)")
+    p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu: the GPU regime (16 rounds, more tokens per path, its rows; see scale_overrides)")
+    p.add_argument("--large", action="store_true", help="with --preset gpu: also the 16-path rows")
     p.add_argument("--out-dir", default="runs/bench_quality")
     p.add_argument("--no-large", action="store_true", help="skip the 16-path rows")
     p.add_argument("--rows", nargs="*", help="run only these rows (with --resume: run them again, keep the others)")
@@ -367,8 +481,11 @@ def main() -> None:
     unknown = set(args.rows or ()) - {r.name for r in every_row}
     if unknown:
         sys.exit(f"error: unknown rows {sorted(unknown)}; known: {', '.join(r.name for r in every_row)}")
-    selected = [r for r in rows(4, 16, not (args.no_large or args.smoke), base.model.num_layers)
-                if not args.rows or r.name in args.rows]
+    include_large = not (args.no_large or args.smoke or (args.preset == "gpu" and not args.large))
+    preset_rows = {n.format(p=4, q=16) for n in GPU_ROWS} if args.preset == "gpu" else None
+    selected = [r for r in rows(4, 16, include_large, base.model.num_layers)
+                if (not args.rows or r.name in args.rows) and (preset_rows is None or r.name in preset_rows)
+                and not (args.smoke and not args.rows and r.name in SMOKE_SKIP)]
     by_name = finished_rows(out_dir / "results.json", base) if args.resume else {}
     if not args.resume and (out_dir / "results.json").is_file():
         echo(f"[bench] starting over: {out_dir / 'results.json'} will be replaced (--resume keeps its rows)")
@@ -381,7 +498,9 @@ def main() -> None:
             echo(f"[bench] {row.name}: kept from results.json (ppl {by_name[row.name]['ppl']:.2f})")
             continue
         echo(f"[bench] === {row.name} ({row.preset}, routing {row.routing or 'none'}) ===")
-        by_name[row.name] = run_row(row, base, out_dir)
+        # A row cut off mid-way (not in results.json) continues from its checkpoint; a row named with --rows
+        # whose result is kept trains again from scratch.
+        by_name[row.name] = run_row(row, base, out_dir, resume=args.resume and row.name not in by_name)
         echo(f"[bench] {row.name}: ppl {by_name[row.name]['ppl']:.2f} in {by_name[row.name]['wall_time_s']:.0f}s")
         write_results(out_dir / "results.json", base, init, ordered())
     results = ordered()

@@ -8,9 +8,15 @@
             for the TF-IDF+SVD router unbalanced and balanced (--slack), over --seeds.
 3. lm:      with --lm-model DIR, the LM-prefix featurizer on the same documents: its NMI, its docs/s,
             and the plain forward-pass docs/s of the same model on the same inputs.
+4. featurizers: with --lm-model DIR (a run's pretrain/, --lm-tokenizer its tokenizer/), NMI and purity
+            of balanced k-means (k = --featurizer-k) on the three shared corpora (20NG, BBC, and the
+            quality benchmark's mix of all three) at --prefix-tokens, for every featurizer variant:
+            the raw last-layer mean (today's default), centring / PCA / whitening + L2, the layer(s)
+            pooled, skipped first tokens, TF-IDF over the prefix, TF-IDF + LM, and --encoder NAME.
 
     python scripts/bench_routing.py                       # sections 1 and 2
     python scripts/bench_routing.py --sections 20ng --lm-model runs/demo/pretrain --out bench.json
+    python scripts/bench_routing.py --sections featurizers --lm-model RUN/pretrain --lm-tokenizer RUN/tokenizer
 """
 
 from __future__ import annotations
@@ -27,11 +33,20 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from routing.featurize import lm_prefix_features, pad_right, tfidf_svd_features, tokenize_prefixes  # noqa: E402
+from routing.featurize import (  # noqa: E402
+    encoder_features,
+    lm_prefix_features,
+    load_encoder,
+    pad_right,
+    tfidf_svd_features,
+    tokenize_prefixes,
+)
+from routing.transform import FeatureTransform  # noqa: E402
 from routing.kmeans import kmeans  # noqa: E402
 from routing.quality import routing_report  # noqa: E402
 from routing.router import fit_router  # noqa: E402
@@ -228,6 +243,147 @@ def bench_lm(args, data) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------
+# 4. Featurizer variants on the three shared corpora
+
+
+def load_shared(shared: Path, name: str, max_docs: int | None) -> dict[str, list]:
+    """{"text", "label"} of one shared corpus; "mix" is the quality benchmark's corpus (all three,
+    labels prefixed by source, 20NG headers stripped). Every ``len // max_docs``-th document is
+    kept, so a slice still holds every label."""
+    files = {"20ng": ["20news_bydate.jsonl.gz"], "bbc": ["bbc_news.jsonl.gz"],
+             "mix": ["20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz"]}[name]
+    docs: dict[str, list] = {"text": [], "label": []}
+    for file in files:
+        with gzip.open(shared / file, "rt", encoding="utf-8") as f:
+            for line in f:
+                doc = json.loads(line)
+                text = strip_headers(doc["text"]) if doc["source"].startswith("20news") else doc["text"]
+                if text.strip():
+                    docs["text"].append(text)
+                    docs["label"].append(f"{doc['source']}:{doc['label']}" if name == "mix" else doc["label"])
+    if max_docs and len(docs["text"]) > max_docs:
+        step = len(docs["text"]) / max_docs
+        keep = [int(i * step) for i in range(max_docs)]
+        docs = {k: [v[i] for i in keep] for k, v in docs.items()}
+    return docs
+
+
+# name -> (hidden states pooled, first tokens skipped, transform, principal axes kept, k-means metric).
+# "L" is the last state (after the final norm), "M" the middle block's output, "A" every block's output
+# concatenated.
+LM_VARIANTS = {
+    "lm raw last (default)": ("L", 0, None, None, "euclidean"),
+    "lm raw last, cosine": ("L", 0, None, None, "cosine"),
+    "lm last, center+l2": ("L", 0, "center_l2", None, "cosine"),
+    "lm last, whiten+l2": ("L", 0, "whiten_l2", None, "cosine"),
+    "lm last, whiten top 16+l2": ("L", 0, "whiten_l2", 16, "cosine"),
+    "lm last, pca top 16+l2": ("L", 0, "pca_l2", 16, "cosine"),
+    "lm middle, cosine": ("M", 0, None, None, "cosine"),
+    "lm all layers, pca+l2": ("A", 0, "pca_l2", None, "cosine"),
+    "lm all layers, whiten+l2": ("A", 0, "whiten_l2", None, "cosine"),
+    "lm last, skip 4, cosine": ("L", 4, None, None, "cosine"),
+}
+def _layer_slice(which: str, num_states: int, width: int) -> slice:
+    """Columns of the all-states feature block (states 0..num_states-1 concatenated) for a variant."""
+    if which == "L":
+        return slice((num_states - 1) * width, num_states * width)
+    if which == "M":
+        mid = num_states // 2
+        return slice(mid * width, (mid + 1) * width)
+    return slice(width, num_states * width)  # every block's output, not the embeddings
+
+
+def anisotropy(x: torch.Tensor, labels: list, seed: int = 0, pairs: int = 20000) -> dict[str, float]:
+    """Why raw features cluster badly: how much all documents point one way (mean cosine of random
+    pairs, the common mean's share of the squared norm), how much variance the top principal axes
+    hold, and how much of the variance the labels explain (between-label over total, per axis summed)."""
+    g = torch.Generator().manual_seed(seed)
+    i, j = torch.randint(len(x), (2, pairs), generator=g)
+    unit = torch.nn.functional.normalize(x.double(), dim=1)
+    centred = x.double() - x.double().mean(dim=0)
+    eigen = torch.linalg.svdvals(centred) ** 2
+    y = np.asarray(labels)
+    between = sum(((centred[torch.from_numpy(y == lab)].mean(dim=0)) ** 2).sum() * (y == lab).sum()
+                  for lab in np.unique(y))
+    return {"mean_pair_cosine": float((unit[i] * unit[j]).sum(dim=1).mean()),
+            "mean_share_of_sq_norm": float((x.double().mean(dim=0) ** 2).sum() / (x.double() ** 2).sum(dim=1).mean()),
+            "top1_variance": float(eigen[0] / eigen.sum()), "top5_variance": float(eigen[:5].sum() / eigen.sum()),
+            "label_variance": float(between / (centred**2).sum())}
+
+
+def score_variant(name: str, x: torch.Tensor, labels: list, k: int, slack: float, seeds: list[int], n_init: int,
+                  transform: str | None, metric: str, components: int | None = None) -> dict[str, Any]:
+    nmi, purity, ratio = [], [], []
+    fitted = FeatureTransform.fit(x, transform, components) if transform else None
+    for seed in seeds:
+        _, paths = fit_router(x, [k], slack=slack, seed=seed, n_init=n_init, metric=metric, transform=fitted)
+        report = routing_report(paths, k, labels=labels)
+        nmi.append(report["nmi"])
+        purity.append(report["purity"])
+        ratio.append(report["docs_max_min_ratio"])
+    return {"featurizer": name, "nmi": statistics.mean(nmi), "min_nmi": min(nmi), "purity": statistics.mean(purity),
+            "max_min_docs": max(r if r is not None else float("inf") for r in ratio), "dim": int(x.shape[1])}
+
+
+def bench_featurizers(args) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    model, _ = load_lm(args.lm_model, args.lm_tokenizer, args.device)
+    tokenizer = AutoTokenizer.from_pretrained(args.lm_tokenizer or args.lm_model)
+    encoder = load_encoder(args.encoder, args.device) if args.encoder else None
+    out: dict[str, Any] = {"model": args.lm_model, "prefix_tokens": args.prefix_tokens, "k": args.featurizer_k,
+                           "slack": args.slack, "seeds": args.seeds, "corpora": {}}
+    for corpus in args.corpora.split(","):
+        docs = load_shared(args.shared_data, corpus, args.featurizer_max_docs)
+        seqs = tokenize_prefixes(tokenizer, docs["text"], args.prefix_tokens)
+        keep = [i for i, s in enumerate(seqs) if s]
+        texts = [docs["text"][i] for i in keep]
+        labels = [docs["label"][i] for i in keep]
+        contexts = tokenizer.batch_decode([seqs[i] for i in keep])  # all any featurizer may see
+        num_states = model.config.num_hidden_layers + 1
+        width = model.config.hidden_size
+        every = list(range(num_states))
+        pooled = {skip: lm_prefix_features(model, tokenizer, texts, prefix_tokens=args.prefix_tokens,
+                                           batch_size=args.lm_batch_size, device=args.device, show_progress=False,
+                                           layers=every, skip_tokens=skip) for skip in (0, 4)}
+        diagnostics = {which: anisotropy(pooled[0][:, _layer_slice(which, num_states, width)], labels)
+                       for which in ("L", "M", "A")}
+        print(f"\n{corpus}: raw features, last (L) / middle (M) / all blocks (A):")
+        print(table([{"states": k, **v} for k, v in diagnostics.items()],
+                    ["states", "mean_pair_cosine", "mean_share_of_sq_norm", "top1_variance", "top5_variance",
+                     "label_variance"]))
+        rows = []
+        for name, (which, skip, transform, components, metric) in LM_VARIANTS.items():
+            x = pooled[skip][:, _layer_slice(which, num_states, width)]
+            rows.append(score_variant(name, x, labels, args.featurizer_k, args.slack, args.seeds, args.n_init,
+                                      transform, metric, components))
+        # TF-IDF + SVD over the same prefix text (`dipaco route`'s tfidf_svd featurizer reads the same contexts).
+        tfidf = {}
+        for n in args.tfidf_components:
+            tfidf[n] = torch.from_numpy(tfidf_svd_features(contexts, n_components=n, seed=args.seeds[0])[0])
+            rows.append(score_variant(f"tfidf prefix, svd {n}", tfidf[n], labels, args.featurizer_k, args.slack,
+                                      args.seeds, args.n_init, None, "cosine"))
+        lm = F.normalize(pooled[0][:, _layer_slice("L", num_states, width)] -
+                         pooled[0][:, _layer_slice("L", num_states, width)].mean(dim=0), dim=1)
+        n = args.tfidf_components[len(args.tfidf_components) // 2]
+        both = torch.cat([lm, tfidf[n]], dim=1)  # two unit blocks: equal weight in cosine
+        rows.append(score_variant(f"tfidf prefix svd {n} + lm last center+l2", both, labels, args.featurizer_k,
+                                  args.slack, args.seeds, args.n_init, None, "cosine"))
+        if encoder is not None:
+            x = encoder_features(*encoder, contexts, batch_size=args.lm_batch_size, device=args.device,
+                                 show_progress=False)
+            for transform in (None, "whiten_l2"):
+                rows.append(score_variant(f"encoder {args.encoder}{', whiten+l2' if transform else ''}", x, labels,
+                                          args.featurizer_k, args.slack, args.seeds, args.n_init, transform, "cosine"))
+        out["corpora"][corpus] = {"docs": len(texts), "labels": len(set(labels)), "rows": rows,
+                                  "raw_diagnostics": diagnostics}
+        print(f"\n## {corpus}: {len(texts)} docs, {len(set(labels))} labels, k={args.featurizer_k}, "
+              f"balanced (slack {args.slack}), prefix {args.prefix_tokens} tokens, seeds {args.seeds}")
+        print(table(rows, ["featurizer", "dim", "nmi", "min_nmi", "purity", "max_min_docs"]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -250,6 +406,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tfidf-prefix-tokens", type=int, default=None,
                    help="TF-IDF sees only each doc's first N tokens of --lm-tokenizer/--lm-model (causal routing, "
                         "as the trainer routes); default: whole documents (c-BTM)")
+    p.add_argument("--shared-data", type=Path, default=DEFAULT_DATA.parent, help="the shared corpora's folder")
+    p.add_argument("--corpora", default="bbc,mix,20ng", help="featurizers section: comma list of bbc, mix, 20ng")
+    p.add_argument("--featurizer-k", type=int, default=4, help="featurizers section: clusters")
+    p.add_argument("--featurizer-max-docs", type=int, default=None, help="featurizers section: docs per corpus")
+    p.add_argument("--tfidf-components", type=lambda s: [int(v) for v in s.split(",")], default=[16, 64, 128],
+                   help="featurizers section: TF-IDF SVD widths tried")
+    p.add_argument("--encoder", default=None, help="featurizers section: also an HF encoder (hub name or directory)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch and BLAS/OpenMP threads (default: as is)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -268,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}")
 
-    need_text = bool(sections & {"kmeans", "20ng"}) or args.lm_model
+    need_text = bool(sections & {"kmeans", "20ng"}) or (args.lm_model and "featurizers" not in sections)
     data = load_20ng(args.data, args.keep_subject) if need_text else None
     if data is not None and args.tfidf_prefix_tokens:
         from transformers import AutoTokenizer
@@ -308,7 +471,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "train_max_min", "train_max_docs", "fit_s"]))
         print(table(results["20ng"]["summary"], SUMMARY_COLS))
 
-    if args.lm_model:
+    if "featurizers" in sections:
+        if not args.lm_model:
+            p.error("--sections featurizers needs --lm-model (a run's pretrain/ directory)")
+        results["featurizers"] = bench_featurizers(args)
+    elif args.lm_model:
         lm = bench_lm(args, data)
         results["lm"] = lm
         print(f"\n## LM-prefix featurizer ({lm['model']}, {lm['device']}, {lm['docs']} docs, hidden {lm['hidden']})")

@@ -1,8 +1,11 @@
 """`dipaco route` and `dipaco reroute`: documents -> features -> paths, stored for training and serving.
 
 ``route`` featurizes every train and validation document (by default the DiPaCo way: the
-pretrained dense model's mean last hidden state over the first ``data.prefix_tokens`` tokens),
-fits (balanced, optionally product) k-means on the train features and assigns both splits. It
+pretrained dense model's mean last hidden state over the first ``data.prefix_tokens`` tokens;
+``route.layers`` and ``route.skip_tokens`` choose the states and tokens pooled, ``route.featurizer``
+``tfidf_svd`` or ``encoder`` other features), optionally fits a feature transform
+(``route.transform``: centring, PCA whitening, L2 normalisation) on the train features, fits
+(balanced, optionally product) k-means on the train features and assigns both splits. It
 writes, under ``<run.dir>/routing/``:
 
     data/                 the prepared splits plus a `path` column (and `paths_topk`), HF Arrow
@@ -40,9 +43,10 @@ from dipaco.run_dir import RunDir
 from dipaco.precision import resolve_precision
 from dipaco.runtime import resolve_device, seed_everything
 from dipaco.train.pretrain import load_pretrained
-from routing.featurize import lm_prefix_features, tfidf_svd_features
+from routing.featurize import encoder_features, lm_prefix_features, load_encoder, tfidf_svd_features
 from routing.quality import routing_report
 from routing.router import Router, fit_router
+from routing.transform import FeatureTransform
 
 FEATURES = "features.safetensors"
 REPORT = "routing_report.json"
@@ -68,9 +72,36 @@ def lm_features(cfg: Config, prepared: Prepared, texts: dict[str, list[str]]) ->
         return {
             split: lm_prefix_features(model, prepared.tokenizer, t, prefix_tokens=cfg.data.prefix_tokens,
                                       batch_size=cfg.route.batch_size, device=device,
-                                      show_progress=cfg.run.progress).float().cpu()
+                                      show_progress=cfg.run.progress, layers=cfg.route.layers,
+                                      skip_tokens=cfg.route.skip_tokens).float().cpu()
             for split, t in texts.items()
         }
+
+
+def hf_encoder_features(cfg: Config, texts: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """Features of each split's routing contexts from the encoder ``route.encoder`` names."""
+    device = resolve_device(cfg.run.device)
+    try:
+        model, tokenizer = load_encoder(cfg.route.encoder, device)
+    except ValueError as exc:
+        raise ConfigError(f"route.encoder: {exc}") from None
+    return {
+        split: encoder_features(model, tokenizer, t, max_tokens=cfg.route.encoder_max_tokens,
+                                batch_size=cfg.route.batch_size, device=device, show_progress=cfg.run.progress,
+                                layers=cfg.route.layers, skip_tokens=cfg.route.skip_tokens).float().cpu()
+        for split, t in texts.items()
+    }
+
+
+def pooling_spec(cfg: Config) -> dict:
+    return {"layers": list(cfg.route.layers), "skip_tokens": cfg.route.skip_tokens}
+
+
+def fit_transform(cfg: Config, train_features: torch.Tensor) -> FeatureTransform | None:
+    """``route.transform`` fitted on the train features (None for ``none``)."""
+    if cfg.route.transform == "none":
+        return None
+    return FeatureTransform.fit(train_features, cfg.route.transform, cfg.route.transform_components)
 
 
 def routing_context(ds: datasets.Dataset, prepared: Prepared, prefix_tokens: int) -> list[str]:
@@ -161,11 +192,23 @@ def route(cfg: Config) -> dict:
         train_x, tfidf = tfidf_svd_features(texts["train"], n_components=cfg.route.svd_components, seed=cfg.run.seed)
         features = {"train": torch.from_numpy(train_x), "validation": torch.from_numpy(tfidf.transform(texts["validation"]))}
         spec = tfidf.spec()
+    elif cfg.route.featurizer == "encoder":
+        echo(f"[route] encoder features from {cfg.route.encoder}, hidden states {list(cfg.route.layers)}")
+        features = hf_encoder_features(cfg, texts)
+        spec = {"kind": "encoder", "model": cfg.route.encoder, "max_tokens": cfg.route.encoder_max_tokens,
+                "prefix_tokens": cfg.data.prefix_tokens, **pooling_spec(cfg)}
     else:
-        echo(f"[route] LM prefix features ({cfg.data.prefix_tokens} tokens) from {run.pretrain}")
+        echo(f"[route] LM prefix features ({cfg.data.prefix_tokens} tokens, hidden states {list(cfg.route.layers)}, "
+             f"first {cfg.route.skip_tokens} skipped) from {run.pretrain}")
         features = lm_features(cfg, prepared, texts)
-        spec = {"kind": "lm_prefix", "prefix_tokens": cfg.data.prefix_tokens}
+        spec = {"kind": "lm_prefix", "prefix_tokens": cfg.data.prefix_tokens, **pooling_spec(cfg)}
     featurize_s = time.perf_counter() - start
+    try:
+        transform = fit_transform(cfg, features["train"])
+    except ValueError as exc:
+        raise ConfigError(f"route.transform={cfg.route.transform}: {exc}") from None
+    if transform is not None:
+        echo(f"[route] feature transform {transform.kind}: {transform.in_dim} -> {transform.out_dim} dims")
 
     echo(f"[route] {'product ' if len(radices) > 1 else ''}k-means, radices {radices}, slack {cfg.route.balance_slack}"
          + (f", min shard fraction {cfg.route.min_shard_fraction}" if cfg.route.min_shard_fraction else ""))
@@ -173,6 +216,7 @@ def route(cfg: Config) -> dict:
         features["train"], radices, metric=cfg.route.metric, slack=cfg.route.balance_slack,
         min_fraction=cfg.route.min_shard_fraction, featurizer=spec,
         tfidf=tfidf, topology=topology.to_dict(), seed=cfg.run.seed, n_init=cfg.route.n_init, max_iter=cfg.route.max_iter,
+        transform=transform,
     )
     paths = {"train": np.asarray(train_paths, dtype=np.int64),
              "validation": router.assign(features["validation"]).numpy().astype(np.int64)}

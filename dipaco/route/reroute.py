@@ -62,9 +62,11 @@ def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
     scored = torch.from_numpy(scores.tokens > 0)  # documents within the prefix carry no signal
     current = np.asarray(prepared.train["path"])
     target = "uniform" if cfg.route.reroute_target == "uniform" else np.bincount(current, minlength=topology.num_paths).tolist()
-    weight, bias = fit_discriminative_router(stored["train"][rows][scored], loglik[scored], target)
+    # The classifier sees features as the old router did (after its transform) and keeps that transform.
+    weight, bias = fit_discriminative_router(old.transformed(stored["train"][rows][scored]), loglik[scored], target)
     router = Router("linear", [topology.num_paths], weight=weight.float(), bias=bias.float(), featurizer=old.featurizer,
-                    tfidf=old.tfidf, topology=topology.to_dict(), meta={"checkpoint": ckpt.name})
+                    tfidf=old.tfidf, topology=topology.to_dict(), meta={"checkpoint": ckpt.name},
+                    transform=old.transform)
     paths = {s: router.assign(stored[s]).numpy().astype(np.int64) for s in ("train", "validation")}
     best = loglik[scored].argmax(dim=1).numpy()
     seconds = time.perf_counter() - start

@@ -3,6 +3,12 @@
 Shards are one-to-one with paths: shard p holds the documents routed to path p. The same rule
 routes training and validation documents, so a path is evaluated on the kind of text it trained on.
 
+Overlapping shards (``route.topk`` = k > 1, the paper's top-k routing at training time): a training
+document also trains its next-best paths, k in all (its routed path first, then the best others by
+the router's scores, ``paths_topk``). Validation documents keep their one path. The outer weight of
+a path counts each document's tokens once over all the paths it trains (1/k to each), so a module's
+average does not count a duplicated document k times (:func:`overlap_token_shares`).
+
 Sharding rules:
 
 * ``iid``: a salted hash of the document id, uniform over paths (for DiLoCo-style baselines);
@@ -119,14 +125,50 @@ def assign_paths(ds: datasets.Dataset, num_paths: int, sharding: str, seed: int,
     raise DataError(f"unknown sharding {sharding!r}")
 
 
+def overlapping_paths(ds: datasets.Dataset, paths: np.ndarray, k: int) -> np.ndarray:
+    """(N, k) paths each training document trains: its routed path, then its best other paths from
+    the ``paths_topk`` column ``dipaco route`` writes with ``route.topk`` >= k."""
+    if k == 1:
+        return paths[:, None]
+    if "paths_topk" not in ds.column_names:
+        raise DataError(f"route.topk={k} needs the `paths_topk` column: run `dipaco route` with route.topk={k}")
+    ranked = np.asarray(ds["paths_topk"], dtype=np.int64)
+    if ranked.ndim != 2 or ranked.shape[1] < k:
+        raise DataError(f"route.topk={k} but the routed data holds {ranked.shape[-1]} best paths per document; "
+                        f"run `dipaco route` with route.topk={k}")
+    out = np.empty((len(paths), k), dtype=np.int64)
+    for i, (own, best) in enumerate(zip(paths, ranked)):
+        out[i] = [own, *[q for q in best if q != own][: k - 1]]
+    return out
+
+
+def shard_members(paths: np.ndarray, num_paths: int) -> list[np.ndarray]:
+    """Document indices of each path's shard; ``paths`` is (N,) or (N, k) for overlapping shards."""
+    paths = paths.reshape(len(paths), -1)
+    return [np.flatnonzero((paths == p).any(axis=1)) for p in range(num_paths)]
+
+
+def overlap_token_shares(paths: np.ndarray, num_paths: int, tokens: Sequence[int]) -> list[float]:
+    """Per path, the fraction of its documents' tokens that are its own: sum_d t_d / m_d over sum_d t_d,
+    with m_d the number of paths document d trains. 1.0 everywhere without overlap."""
+    paths = paths.reshape(len(paths), -1)
+    t = np.asarray(tokens, dtype=np.float64)
+    multiplicity = np.array([len(set(row.tolist())) for row in paths], dtype=np.float64)
+    shares = []
+    for members in shard_members(paths, num_paths):
+        total = t[members].sum()
+        shares.append(float((t[members] / multiplicity[members]).sum() / total) if total > 0 else 1.0)
+    return shares
+
+
 def build_shards(
     ds: datasets.Dataset, paths: np.ndarray, num_paths: int, seq_len: int, eos_id: int
 ) -> list[torch.Tensor]:
-    """One (n_seqs, seq_len) tensor of packed sequences per path; an empty shard is an error."""
+    """One (n_seqs, seq_len) tensor of packed sequences per path; an empty shard is an error.
+    ``paths`` is each document's path (N,), or the paths it trains (N, k) for overlapping shards."""
     docs = ds["input_ids"]
     shards = []
-    for p in range(num_paths):
-        members = np.flatnonzero(paths == p)
+    for p, members in enumerate(shard_members(paths, num_paths)):
         if members.size == 0:
             raise DataError(
                 f"shard of path {p} is empty: no training document was routed to it; "
@@ -139,8 +181,11 @@ def build_shards(
     return shards
 
 
-def path_weights(shards: Sequence[torch.Tensor], weighting: str) -> dict[int, float]:
-    """Outer-step weights w_p: proportional to shard tokens, or uniform."""
+def path_weights(shards: Sequence[torch.Tensor], weighting: str,
+                 token_shares: Sequence[float] | None = None) -> dict[int, float]:
+    """Outer-step weights w_p: proportional to shard tokens, or uniform. With overlapping shards,
+    ``token_shares`` (:func:`overlap_token_shares`) counts a document's tokens once over its paths."""
     if weighting == "uniform":
         return {p: 1.0 for p in range(len(shards))}
-    return {p: float(s.numel()) for p, s in enumerate(shards)}
+    shares = token_shares or [1.0] * len(shards)
+    return {p: float(s.numel()) * shares[p] for p, s in enumerate(shards)}

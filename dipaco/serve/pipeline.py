@@ -60,6 +60,7 @@ from dipaco.precision import resolve_precision
 from dipaco.runtime import resolve_device
 from dipaco.data.tokenizer import load_tokenizer
 from dipaco.model.topology import Topology
+from routing.featurize import pool_prefix_states
 
 DEFAULT_CACHE_SIZE = 4
 EVAL_REPORT = "eval.json"
@@ -437,16 +438,24 @@ class Pipeline:
 
     @torch.inference_mode()
     def _lm_prefix_features(self, ids: list[int]) -> torch.Tensor:
-        """The router's LM-prefix feature of one token sequence: mean last hidden state over its first
-        ``prefix_tokens`` tokens, as ``routing.featurize.lm_prefix_features`` computes it for a batch
-        (which also moves the model and flips train/eval on every call: too slow per request)."""
-        k = int(self.router.featurizer.get("prefix_tokens", 32))
+        """The router's LM-prefix feature of one token sequence: the mean of the hidden states it names
+        over its first ``prefix_tokens`` tokens, pooled by ``routing.featurize.pool_prefix_states`` as
+        ``lm_prefix_features`` does for a batch (which also moves the model and flips train/eval on
+        every call: too slow per request)."""
+        spec = self.router.featurizer
+        k = int(spec.get("prefix_tokens", 32))
+        layers = [int(layer) for layer in spec.get("layers", [-1])]
         x = torch.tensor([ids[:k]], dtype=torch.long, device=self.device)
-        # The base model's last_hidden_state (after the final norm) is the causal LM's hidden_states[-1],
-        # which the featurizer averages; skipping the LM head and the per-layer states saves ~10%.
+        mask = torch.ones_like(x)
         with self.precision.autocast():
-            hidden = self.featurizer_model.base_model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state
-        return (hidden.float().sum(dim=1) / x.shape[1]).cpu()
+            if layers == [-1]:
+                # The base model's last_hidden_state (after the final norm) is the causal LM's hidden_states[-1];
+                # skipping the LM head and the per-layer states saves ~10%.
+                states = (self.featurizer_model.base_model(input_ids=x, attention_mask=mask).last_hidden_state,)
+            else:
+                states = self.featurizer_model(input_ids=x, attention_mask=mask, output_hidden_states=True,
+                                               logits_to_keep=1).hidden_states
+        return pool_prefix_states(states, mask, layers, int(spec.get("skip_tokens", 0))).cpu()
 
     # --- generation ----------------------------------------------------------------------------
     def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,

@@ -29,7 +29,7 @@ from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
 from dipaco.model.topology import Topology, topology_from_config
 from dipaco.precision import resolve_precision
-from dipaco.route.shards import assign_paths, build_shards, path_weights
+from dipaco.route.shards import assign_paths, build_shards, overlap_token_shares, overlapping_paths, path_weights
 from dipaco.run_dir import RunDir
 from dipaco.runtime import rng_state, set_rng_state
 from dipaco.sync import ASYNC_SYNCS, OuterSync, SavedState, SyncContext, build_sync
@@ -70,7 +70,8 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
     if cfg.train.early_stopping_holdout > 0:
         heldout = early_stopping_holdout(train_ds["id"], cfg.train.early_stopping_holdout, cfg.run.seed)
     kept = np.flatnonzero(~heldout)
-    shards = build_shards(train_ds.select(kept), paths[kept], topology.num_paths, cfg.data.seq_len,
+    trains = training_paths(cfg, train_ds, paths, topology.num_paths)[kept]
+    shards = build_shards(train_ds.select(kept), trains, topology.num_paths, cfg.data.seq_len,
                           prepared.tokenizer.eos_token_id)
     by_rank = paths_by_rank([s.numel() for s in shards], world.size)
     mine = by_rank[world.rank]
@@ -86,7 +87,8 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
         model = build_model(llama, device=device)
         sampler = ShardSampler(shards[p], cfg.train.optim.batch_size, seed=cfg.run.seed * 7919 + p)
         loops[p] = InnerLoop(bank.compose(p, model), sampler, cfg.train.optim, total_steps, device, options)
-    weights = path_weights(shards, cfg.outer.weighting)
+    shares = overlap_token_shares(trains, topology.num_paths, np.asarray(train_ds["num_tokens"])[kept])
+    weights = path_weights(shards, cfg.outer.weighting, shares)
     exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
     early_stopping = None
     if heldout.any():
@@ -105,6 +107,19 @@ def build_experiment(cfg: Config, prepared: Prepared, world: World | None = None
         by_rank=by_rank,
         early_stopping=early_stopping,
     )
+
+
+def training_paths(cfg: Config, train_ds, paths: np.ndarray, num_paths: int) -> np.ndarray:
+    """(N, k) paths each training document trains: k = route.topk for routed shards (overlapping
+    when > 1), one path otherwise."""
+    k = cfg.route.topk
+    if k == 1:
+        return paths[:, None]
+    if cfg.train.sharding != "kmeans":
+        raise ConfigError(f"route.topk={k}: overlapping shards need train.sharding=kmeans, got {cfg.train.sharding}")
+    if k > num_paths:
+        raise ConfigError(f"route.topk={k} is more than the topology's {num_paths} paths")
+    return overlapping_paths(train_ds, paths, k)
 
 
 def build_early_stopping(cfg: Config, prepared: Prepared, exp_dir: Path, paths: np.ndarray, heldout: np.ndarray,

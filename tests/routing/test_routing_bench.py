@@ -56,3 +56,30 @@ def test_lm_section_on_tiny_model(bench, tiny_llama, tiny_tokenizer, tmp_path):
     assert {r["router"] for r in lm["rows"]} == {"lm_prefix/euclidean", "lm_prefix/cosine"}
     assert all(0.0 <= r["train_nmi"] <= 1.0 for r in lm["rows"])
     assert json.loads(out.read_text())["lm"]["docs"]["train"] == 36
+
+
+def test_featurizers_section_scores_every_variant_on_a_shared_corpus(bench, tiny_llama, tiny_tokenizer, tmp_path):
+    import copy
+
+    from tokenizers import decoders
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.backend_tokenizer.decoder = decoders.WordPiece()  # decoded prefixes keep their spaces (for TF-IDF)
+    tiny_llama.save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    fake_20ng(tmp_path / "20ng.jsonl.gz")
+    with gzip.open(tmp_path / "20ng.jsonl.gz", "rt") as f, gzip.open(tmp_path / "bbc_news.jsonl.gz", "wt") as out:
+        for line in f:  # BBC-shaped: one source, labelled documents, no Usenet headers
+            doc = json.loads(line)
+            out.write(json.dumps({**doc, "source": "bbc", "text": bench.strip_headers(doc["text"])}) + "\n")
+    res = bench.main(["--sections", "featurizers", "--shared-data", str(tmp_path), "--corpora", "bbc",
+                      "--lm-model", str(tmp_path / "lm"), "--featurizer-k", "3", "--seeds", "0", "--n-init", "1",
+                      "--prefix-tokens", "8", "--lm-batch-size", "8", "--tfidf-components", "4,8"])
+    bbc = res["featurizers"]["corpora"]["bbc"]
+    assert bbc["docs"] == 48 and bbc["labels"] == 3
+    names = [r["featurizer"] for r in bbc["rows"]]
+    assert names[0] == "lm raw last (default)" and "lm all layers, whiten+l2" in names and "tfidf prefix, svd 8" in names
+    assert all(0.0 <= r["nmi"] <= 1.0 and r["max_min_docs"] <= 2 for r in bbc["rows"])
+    assert {r["dim"] for r in bbc["rows"] if r["featurizer"].startswith("lm last")} == {32}
+    raw = bbc["raw_diagnostics"]["L"]
+    assert -1.0 <= raw["mean_pair_cosine"] <= 1.0 and 0.0 < raw["top1_variance"] <= raw["top5_variance"] <= 1.0

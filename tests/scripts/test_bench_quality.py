@@ -56,7 +56,7 @@ def test_compute_column_scales_with_paths_steps_and_path_size(bench):
         _row("diloco_4", 4, 100, 1000, 9.0),
         _row("dense_deep_4x", 1, 400, 1500, 8.0),
     ], dense_steps=100)
-    compute = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in table.splitlines()[2:]}
+    compute = {line.split("|")[1].strip(): line.split("|")[6].strip() for line in table.splitlines()[2:]}
     assert compute == {"dense_1x": "1x", "diloco_4": "4x", "dense_deep_4x": "6x"}
 
 
@@ -86,3 +86,38 @@ def test_targets_are_checked_on_both_grids(bench):
     assert any(line.startswith("- DiPaCo 4x4 beats DiLoCo-16: met") for line in lines)
     assert any("(2x2): MISSED" in line for line in lines)
     assert any("(4x4): met (dipaco_4x4_product 149.00" in line for line in lines)
+
+
+def test_every_routed_row_has_an_iid_control_of_its_topology_and_the_smoke_run_keeps_one(bench):
+    every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
+    for routed, control in (("dipaco_2x2_kmeans", "dipaco_2x2_iid"), ("moe_4", "moe_4_iid"),
+                            ("dipaco_4x4_kmeans", "dipaco_4x4_iid")):
+        assert every[control].routing is None and every[control].preset == every[routed].preset
+        assert every[control].overrides == [] and every[control].rounds_factor == every[routed].rounds_factor
+    assert "dipaco_2x2_iid" not in bench.SMOKE_SKIP and set(bench.SMOKE_SKIP) <= set(every)
+    assert {n.format(p=4, q=16) for n in bench.GPU_ROWS} <= set(every)  # --preset gpu names real rows
+    assert every["dipaco_2x2_top2"].overrides == ["route.topk=2"] and every["dipaco_2x2_em"].reroutes == 3
+
+
+def test_reroute_rounds_are_evenly_spaced_inside_the_run(bench):
+    assert bench.reroute_rounds(4, 1) == [2]
+    assert bench.reroute_rounds(4, 3) == [1, 2, 3]
+    assert bench.reroute_rounds(16, 3) == [4, 8, 12]
+    assert bench.reroute_rounds(2, 3) == [1]
+    assert bench.reroute_rounds(1, 3) == []
+
+
+def test_iid_controls_and_routing_agreement_are_in_the_table_and_targets(bench):
+    rows = [{**_row(name, 4, 100, 1000, ppl), "nmi": nmi, "purity": pur} for name, ppl, nmi, pur in [
+        ("diloco_4", 100.0, 0.1, 0.4), ("moe_4", 96.0, 0.3, 0.6), ("moe_4_iid", 100.0, 0.01, 0.3),
+        ("dipaco_2x2_kmeans", 99.0, 0.1, 0.4), ("dipaco_2x2_featurizer", 95.0, 0.38, 0.61),
+        ("dipaco_2x2_iid", 100.0, 0.01, 0.3)]]
+    table = bench.markdown_table(rows, dense_steps=100)
+    assert "| NMI | purity |" in table.splitlines()[0]
+    assert "| dipaco_2x2_featurizer | 4 | 1.0k | 1.0k | 100 | 4x | 1.0k | 0.380 | 0.610 |" in table
+    lines = bench.targets(rows)
+    assert "- dipaco_2x2_featurizer beats its iid control by >= 3%: met (95.00 vs 100.00: +5.0%)" in lines
+    assert "- dipaco_2x2_kmeans beats its iid control by >= 3%: MISSED (99.00 vs 100.00: +1.0%)" in lines
+    assert "- moe_4 beats its iid control by >= 3%: met (96.00 vs 100.00: +4.0%)" in lines
+    assert any(line.startswith("- DiPaCo 2x2 beats DiLoCo-4 at equal compute: met (best 2x2 row "
+                               "dipaco_2x2_featurizer") for line in lines)
