@@ -288,6 +288,11 @@ class ModuleExecutor:
 
     def push(self, task: str, path: int, module: int, start_version: int, delta: torch.Tensor) -> dict | None:
         """Applies one task's delta to ``module`` (None: that task was already applied to it)."""
+        if self.restored_from is not None:
+            # Updates applied after the last checkpoint died with the previous actor and are being sent
+            # again; a task that pulled them may arrive first, naming a version this actor has not
+            # reached yet. Its delta is relative to what it pulled, so it applies as is, at staleness 0.
+            start_version = min(start_version, self.sync.version(module))
         update = self.sync.apply(task, path, module, start_version, delta)
         if update is not None and len(self.sync.log) % self.every == 0:
             self._checkpoint()

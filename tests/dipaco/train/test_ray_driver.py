@@ -147,3 +147,22 @@ def test_executor_restores_its_checkpoint(tmp_path):
         assert torch.equal(tensors[stem]["level0.0"], want[stem]["level0.0"])
     assert again.push("p000-t0001", 0, 0, 2, torch.tensor([9.0, 9.0, 9.0])) is None  # already applied
     assert counters["pending"] == {0: 1}
+
+
+def test_a_restarted_executor_takes_a_task_that_started_after_its_lost_updates(tmp_path):
+    """Killed between an update and its checkpoint, an executor restarts one version back; a task that
+    pulled the lost version can arrive before the driver's resend of it (found by the kill test)."""
+    args = dict(names={0: "level0.0"}, init={0: torch.zeros(3)}, path_weights={0: {0: 1.0, 1: 1.0}}, lr=0.7,
+                momentum=0.9, delay={0: 2}, root=str(tmp_path / "executor_000"), every=2, config_yaml="{}\n")
+    first = ModuleExecutor(**args)
+    first.push("p000-t0000", 0, 0, 0, torch.tensor([0.1, 0.2, 0.3]))
+    first.push("p001-t0000", 1, 0, 0, torch.tensor([0.3, -0.2, 0.0]))  # checkpointed at version 2
+    first.push("p000-t0001", 0, 0, 2, torch.tensor([0.0, 0.1, 0.1]))  # version 3: lost with the actor
+    again = ModuleExecutor(**args)
+    assert again.restored_from == "round_000002" and again.sync.version(0) == 2
+    update = again.push("p001-t0001", 1, 0, 3, torch.tensor([0.1, 0.0, 0.0]))  # pulled version 3
+    assert update is not None and update["staleness"] == 0
+    assert again.push("p000-t0001", 0, 0, 2, torch.tensor([0.0, 0.1, 0.1])) is not None  # the resend
+    assert again.status()["updates"] == 4
+    assert {u["task"] for u in again.log()} == {"p000-t0000", "p001-t0000", "p000-t0001", "p001-t0001"}
+
