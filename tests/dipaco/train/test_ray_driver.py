@@ -89,14 +89,15 @@ def overrides_of(cfg: Config) -> list[str]:
 def test_killed_worker_and_executor_lose_no_update(ray_session, run_cfg):
     """A slow worker is killed mid-task and an executor is killed mid-run: the task is re-queued, the
     executor restarts from its own checkpoint, and every update is applied exactly once."""
-    cfg = with_overrides(run_cfg, "ray.simulate_speeds=[1.0,0.25]", "train.rounds=2")
+    # speed 0.1: worker 1 spends ~10x its compute time in each task, so the drill finds it busy on an idle machine too
+    cfg = with_overrides(run_cfg, "ray.simulate_speeds=[1.0,0.1]", "train.rounds=2")
     killed: dict[str, int] = {"worker": 0, "executor": 0}
 
     def drill(run) -> None:
         def kill() -> None:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not killed["worker"]:
-                busy = [t for t in list(run.queue.running.values()) if t.worker == 1 and time.monotonic() - t.started > 0.5]
+                busy = [t for t in list(run.queue.running.values()) if t.worker == 1 and time.monotonic() - t.started > 0.2]
                 if busy:
                     ray.kill(run.workers[1], no_restart=False)
                     killed["worker"] += 1
