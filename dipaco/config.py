@@ -540,11 +540,18 @@ RESUME_MUTABLE = (
 )
 
 
-def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTABLE) -> list[str]:
-    """Keys whose values differ, as ``key: old -> new``, skipping keys that start with ``ignore``."""
+# Keys under a mutable prefix that still change what a resumed run computes: route.topk decides how
+# many paths each training document trains (the shards), not only where documents are routed.
+RESUME_FIXED = ("route.topk",)
+
+
+def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTABLE,
+                keep: tuple[str, ...] = RESUME_FIXED) -> list[str]:
+    """Keys whose values differ, as ``key: old -> new``, skipping keys that start with ``ignore``
+    unless they are in ``keep``."""
     a, b = _flatten(asdict(old)), _flatten(asdict(new))
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k) and not k.startswith(ignore)
+        if a.get(k) != b.get(k) and (k in keep or not k.startswith(ignore))
     ]

@@ -96,3 +96,10 @@ def test_good_edge_values_are_accepted():
     cfg = load_config(None, ["model.num_kv_heads=2", "outer.momentum=0", "train.optim.beta1=0",
                              "train.optim.warmup_steps=0", "train.name=my-run.v2"])
     assert cfg.model.num_kv_heads == 2 and cfg.train.name == "my-run.v2"
+
+
+def test_route_keys_may_change_on_resume_but_not_route_topk():
+    """Re-routing between rounds changes route.* freely; route.topk changes the training shards."""
+    cfg = load_config(None, [])
+    assert config_diff(cfg, load_config(None, ["route.n_init=7"])) == []
+    assert config_diff(cfg, load_config(None, ["route.topk=2"])) == ["route.topk: 1 -> 2"]
