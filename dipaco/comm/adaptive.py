@@ -27,7 +27,7 @@ import torch
 
 from dipaco.comm.accounting import CommStats
 from dipaco.comm.codecs import Codec, build_codec
-from dipaco.comm.reduce import Payload, Reduced
+from dipaco.comm.reduce import Payload, Reduced, TransportWrapper
 from dipaco.errors import CheckpointError
 
 CANDIDATES = ("fp4", "int4", "int8", "bf16")  # cheapest first
@@ -72,29 +72,15 @@ class _AdaptiveReduction:
         return self.done
 
 
-class AdaptiveCodecs:
+class AdaptiveCodecs(TransportWrapper):
     """Wraps a transport (or :class:`~dipaco.comm.feedback.ErrorFeedback`); same ``start``/``reduce``."""
 
     def __init__(self, transport, first: Codec, chunk: int, tolerance: float) -> None:
-        self.transport, self.first, self.tolerance = transport, first, tolerance
+        super().__init__(transport)
+        self.first, self.tolerance = first, tolerance
         self.codecs = [build_codec(name, chunk) for name in CANDIDATES]
         self.choice: dict[int, int] = {}  # module id -> index in CANDIDATES (absent: ``first``)
         self.errors: dict[int, list[float]] = {}  # the last measured error of every candidate, for the logs
-
-    @property
-    def modules(self) -> tuple[int, ...]:
-        return self.transport.modules
-
-    @property
-    def mine(self):
-        return self.transport.mine
-
-    @property
-    def names(self):
-        return self.transport.names
-
-    def check_identical(self, tensors, stats=None) -> None:
-        self.transport.check_identical(tensors, stats)
 
     def codec_of(self, module: int) -> Codec:
         return self.codecs[self.choice[module]] if module in self.choice else self.first

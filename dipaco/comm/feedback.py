@@ -17,7 +17,7 @@ from typing import Callable, Collection, Mapping
 import torch
 
 from dipaco.comm.codecs import Codec
-from dipaco.comm.reduce import Payload, Reduced, Reduction, Transport
+from dipaco.comm.reduce import Payload, Reduced, Reduction, Transport, TransportWrapper
 from dipaco.errors import CheckpointError
 
 
@@ -39,27 +39,13 @@ class _FeedbackReduction:
         return self.done
 
 
-class ErrorFeedback:
+class ErrorFeedback(TransportWrapper):
     """Wraps a lossy :class:`Transport`; same ``start``/``reduce`` interface."""
 
     def __init__(self, transport: Transport, applied: Callable[[torch.Tensor], bool]) -> None:
-        self.transport, self.applied = transport, applied
+        super().__init__(transport)
+        self.applied = applied
         self.residual: dict[int, torch.Tensor] = {}  # module id -> carried encoding error
-
-    @property
-    def modules(self) -> tuple[int, ...]:
-        return self.transport.modules
-
-    @property
-    def mine(self):
-        return self.transport.mine
-
-    @property
-    def names(self):
-        return self.transport.names
-
-    def check_identical(self, tensors, stats=None) -> None:
-        self.transport.check_identical(tensors, stats)
 
     def start(self, payloads: Mapping[int, Payload], codec: Codec | None = None,
               only: Collection[int] | None = None) -> _FeedbackReduction:

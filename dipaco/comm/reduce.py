@@ -358,3 +358,28 @@ class Transport:
                         f"dist.check_replicas: module {self.names[m]} diverged between its holders, ranks "
                         f"{list(group.ranks)} ({detail})"
                     )
+
+
+class TransportWrapper:
+    """A transport that adds behaviour around another one (a :class:`Transport` or another wrapper)
+    and passes the rest through: the modules it reduces, this rank's share, their names, and the
+    replica check. Subclasses define ``start`` / ``reduce``."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+
+    @property
+    def modules(self) -> tuple[int, ...]:
+        return self.transport.modules
+
+    @property
+    def mine(self):
+        return self.transport.mine
+
+    @property
+    def names(self):
+        return self.transport.names
+
+    def check_identical(self, tensors, stats=None) -> None:
+        self.transport.check_identical(tensors, stats)
+
