@@ -189,6 +189,9 @@ class RouteConfig:
     precision: str = "auto"  # the featurizer's forward pass: auto | fp32 | bf16 | fp16
     reroute_holdout: float = 0.05  # `dipaco reroute`: fraction of train docs scored by every path
     reroute_target: str = "uniform"  # uniform | current: shard sizes the re-routed classifier aims for
+    # EM-style re-sharding in `dipaco train`: after each of these rounds, re-route every document on the
+    # paths' losses (as `dipaco reroute`) and continue on the new shards; [] = off (dipaco.train.resharding)
+    em_rounds: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -318,6 +321,7 @@ def validate(cfg: Config) -> Config:
     _validate_route_features(cfg)
     if not 0.0 < cfg.route.reroute_holdout < 1.0:
         raise ConfigError(f"route.reroute_holdout: must be in (0, 1), got {cfg.route.reroute_holdout}")
+    _validate_em(cfg)
     if not 0.0 <= cfg.outer.drop_prob < 1.0:
         raise ConfigError(f"outer.drop_prob: must be in [0, 1), got {cfg.outer.drop_prob}")
     if not 0.0 <= cfg.train.early_stopping_holdout < 1.0:
@@ -354,6 +358,33 @@ def _validate_route_features(cfg: Config) -> None:
         raise ConfigError(f"route.transform_components: must be > 0 or null, got {route.transform_components}")
     if route.featurizer == "encoder" and not route.encoder:
         raise ConfigError("route.encoder: route.featurizer=encoder needs a Hugging Face encoder name or local directory")
+
+
+def _validate_em(cfg: Config) -> None:
+    """route.em_rounds: re-routing points inside the run, of routed shards, between lock-step rounds."""
+    points = list(cfg.route.em_rounds)
+    if not points:
+        return
+    key, rounds = "route.em_rounds", cfg.train.rounds
+    outside = [r for r in points if not 0 < r < rounds]
+    if outside:
+        raise ConfigError(f"{key}: rounds after which to re-route must be in [1, train.rounds={rounds}) (the paths "
+                          f"must train on the new shards afterwards), got {outside}")
+    if points != sorted(set(points)):
+        raise ConfigError(f"{key}: must be strictly increasing (each round once), got {points}")
+    if cfg.train.sharding != "kmeans":
+        raise ConfigError(f"{key}: re-routing re-shards routed data; needs train.sharding=kmeans (and `dipaco route` "
+                          f"first), got train.sharding={cfg.train.sharding}")
+    if cfg.train.driver != "torchrun":
+        raise ConfigError(f"{key}: needs train.driver=torchrun (re-routing happens between lock-step rounds), "
+                          f"got train.driver={cfg.train.driver}")
+    if cfg.train.early_stopping_holdout > 0:
+        raise ConfigError(f"{key}: cannot be combined with train.early_stopping_holdout (each path's held-out "
+                          f"documents, which early stopping compares across rounds, change at every re-routing)")
+    from dipaco.model.topology import topology_from_config  # imports only dipaco.errors
+
+    if topology_from_config(cfg.topology, cfg.model.num_layers).num_paths == 1:
+        raise ConfigError(f"{key}: the topology has one path, so there is nothing to re-route documents between")
 
 
 def _check_range(key: str, value: float, low: float, high: float, *, high_open: bool = True) -> None:
@@ -541,14 +572,20 @@ RESUME_MUTABLE = (
 
 
 # Keys under a mutable prefix that still change what a resumed run computes: route.topk decides how
-# many paths each training document trains (the shards), not only where documents are routed.
-RESUME_FIXED = ("route.topk",)
+# many paths each training document trains (the shards), not only where documents are routed;
+# route.em_rounds decides when the run re-routes itself.
+RESUME_FIXED = ("route.topk", "route.em_rounds")
+# With route.em_rounds set, the run's own later re-routings also depend on these.
+RESUME_FIXED_EM = ("route.reroute_holdout", "route.reroute_target")
 
 
 def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTABLE,
-                keep: tuple[str, ...] = RESUME_FIXED) -> list[str]:
+                keep: tuple[str, ...] | None = None) -> list[str]:
     """Keys whose values differ, as ``key: old -> new``, skipping keys that start with ``ignore``
-    unless they are in ``keep``."""
+    unless they are in ``keep`` (default: RESUME_FIXED, and RESUME_FIXED_EM when either config re-routes
+    itself with route.em_rounds)."""
+    if keep is None:
+        keep = RESUME_FIXED + (RESUME_FIXED_EM if old.route.em_rounds or new.route.em_rounds else ())
     a, b = _flatten(asdict(old)), _flatten(asdict(new))
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"

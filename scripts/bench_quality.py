@@ -62,7 +62,6 @@ from dipaco.route.shards import assign_paths  # noqa: E402
 from routing.quality import routing_report  # noqa: E402
 from dipaco.train.pretrain import pretrain  # noqa: E402
 from dipaco.route.assign import route  # noqa: E402
-from dipaco.route.reroute import reroute  # noqa: E402
 from dipaco.run_dir import RunDir  # noqa: E402
 from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
 from dipaco.train.loop import train  # noqa: E402
@@ -77,7 +76,8 @@ class Row:
     preset: str
     routing: str | None  # None = iid (one path: every doc), else a routing variant name
     rounds_factor: int = 1  # dense_Px trains P times the rounds
-    reroutes: int = 0  # discriminative re-routings, at evenly spaced rounds (1: half-way; more: EM re-sharding)
+    reroutes: int = 0  # discriminative re-routings at evenly spaced rounds, by `dipaco train` itself (route.em_rounds;
+    # 1: half-way; more: EM re-sharding)
     early_stopping: bool = False  # hold out train docs, score each path's best round
     model: list[str] = field(default_factory=list)  # another architecture: own run dir and pretraining
     overrides: list[str] = field(default_factory=list)
@@ -205,10 +205,12 @@ def new_run_dir(base: Config, run_dir: Path, parts: tuple[str, ...]) -> None:
         shutil.copytree(Path(base.run.dir) / sub, run_dir / sub)
 
 
-def variant_run(base: Config, variant: str | None, out_dir: Path, private: str | None = None) -> Config:
+def variant_run(base: Config, variant: str | None, out_dir: Path, private: str | None = None,
+                keep: bool = False) -> Config:
     """Each routing variant gets its own run dir holding copies of the shared data and init. A row
-    that re-routes gets a private copy: `dipaco reroute` rewrites its run's routing, which the other
-    rows of the variant must keep."""
+    that re-routes gets a private copy: re-routing rewrites its run's routing, which the other rows of
+    the variant must keep. With ``keep``, a private copy whose row has a checkpoint is kept as it is
+    (the row continues there, on the routing its re-routings left)."""
     if variant is None:
         return base
     run_dir = out_dir / f"run_{variant}"
@@ -220,9 +222,10 @@ def variant_run(base: Config, variant: str | None, out_dir: Path, private: str |
                                      "train.sharding=kmeans", f"route.method={method}", *settings]))
     if private is not None:
         shared, run_dir = run_dir, out_dir / f"run_{variant}_{private}"
-        shutil.rmtree(run_dir, ignore_errors=True)  # the row starts over, so does its routing
-        # Not the variant's experiments (top-level train/); routing/data/train is the routed split.
-        shutil.copytree(shared, run_dir, ignore=lambda d, names: ["train"] if Path(d) == shared else [])
+        if not (keep and CheckpointManager(RunDir(str(run_dir)).experiment(private) / "checkpoints").latest()):
+            shutil.rmtree(run_dir, ignore_errors=True)  # the row starts over, so does its routing
+            # Not the variant's experiments (top-level train/); routing/data/train is the routed split.
+            shutil.copytree(shared, run_dir, ignore=lambda d, names: ["train"] if Path(d) == shared else [])
     return apply_overrides(base, [f"run.dir={run_dir}", "train.sharding=kmeans"])
 
 
@@ -251,21 +254,25 @@ def reroute_rounds(rounds: int, reroutes: int) -> list[int]:
 
 
 def train_row(row: Row, cfg: Config, resume: bool) -> tuple:
-    """Trains the row; with ``resume``, a plain row continues from its last round's checkpoint (a command cut
-    off by a time limit loses at most one round). Re-routing rows start over: their routing changed mid-way."""
+    """Trains the row; a re-routing row re-routes inside `dipaco train` (route.em_rounds, see
+    :func:`row_overrides`). With ``resume``, a row continues from its last round's checkpoint (a command
+    cut off by a time limit loses at most one round; a re-routing row keeps the re-routings it did)."""
     exp_dir = RunDir(cfg.run.dir).experiment(row.name)
-    if resume and not row.reroutes and CheckpointManager(exp_dir / "checkpoints").latest() is not None:
-        echo(f"[bench] {row.name}: continuing from {CheckpointManager(exp_dir / 'checkpoints').latest().name}")
+    latest = CheckpointManager(exp_dir / "checkpoints").latest()
+    if resume and latest is not None:
+        echo(f"[bench] {row.name}: continuing from {latest.name}")
         return train(cfg, resume=True), True
     shutil.rmtree(exp_dir, ignore_errors=True)
-    if not row.reroutes:
-        return train(cfg), False
-    done = False
-    for point in reroute_rounds(cfg.train.rounds, row.reroutes):
-        train(cfg, resume=done, until_round=point)
-        reroute(cfg)  # discriminative re-routing on the paths' losses (one EM step), then continue
-        done = True
-    return train(cfg, resume=done), False
+    return train(cfg), False
+
+
+def row_overrides(row: Row, base: Config) -> list[str]:
+    """The row's settings on top of its run's config: topology, name, rounds and, for a re-routing row,
+    the rounds after which `dipaco train` re-routes (route.em_rounds)."""
+    rounds = base.train.rounds * row.rounds_factor
+    points = reroute_rounds(rounds, row.reroutes) if row.reroutes else []
+    em = [f"route.em_rounds=[{','.join(map(str, points))}]"] if points else []
+    return [f"topology.preset={row.preset}", f"train.name={row.name}", f"train.rounds={rounds}", *em, *row.overrides]
 
 
 def routing_quality(cfg: Config, num_paths: int) -> dict:
@@ -285,10 +292,8 @@ def run_row(row: Row, base: Config, out_dir: Path, resume: bool = False) -> dict
     if row.model:
         assert row.routing is None, "rows with their own architecture are dense (no routing)"
         base, init_ppl = architecture_run(base, row.name, row.model, out_dir)
-    cfg = apply_overrides(variant_run(base, row.routing, out_dir, private=row.name if row.reroutes else None), [
-        f"topology.preset={row.preset}", f"train.name={row.name}",
-        f"train.rounds={base.train.rounds * row.rounds_factor}", *row.overrides,
-    ])
+    run = variant_run(base, row.routing, out_dir, private=row.name if row.reroutes else None, keep=resume)
+    cfg = apply_overrides(run, row_overrides(row, base))
     start = time.perf_counter()
     exp, resumed = train_row(row, cfg, resume)
     wall = time.perf_counter() - start

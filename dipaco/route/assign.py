@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import datasets
 import numpy as np
@@ -121,14 +122,18 @@ def _check_texts(ds: datasets.Dataset, split: str) -> None:
 
 
 def write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
-                   topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict) -> None:
-    """Writes the routed splits, artifact, features and report next to the old ones, then swaps."""
+                   topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict,
+                   before_swap: Callable[[str], None] | None = None) -> None:
+    """Writes the routed splits, artifact, features and report next to the old ones, then swaps;
+    ``before_swap(fingerprint)`` runs once the new routing is complete, before it replaces the old."""
     with replacing(run.routing) as tmp:
-        _write_routing_dir(tmp, prepared, router, paths, topk, features, report)
+        fingerprint = _write_routing_dir(tmp, prepared, router, paths, topk, features, report)
+        if before_swap is not None:
+            before_swap(fingerprint)
 
 
 def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
-                       topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict) -> None:
+                       topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict) -> str:
     splits = {}
     for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
         ds = ds.remove_columns([c for c in ("path", "paths_topk") if c in ds.column_names])
@@ -144,6 +149,7 @@ def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dic
     (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
     save_tensors(features, tmp / FEATURES)
     (tmp / REPORT).write_text(json.dumps(report, indent=2, default=float))
+    return info["fingerprint"]
 
 
 def routing_summary(router: Router, paths: dict[str, np.ndarray], prepared: Prepared, seconds: float, extra: dict) -> dict:

@@ -3,7 +3,9 @@
 The trained paths score a held-out slice of the training documents; each document's best path is
 its label; a linear classifier from routing features to paths (its bias adjusted to the wanted
 shard sizes, see :mod:`routing.discriminative`) re-shards every document. Training then continues
-on the new shards with ``dipaco train --resume``.
+on the new shards with ``dipaco train --resume``; ``route.em_rounds`` makes ``dipaco train`` do both
+at the rounds it lists (:mod:`dipaco.train.resharding`). With ``route.topk`` > 1 the new router's
+best paths are stored too (``paths_topk``), so overlapping shards follow the re-routing.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from routing.discriminative import fit_discriminative_router
 from routing.router import Router
 
 
-def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
-    """Discriminative re-routing from the experiment's checkpoint; writes new routing in place."""
-    device = resolve_device(cfg.run.device)
+def reroute(cfg: Config, checkpoint: str | None = None, device: torch.device | None = None,
+            hint: bool = True) -> dict:
+    """Discriminative re-routing from the experiment's checkpoint; writes new routing in place.
+    ``device``: where the paths score (default: run.device); ``hint``: end with what to run next."""
+    device = device or resolve_device(cfg.run.device)
     seed_everything(cfg.run.seed, device, cfg.run.deterministic)
     if cfg.train.sharding != "kmeans":
         raise ConfigError("dipaco reroute re-shards routed data: set train.sharding=kmeans (and run `dipaco route` first)")
@@ -68,6 +72,7 @@ def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
                     tfidf=old.tfidf, topology=topology.to_dict(), meta={"checkpoint": ckpt.name},
                     transform=old.transform)
     paths = {s: router.assign(stored[s]).numpy().astype(np.int64) for s in ("train", "validation")}
+    topk = router.assign_topk(stored["train"], cfg.route.topk).numpy() if cfg.route.topk > 1 else None
     best = loglik[scored].argmax(dim=1).numpy()
     seconds = time.perf_counter() - start
     report = routing_summary(router, paths, prepared, seconds, {
@@ -75,9 +80,14 @@ def reroute(cfg: Config, checkpoint: str | None = None) -> dict:
         "holdout_best_equals_current": float(np.mean(best == current[rows][scored.numpy()])),
         "holdout_best_distribution": np.bincount(best, minlength=topology.num_paths).tolist(),
         "moved_train_docs": float(np.mean(paths["train"] != current)),
+        "moved_train_docs_count": int(np.sum(paths["train"] != current)),
     })
-    write_routing(run, prepared, router, paths, None, {k: stored[k] for k in ("train", "validation")}, report)
-    record_routing(cfg, exp_dir)  # this experiment resumes on the new routing; the others are refused it
+    # The new fingerprint is noted as this experiment's own before the swap, so a stop in between leaves
+    # the experiment resumable; once written, it is what the experiment trains on and the others are refused it.
+    write_routing(run, prepared, router, paths, topk, {k: stored[k] for k in ("train", "validation")}, report,
+                  before_swap=lambda fingerprint: record_routing(cfg, exp_dir, rerouting=fingerprint))
+    record_routing(cfg, exp_dir)
     print_report(report)
-    echo(f"[reroute] {report['moved_train_docs']:.1%} of train docs moved; continue with `dipaco train --resume`")
+    if hint:
+        echo(f"[reroute] {report['moved_train_docs']:.1%} of train docs moved; continue with `dipaco train --resume`")
     return report

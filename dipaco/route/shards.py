@@ -19,6 +19,9 @@ A run has one ``routing/`` directory, and ``dipaco reroute`` rewrites it for the
 re-routes. Every other experiment of the run would then silently resume, evaluate and serve on
 shards it was never trained on; so each kmeans experiment records the fingerprint of the routing it
 trained on (``train/<name>/routing.json``) and every job that reads routing for it checks it.
+An experiment's own re-routing (``dipaco reroute``, or ``route.em_rounds`` inside ``dipaco train``)
+notes the fingerprint it is about to write there before it replaces the routing, so a stop between
+the two still finds the experiment's own routing accepted.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import datasets
 import numpy as np
 import torch
 
+from dipaco.atomic import write_text
 from dipaco.config import Config
 from dipaco.data.corpus import stable_hash
 from dipaco.data.packing import pack_documents
@@ -84,28 +88,44 @@ def routing_fingerprint(paths: dict[str, np.ndarray], router_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def _current_fingerprint(run: RunDir) -> str | None:
+def current_fingerprint(run: RunDir) -> str | None:
+    """The fingerprint of the run's routing now (None without one, or from before fingerprints existed)."""
     info_path = run.routing / "data" / ROUTED_INFO
     return json.loads(info_path.read_text()).get("fingerprint") if info_path.is_file() else None
 
 
-def record_routing(cfg: Config, exp_dir: Path) -> None:
+def _recorded(exp_dir: Path) -> dict | None:
+    record = exp_dir / EXPERIMENT_ROUTING
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def record_routing(cfg: Config, exp_dir: Path, rerouting: str | None = None) -> None:
     """Notes which routing the experiment trains on (kmeans sharding only; routing from before
-    fingerprints existed is not recorded)."""
-    fingerprint = _current_fingerprint(RunDir(cfg.run.dir)) if cfg.train.sharding == "kmeans" else None
+    fingerprints existed is not recorded). ``rerouting``: the fingerprint of a re-routing of this
+    experiment that is about to replace the run's routing; it stays accepted as the experiment's own
+    until the next record (see :func:`check_routing`)."""
+    fingerprint = current_fingerprint(RunDir(cfg.run.dir)) if cfg.train.sharding == "kmeans" else None
     if fingerprint is not None:
         exp_dir.mkdir(parents=True, exist_ok=True)
-        (exp_dir / EXPERIMENT_ROUTING).write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+        entry = {"fingerprint": fingerprint, **({"rerouting": rerouting} if rerouting else {})}
+        write_text(exp_dir / EXPERIMENT_ROUTING, json.dumps(entry) + "\n")
+
+
+def pending_rerouting(exp_dir: Path) -> str | None:
+    """The fingerprint of the experiment's own re-routing that was written (or about to be) but not
+    recorded as the routing it trains on: a stop came in between."""
+    record = _recorded(exp_dir)
+    return None if record is None else record.get("rerouting")
 
 
 def check_routing(cfg: Config, exp_dir: Path) -> None:
-    """Refuses an experiment whose run's routing is no longer the one it was trained on."""
-    record = exp_dir / EXPERIMENT_ROUTING
-    if cfg.train.sharding != "kmeans" or not record.is_file():
+    """Refuses an experiment whose run's routing is no longer the one it was trained on, nor its own re-routing."""
+    record = _recorded(exp_dir)
+    if cfg.train.sharding != "kmeans" or record is None:
         return
     run = RunDir(cfg.run.dir)
-    trained_on, current = json.loads(record.read_text())["fingerprint"], _current_fingerprint(run)
-    if current != trained_on:
+    trained_on, current = record["fingerprint"], current_fingerprint(run)
+    if current not in (trained_on, record.get("rerouting")):
         raise DataError(
             f"{run.routing} is not the routing experiment {exp_dir.name!r} was trained on (fingerprint "
             f"{str(current)[:12]} vs {trained_on[:12]}): a `dipaco route`, or a `dipaco reroute` of another "

@@ -144,10 +144,7 @@ def restore(exp: Experiment, resume_from: str | None) -> tuple[int, Path]:
     """
     own = tuple(f"paths/path_{p:03d}/" for p in exp.loops)
     ckpt = resolve_checkpoint(exp.checkpoints, resume_from, select=lambda rel: not rel.startswith("paths/") or rel.startswith(own))
-    saved_cfg = load_config(ckpt / "config.yaml")
-    diff = config_diff(saved_cfg, exp.cfg)
-    if diff:
-        raise ConfigError(f"cannot resume {ckpt}: the config changed ({'; '.join(diff)})")
+    check_resume_config(ckpt, exp.cfg)
     state = read_training_state(ckpt, exp.bank, exp.loops, rank=exp.world.rank)
     if state.get("format", 1) < CHECKPOINT_FORMAT:
         # Format 1 saved each path before the outer step; DiLoCo restarts every path from the bank.
@@ -161,6 +158,13 @@ def restore(exp: Experiment, resume_from: str | None) -> tuple[int, Path]:
     if exp.world.rank == 0:
         echo(f"[train] resumed from {ckpt} (round {state['round']})")
     return int(state["round"]), ckpt
+
+
+def check_resume_config(ckpt: Path, cfg: Config) -> None:
+    """Refuses to resume ``ckpt`` with a config that changes what the run computes (config_diff's keys)."""
+    diff = config_diff(load_config(ckpt / "config.yaml"), cfg)
+    if diff:
+        raise ConfigError(f"cannot resume {ckpt}: the config changed ({'; '.join(diff)})")
 
 
 def write_checkpoint(exp: Experiment, root: Path, round_index: int, reports: list[dict]) -> list[Path]:

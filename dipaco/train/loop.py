@@ -7,6 +7,7 @@ This module only wires components together:
       -> InnerLoop per path of this rank (dipaco.train.inner)
       -> the outer sync (dipaco.sync: outer.sync=diloco), called at its sync points
       -> checkpoint (dipaco.checkpoint.store) -> metrics (dipaco.metrics)
+    route.em_rounds: segments of rounds with re-routing between them (dipaco.train.resharding)
 
 A single process is the world_size=1 case of the same code: its one rank owns every path and
 holds every module, so no module is communicated. Under ``torchrun`` every rank trains its own
@@ -36,6 +37,7 @@ from dipaco.sync import SyncReport
 from dipaco.train.experiment import Experiment, build_experiment, restore, saved_reports, write_checkpoint
 from dipaco.train.inner import InnerStats
 from dipaco.train.placement import check_world_size
+from dipaco.train.resharding import train_em
 
 
 def run_round(exp: Experiment, round_index: int) -> dict:
@@ -138,6 +140,8 @@ def train(cfg: Config, resume: bool = False, resume_from: str | None = None, unt
     seed_everything(cfg.run.seed, device, cfg.run.deterministic)
     world = init_world(cfg.dist, env, device)
     try:
+        if cfg.route.em_rounds:  # EM-style re-sharding: _train up to each point, re-route, continue
+            return train_em(cfg, world, resume, resume_from, until_round, _train)
         return _train(cfg, world, resume, resume_from, until_round)
     finally:
         world.close()

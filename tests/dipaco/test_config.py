@@ -103,3 +103,47 @@ def test_route_keys_may_change_on_resume_but_not_route_topk():
     cfg = load_config(None, [])
     assert config_diff(cfg, load_config(None, ["route.n_init=7"])) == []
     assert config_diff(cfg, load_config(None, ["route.topk=2"])) == ["route.topk: 1 -> 2"]
+
+
+EM = ["train.sharding=kmeans", "topology.preset=grid:2x2", "train.rounds=6"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["route.em_rounds=[0, 2]"], r"rounds after which to re-route must be in \[1, train.rounds=6\).*got \[0\]"),
+        (["route.em_rounds=[2, 6]"], r"rounds after which to re-route must be in \[1, train.rounds=6\).*got \[6\]"),
+        (["route.em_rounds=[-1]"], r"rounds after .*got \[-1\]"),
+        (["route.em_rounds=[4, 2]"], r"must be strictly increasing \(each round once\), got \[4, 2\]"),
+        (["route.em_rounds=[2, 2]"], r"must be strictly increasing"),
+        (["route.em_rounds=[2]", "train.sharding=iid"],
+         r"re-routing re-shards routed data; needs train.sharding=kmeans .*got train.sharding=iid"),
+        (["route.em_rounds=[2]", "topology.preset=dense"], r"the topology has one path"),
+        (["route.em_rounds=[2]", "topology.preset=diloco:1"], r"the topology has one path"),
+        (["route.em_rounds=[2]", "train.driver=ray", "outer.sync=async_nesterov"], r"needs train.driver=torchrun"),
+        (["route.em_rounds=[2]", "train.early_stopping_holdout=0.05"], r"cannot be combined with "
+                                                                       r"train.early_stopping_holdout"),
+    ],
+)
+def test_em_rounds_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=r"^route\.em_rounds: " + message):
+        load_config(None, [*EM, *overrides])
+
+
+def test_em_rounds_default_off_and_a_valid_schedule_loads():
+    assert load_config(None, []).route.em_rounds == []
+    assert load_config(None, [*EM, "route.em_rounds=[1,3,5]"]).route.em_rounds == [1, 3, 5]
+    assert load_config(None, ["train.sharding=iid", "route.em_rounds=[]"]).route.em_rounds == []
+
+
+def test_em_schedule_and_its_rerouting_settings_are_fixed_on_resume():
+    """route.em_rounds decides when the run re-routes itself; with it set, the settings of those
+    re-routings are fixed too. Without it, they stay free (a manual `dipaco reroute` reads its own)."""
+    em = load_config(None, [*EM, "route.em_rounds=[2,4]"])
+    assert config_diff(em, load_config(None, [*EM, "route.em_rounds=[2]"])) == ["route.em_rounds: [2, 4] -> [2]"]
+    assert config_diff(em, load_config(None, [*EM, "route.em_rounds=[2,4]", "route.reroute_holdout=0.2"])) == [
+        "route.reroute_holdout: 0.05 -> 0.2"]
+    assert config_diff(em, load_config(None, [*EM, "route.em_rounds=[2,4]", "route.reroute_target=current"])) == [
+        "route.reroute_target: 'uniform' -> 'current'"]
+    plain = load_config(None, EM)
+    assert config_diff(plain, load_config(None, [*EM, "route.reroute_holdout=0.2"])) == []

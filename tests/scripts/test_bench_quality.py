@@ -121,3 +121,18 @@ def test_iid_controls_and_routing_agreement_are_in_the_table_and_targets(bench):
     assert "- moe_4 beats its iid control by >= 3%: met (96.00 vs 100.00: +4.0%)" in lines
     assert any(line.startswith("- DiPaCo 2x2 beats DiLoCo-4 at equal compute: met (best 2x2 row "
                                "dipaco_2x2_featurizer") for line in lines)
+
+
+def test_rerouting_rows_reroute_inside_dipaco_train_at_their_points(bench):
+    """One code path: the reroute and EM rows set route.em_rounds and train with one `train` call."""
+    every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
+    base = apply_overrides(Config(), ["train.rounds=16", "train.sharding=kmeans"])
+
+    def em_rounds(name: str) -> list[int]:
+        return apply_overrides(base, bench.row_overrides(every[name], base)).route.em_rounds
+
+    assert em_rounds("dipaco_2x2_em") == [4, 8, 12]
+    assert em_rounds("dipaco_2x2_reroute") == [8]
+    assert em_rounds("dipaco_2x2_kmeans") == [] and em_rounds("dense_4x") == []
+    assert "route.em_rounds=[1,2,3]" in bench.row_overrides(every["dipaco_2x2_em"], Config())  # 4 rounds
+    assert "reroute(" not in SCRIPT.read_text()  # no re-routing loop of its own

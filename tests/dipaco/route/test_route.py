@@ -191,3 +191,19 @@ def test_improved_featurizer_clusters_the_bbc_slice_more_topically_than_the_raw_
     improved = route(routed(run_cfg, n_init=2, featurizer="tfidf_svd", svd_components=16, metric="cosine"))
     print(f"NMI raw {raw:.3f}, improved {improved['train']['nmi']:.3f}")
     assert improved["train"]["nmi"] > raw
+
+
+def test_reroute_keeps_overlapping_shards_top2_and_em_training_uses_them(run_cfg):
+    """With route.topk=2 the re-routed data carries the new router's two best paths (`paths_topk`), so
+    overlapping shards follow every re-routing (here inside `dipaco train`, route.em_rounds)."""
+    cfg = routed(run_cfg, featurizer="lm_prefix", n_init=1, reroute_holdout=0.5, topk=2, em_rounds=[1])
+    route(cfg)
+    before = np.asarray(datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["train"]["paths_topk"])
+    exp = train(cfg)
+    assert exp.checkpoints.latest().name == "round_000002"
+    train_ds = datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["train"]
+    after = np.asarray(train_ds["paths_topk"])
+    assert after.shape == (len(train_ds), 2) and (after[:, 0] == np.asarray(train_ds["path"])).all()
+    assert (after[:, 0] != after[:, 1]).all() and not np.array_equal(after, before)
+    router = Router.load(RunDir(cfg.run.dir).routing / "router")
+    assert router.kind == "linear"
