@@ -204,6 +204,7 @@ class DistConfig:
     chunk_size: int = 1024  # int8, int4, fp4: elements per absmax scale (even for the 4-bit codecs)
     adaptive: bool = False  # per-module codec from its outer-gradient statistics (dipaco.comm.adaptive)
     adaptive_tolerance: float = 0.12  # adaptive: the cheapest codec whose relative error is at most this
+    adaptive_sample_chunks: int = 64  # adaptive: chunks per module the error is measured on (evenly spaced; 0 = all)
     error_feedback: bool = True  # lossy comm_dtype: carry each module's quantization residual to the next round
     check_replicas: bool = False  # debug: compare module checksums across holders every round
 
@@ -429,6 +430,8 @@ def _validate_comm(cfg: Config) -> None:
             raise ConfigError(f"dist.chunk_size: must be even with dist.adaptive=true (its 4-bit candidates), "
                               f"got {dist.chunk_size}")
     _check_range("dist.adaptive_tolerance", dist.adaptive_tolerance, 0.0, math.inf)
+    if dist.adaptive_sample_chunks < 0:
+        raise ConfigError(f"dist.adaptive_sample_chunks: must be >= 0 (0 = every chunk), got {dist.adaptive_sample_chunks}")
     if cfg.outer.delayed.delay < 0:
         raise ConfigError(f"outer.delayed.delay: must be >= 0, got {cfg.outer.delayed.delay}")
     if cfg.outer.delayed.eager and cfg.outer.delayed.delay != 1:

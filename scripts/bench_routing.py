@@ -13,10 +13,13 @@
             quality benchmark's mix of all three) at --prefix-tokens, for every featurizer variant:
             the raw last-layer mean (today's default), centring / PCA / whitening + L2, the layer(s)
             pooled, skipped first tokens, TF-IDF over the prefix, TF-IDF + LM, and --encoder NAME.
+5. context: with --lm-tokenizer DIR, the NMI of TF-IDF routing against the routing context's length
+            (--context-tokens, 0 = the whole document) on the same corpora: how much topic a prefix holds.
 
     python scripts/bench_routing.py                       # sections 1 and 2
     python scripts/bench_routing.py --sections 20ng --lm-model runs/demo/pretrain --out bench.json
     python scripts/bench_routing.py --sections featurizers --lm-model RUN/pretrain --lm-tokenizer RUN/tokenizer
+    python scripts/bench_routing.py --sections context --lm-tokenizer RUN/tokenizer --corpora bbc,mix
 """
 
 from __future__ import annotations
@@ -384,11 +387,44 @@ def bench_featurizers(args) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------
+# 5. How much topic the routing context holds: TF-IDF NMI against the context length
+
+
+def bench_context(args) -> dict[str, Any]:
+    """Balanced k-means NMI of TF-IDF + SVD over each document's first N tokens, N in --context-tokens
+    (0 = the whole document), on the shared corpora. Bag-of-words over the whole document is the most
+    topical signal a featurizer without outside knowledge can use, so its NMI is a practical ceiling for
+    a prefix featurizer of the same kind, and the curve shows what the routing context costs."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.lm_tokenizer, local_files_only=True)
+    n = args.tfidf_components[len(args.tfidf_components) // 2]
+    out: dict[str, Any] = {"tokenizer": args.lm_tokenizer, "k": args.featurizer_k, "svd": n, "slack": args.slack,
+                           "seeds": args.seeds, "corpora": {}}
+    for corpus in args.corpora.split(","):
+        docs = load_shared(args.shared_data, corpus, args.featurizer_max_docs)
+        ids = tokenizer(docs["text"], add_special_tokens=False)["input_ids"]
+        rows = []
+        for length in args.context_tokens:
+            contexts = tokenizer.batch_decode([i[:length] if length else i for i in ids])
+            x = torch.from_numpy(tfidf_svd_features(contexts, n_components=n, seed=args.seeds[0])[0])
+            name = f"tfidf, first {length} tokens" if length else "tfidf, whole document"
+            rows.append({"context_tokens": length or None, **score_variant(name, x, docs["label"], args.featurizer_k,
+                                                                          args.slack, args.seeds, args.n_init,
+                                                                          None, "cosine")})
+        out["corpora"][corpus] = {"docs": len(ids), "labels": len(set(docs["label"])), "rows": rows}
+        print(f"\n## {corpus}: {len(ids)} docs, {len(set(docs['label']))} labels, k={args.featurizer_k}, balanced "
+              f"(slack {args.slack}), TF-IDF + SVD {n}, cosine k-means, seeds {args.seeds}")
+        print(table(rows, ["featurizer", "nmi", "min_nmi", "purity", "max_min_docs"]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="kmeans,20ng", help="comma list of kmeans, 20ng (lm runs with --lm-model)")
+    p.add_argument("--sections", default="kmeans,20ng", help="comma list of kmeans, 20ng, featurizers, context (lm runs with --lm-model)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="20news_bydate.jsonl.gz")
     p.add_argument("--keep-subject", action="store_true", help="keep the Subject: header line (default: body only)")
     p.add_argument("--k", type=int, default=20)
@@ -413,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tfidf-components", type=lambda s: [int(v) for v in s.split(",")], default=[16, 64, 128],
                    help="featurizers section: TF-IDF SVD widths tried")
     p.add_argument("--encoder", default=None, help="featurizers section: also an HF encoder (hub name or directory)")
+    p.add_argument("--context-tokens", type=lambda s: [int(v) for v in s.split(",")], default=[32, 64, 128, 256, 0],
+                   help="context section: routing context lengths in tokens (0 = the whole document)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch and BLAS/OpenMP threads (default: as is)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -471,6 +509,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "train_max_min", "train_max_docs", "fit_s"]))
         print(table(results["20ng"]["summary"], SUMMARY_COLS))
 
+    if "context" in sections:
+        if not args.lm_tokenizer:
+            p.error("--sections context needs --lm-tokenizer (a run's tokenizer/ directory)")
+        results["context"] = bench_context(args)
     if "featurizers" in sections:
         if not args.lm_model:
             p.error("--sections featurizers needs --lm-model (a run's pretrain/ directory)")

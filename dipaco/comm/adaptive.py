@@ -6,7 +6,11 @@ DiLoCoX (arXiv 2506.21263) picks the compression of each outer gradient adaptive
 * the first sync of m uses ``dist.comm_dtype`` (which must then be lossy);
 * after every sync, every holder measures, on m's *reduced* outer gradient g (the decoded sum every
   holder received, so the same bits everywhere), the relative error each candidate codec would
-  make: e(c) = ||g - decode(encode_c(g))|| / ||g||;
+  make: e(c) = ||g - decode(encode_c(g))|| / ||g||. It is measured on at most
+  ``dist.adaptive_sample_chunks`` whole chunks of g, evenly spaced (0: all of g). The codecs scale
+  each chunk on its own, so a sampled chunk is encoded exactly as in a real sync; the sample is an
+  estimate of e(c) over the module, and it bounds the rule's cost, which sits on the exchange's
+  critical path (encoding every candidate over a whole module cost more than the exchange itself);
 * the next sync of m uses the cheapest candidate with e(c) <= ``dist.adaptive_tolerance``; among
   candidates of the same size (int4 and fp4) the one with the smaller error; if none is within the
   tolerance, the most precise candidate (bf16).
@@ -24,13 +28,25 @@ from __future__ import annotations
 from typing import Collection, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from dipaco.comm.accounting import CommStats
-from dipaco.comm.codecs import Codec, build_codec
+from dipaco.comm.codecs import Codec, build_codec, num_chunks
 from dipaco.comm.reduce import Payload, Reduced, TransportWrapper
 from dipaco.errors import CheckpointError
 
 CANDIDATES = ("fp4", "int4", "int8", "bf16")  # cheapest first
+
+
+def sample_chunks(values: torch.Tensor, chunk: int, count: int) -> torch.Tensor:
+    """``count`` whole chunks of ``values`` (flat), evenly spaced from the first to the last, the last one
+    zero-padded; all of ``values`` when it has no more chunks than that or ``count`` is 0."""
+    total = num_chunks(values.numel(), chunk)
+    if count <= 0 or total <= count:
+        return values
+    picks = torch.linspace(0, total - 1, count, dtype=torch.float64).round().long().to(values.device)
+    padded = F.pad(values.reshape(-1), (0, (-values.numel()) % chunk)).view(-1, chunk)
+    return padded[picks].reshape(-1)
 
 
 def relative_error(codec: Codec, values: torch.Tensor) -> float:
@@ -41,8 +57,11 @@ def relative_error(codec: Codec, values: torch.Tensor) -> float:
     return float((values - codec.encode(values).decoded).norm()) / norm
 
 
-def choose(codecs: Sequence[Codec], values: torch.Tensor, tolerance: float) -> tuple[int, list[float]]:
-    """Index of the codec the rule picks for an outer gradient like ``values``, and every candidate's error."""
+def choose(codecs: Sequence[Codec], values: torch.Tensor, tolerance: float, chunk: int = 1,
+           sample: int = 0) -> tuple[int, list[float]]:
+    """Index of the codec the rule picks for an outer gradient like ``values``, and every candidate's error
+    (measured on ``sample`` chunks of ``chunk`` values, see :func:`sample_chunks`)."""
+    values = sample_chunks(values, chunk, sample)
     errors = [relative_error(c, values) for c in codecs]
     sizes = sorted({c.payload_bytes(1024) for c in codecs})
     for size in sizes:  # cheapest size first; within a size, the smallest error
@@ -75,9 +94,10 @@ class _AdaptiveReduction:
 class AdaptiveCodecs(TransportWrapper):
     """Wraps a transport (or :class:`~dipaco.comm.feedback.ErrorFeedback`); same ``start``/``reduce``."""
 
-    def __init__(self, transport, first: Codec, chunk: int, tolerance: float) -> None:
+    def __init__(self, transport, first: Codec, chunk: int, tolerance: float, sample_chunks: int = 0) -> None:
         super().__init__(transport)
         self.first, self.tolerance = first, tolerance
+        self.chunk, self.sample = chunk, sample_chunks
         self.codecs = [build_codec(name, chunk) for name in CANDIDATES]
         self.choice: dict[int, int] = {}  # module id -> index in CANDIDATES (absent: ``first``)
         self.errors: dict[int, list[float]] = {}  # the last measured error of every candidate, for the logs
@@ -102,7 +122,8 @@ class AdaptiveCodecs(TransportWrapper):
         """Chooses the next codec of every module from its reduced outer gradient."""
         for m, payload in reduced.items():
             if float(payload.meta[0]) > 0:  # nothing was summed: no statistics
-                self.choice[m], self.errors[m] = choose(self.codecs, payload.values, self.tolerance)
+                self.choice[m], self.errors[m] = choose(self.codecs, payload.values, self.tolerance, self.chunk,
+                                                        self.sample)
 
     # --- state: one integer per module, by name (identical on every holder) -----------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

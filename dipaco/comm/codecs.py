@@ -62,14 +62,15 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The first ``numel`` 4-bit codes of ``packed`` (uint8), as int64."""
-    p = packed.reshape(-1).to(torch.int64)
+    """The first ``numel`` 4-bit codes of ``packed`` (uint8), as uint8."""
+    p = packed.reshape(-1)
     return torch.stack((p & 15, p >> 4), dim=1).reshape(-1)[:numel]
 
 
 # E2M1 magnitudes (code & 7) and the midpoints between neighbours (round to nearest; ties go up).
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_E2M1_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
+_E2M1_MIDPOINTS = ((E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2).tolist()
+_E2M1_SIGNED = torch.cat([E2M1_VALUES, -E2M1_VALUES])  # code (sign bit 3 | magnitude index) -> value
 
 
 def _chunk_scale(x: torch.Tensor, chunk: int, top: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,12 +85,12 @@ def quantize_int4(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tens
     n = x.numel()
     padded, scale = _chunk_scale(x, chunk, 7.0)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(padded / safe.unsqueeze(1)).clamp_(-7, 7).to(torch.int64)
-    return pack_nibbles((q.view(-1)[:n] + 8)), scale
+    q = torch.round(padded / safe.unsqueeze(1)).clamp_(-7, 7).add_(8).to(torch.uint8)
+    return pack_nibbles(q.view(-1)[:n]), scale
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, chunk: int, numel: int) -> torch.Tensor:
-    q = (unpack_nibbles(packed, numel) - 8).float()
+    q = unpack_nibbles(packed, numel).float().sub_(8)
     padded = F.pad(q, (0, (-numel) % chunk)).view(-1, chunk)
     return (padded * scale.unsqueeze(1)).view(-1)[:numel]
 
@@ -100,14 +101,18 @@ def quantize_fp4(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tenso
     padded, scale = _chunk_scale(x, chunk, 6.0)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = (padded / safe.unsqueeze(1)).view(-1)[:n]
-    index = torch.bucketize(y.abs(), _E2M1_MIDPOINTS.to(y.device), right=True)
-    return pack_nibbles(index | ((y < 0).to(torch.int64) << 3)), scale
+    # Index = how many midpoints |y| reaches (ties up): seven uint8 comparisons are ~3x faster than
+    # bucketize's int64 binary search on CPU, and it is the codec's hot loop (every sync, every
+    # adaptive observation).
+    magnitude = y.abs()
+    index = (y < 0).to(torch.uint8) << 3
+    for midpoint in _E2M1_MIDPOINTS:
+        index += magnitude >= midpoint
+    return pack_nibbles(index), scale
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, chunk: int, numel: int) -> torch.Tensor:
-    codes = unpack_nibbles(packed, numel)
-    magnitude = E2M1_VALUES.to(packed.device)[codes & 7]
-    values = torch.where(codes >= 8, -magnitude, magnitude)
+    values = _E2M1_SIGNED.to(packed.device)[unpack_nibbles(packed, numel).long()]
     padded = F.pad(values, (0, (-numel) % chunk)).view(-1, chunk)
     return (padded * scale.unsqueeze(1)).view(-1)[:numel]
 

@@ -87,7 +87,8 @@ class DiLoCo(OuterSync):
             self.transport = self.feedback = ErrorFeedback(transport, applied=lambda meta: bool(meta[0] > 0))
         if cfg.dist.adaptive:
             self.transport = self.adaptive = AdaptiveCodecs(self.transport, codec, cfg.dist.chunk_size,
-                                                            cfg.dist.adaptive_tolerance)
+                                                            cfg.dist.adaptive_tolerance,
+                                                            cfg.dist.adaptive_sample_chunks)
         # Lossy payloads are divided by c_m = the weight of every path through m (a constant every
         # rank knows), so they have the scale of a parameter change: fp16 does not overflow on
         # token-count weights. fp32 sends the raw sums.

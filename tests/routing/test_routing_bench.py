@@ -83,3 +83,25 @@ def test_featurizers_section_scores_every_variant_on_a_shared_corpus(bench, tiny
     assert {r["dim"] for r in bbc["rows"] if r["featurizer"].startswith("lm last")} == {32}
     raw = bbc["raw_diagnostics"]["L"]
     assert -1.0 <= raw["mean_pair_cosine"] <= 1.0 and 0.0 < raw["top1_variance"] <= raw["top5_variance"] <= 1.0
+
+
+def test_context_section_shows_topic_that_only_a_longer_context_holds(bench, tiny_tokenizer, tmp_path):
+    import copy
+
+    from tokenizers import decoders
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.backend_tokenizer.decoder = decoders.WordPiece()
+    tokenizer.save_pretrained(tmp_path / "tok")
+    fake_20ng(tmp_path / "20ng.jsonl.gz")
+    with gzip.open(tmp_path / "20ng.jsonl.gz", "rt") as f, gzip.open(tmp_path / "bbc_news.jsonl.gz", "wt") as out:
+        for i, line in enumerate(f):  # the first words say nothing of the topic: a greeting, 7 variants
+            doc = json.loads(line)
+            greeting = " ".join([WORDS[24 + i % 7]] * 3)
+            out.write(json.dumps({**doc, "source": "bbc", "text": f"{greeting} {bench.strip_headers(doc['text'])}"}) + "\n")
+    res = bench.main(["--sections", "context", "--shared-data", str(tmp_path), "--corpora", "bbc",
+                      "--lm-tokenizer", str(tmp_path / "tok"), "--featurizer-k", "3", "--seeds", "0",
+                      "--n-init", "2", "--tfidf-components", "4", "--context-tokens", "3,0"])
+    short, whole = res["context"]["corpora"]["bbc"]["rows"]
+    assert short["context_tokens"] == 3 and whole["context_tokens"] is None
+    assert whole["nmi"] > 0.6 and short["nmi"] < 0.2  # purity 0.92 vs chance

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dipaco.comm.adaptive import CANDIDATES, choose
+from dipaco.comm.adaptive import CANDIDATES, choose, relative_error, sample_chunks
 from dipaco.comm.codecs import E2M1_VALUES, build_codec, pack_nibbles, unpack_nibbles
 
 
@@ -72,3 +72,34 @@ def test_adaptive_picks_the_cheapest_codec_within_the_tolerance():
     assert CANDIDATES[j] == "int8" and min(errors[0], errors[1]) > 0.12 >= errors[j]
     k, _ = choose(codecs, heavy, tolerance=0.0)  # nothing is exact: the most precise candidate
     assert CANDIDATES[k] == "bf16"
+
+
+def test_adaptive_error_is_measured_on_evenly_spaced_whole_chunks():
+    values = torch.arange(10 * 4, dtype=torch.float32) + 1  # 10 chunks of 4; chunk i holds 4i+1 .. 4i+4
+    picked = sample_chunks(values, 4, 4)  # chunks 0, 3, 6, 9 (linspace over 0..9, rounded)
+    assert picked.view(-1, 4)[:, 0].tolist() == [1.0, 13.0, 25.0, 37.0]
+    assert torch.equal(sample_chunks(values, 4, 0), values)  # 0: every chunk
+    assert torch.equal(sample_chunks(values, 4, 10), values)  # no more chunks than the sample
+    ragged = sample_chunks(values[:-2], 4, 2)  # the last chunk is zero-padded, as the codecs pad it
+    assert ragged.tolist() == [1.0, 2.0, 3.0, 4.0, 37.0, 38.0, 0.0, 0.0]
+
+
+def test_adaptive_sampled_choice_matches_the_full_one_and_scales_each_chunk_alone():
+    codecs = [build_codec(n, 64) for n in CANDIDATES]
+    gen = torch.Generator().manual_seed(0)
+    gaussian = torch.randn(64 * 512, generator=gen)
+    full, full_errors = choose(codecs, gaussian, tolerance=0.12, chunk=64, sample=0)
+    sampled, sampled_errors = choose(codecs, gaussian, tolerance=0.12, chunk=64, sample=32)
+    assert sampled == full and CANDIDATES[full] == "fp4"
+    torch.testing.assert_close(torch.tensor(sampled_errors), torch.tensor(full_errors), rtol=0.1, atol=1e-4)
+    # A sampled chunk is encoded exactly as in a real sync: its error is that chunk's own error.
+    one = sample_chunks(gaussian, 64, 1)  # chunk 0 only
+    assert relative_error(codecs[0], one) == relative_error(codecs[0], gaussian[:64])
+
+
+def test_adaptive_sample_chunks_must_not_be_negative():
+    from dipaco.config import load_config
+    from dipaco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="dist.adaptive_sample_chunks: must be >= 0"):
+        load_config(None, ["dist.comm_dtype=int8", "dist.adaptive=true", "dist.adaptive_sample_chunks=-1"])
