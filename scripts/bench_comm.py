@@ -187,8 +187,8 @@ ROWS = {
     # sub-module fragments: units of K decoder blocks, the embedding and head in pieces of at most K blocks
     **{f"streaming_F{f}_tau{tau}_a{alpha}_{dtype}_blocks{k}": [
         "outer.sync=streaming", f"outer.streaming.num_fragments={f}", f"outer.streaming.overlap_steps={tau}",
-        f"outer.streaming.mix_alpha={alpha}", "outer.streaming.pattern=balanced", f"outer.streaming.fragment=blocks:{k}",
-        f"dist.comm_dtype={dtype}"]
+        f"outer.streaming.mix_alpha={alpha}", "outer.streaming.pattern=balanced",
+        f"outer.streaming.fragment=blocks:{k}", f"dist.comm_dtype={dtype}"]
        for f in (2, 4) for tau in (0, 2) for alpha in ("0", "0.5") for dtype in ("fp32", "fp4") for k in (1,)},
     "delayed_int8": ["outer.sync=delayed", "dist.comm_dtype=int8"],
     "delayed_adaptive": ["outer.sync=delayed", "dist.comm_dtype=int8", "dist.adaptive=true"],

@@ -202,9 +202,7 @@ class DiLoCo(OuterSync):
         if self.feedback is not None and self.feedback.residual:
             state[RESIDUAL_FILE] = self.feedback.state_dict()
         if self.adaptive is not None:
-            written = {self.slices[i].name for i in self.transport.modules if self.writers[self.slices[i].module]
-                       == self.world.rank}
-            choices = {k: v for k, v in self.adaptive.state_dict().items() if k in written}
+            choices = {k: v for k, v in self.adaptive.state_dict().items() if k in self._written()}
             if choices:
                 state[ADAPTIVE_FILE] = choices
         return state
@@ -228,8 +226,13 @@ class DiLoCo(OuterSync):
         for tensors in files.values():
             for name, value in tensors.items():
                 summed[name] = summed[name] + value if name in summed else value
-        mine = {self.slices[i].name for i in self.transport.modules if self.writers[self.slices[i].module] == self.world.rank}
+        mine = self._written()
         return {n: v for n, v in summed.items() if n in mine}
+
+    def _written(self) -> set[str]:
+        """The communicated slices whose module this rank writes (as its lowest holder), by name."""
+        return {self.slices[i].name for i in self.transport.modules
+                if self.writers[self.slices[i].module] == self.world.rank}
 
     def _numel(self) -> dict[int, int]:
         return {i: self.slices[i].numel for i in self.transport.modules}
@@ -245,7 +248,8 @@ class DiLoCo(OuterSync):
             stats = exchange.stats or CommStats()
             out[f"{k}/due"] = torch.tensor(exchange.due, dtype=torch.int64)
             out[f"{k}/dropped"] = torch.tensor(exchange.dropped, dtype=torch.int64)
-            out[f"{k}/modules"] = torch.tensor(exchange.slices, dtype=torch.int64)  # slice ids (= module ids when whole)
+            # slice ids, under the key of checkpoints that carried whole modules (then the same ids)
+            out[f"{k}/modules"] = torch.tensor(exchange.slices, dtype=torch.int64)
             out[f"{k}/bytes"] = torch.tensor([stats.bytes_sent, stats.bytes_received], dtype=torch.float64)
             for i, total in exchange.totals.items():
                 if self.writers[self.slices[i].module] == self.world.rank:

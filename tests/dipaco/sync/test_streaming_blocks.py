@@ -20,10 +20,8 @@ from dipaco.errors import ConfigError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
 from dipaco.sync import SyncContext, build_sync
-from dipaco.sync.diloco import DiLoCo
 from dipaco.sync.nesterov import ModuleNesterov
 from dipaco.sync.slices import block_slices
-from dipaco.sync.streaming import StreamingDiLoCo
 from dipaco.train.loop import train
 
 
@@ -65,7 +63,7 @@ def drive(sync, template_fn, rounds: int, paths=None):
     path models and each call's report."""
     paths = paths if paths is not None else range(sync.topology.num_paths)
     models = {p: sync.bank.compose(p, template_fn()) for p in paths}
-    reports, done = [], {}
+    reports = []
     for r in range(rounds):
         for offset in sync.sync_points():
             fake_training(models, r, offset)
