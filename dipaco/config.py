@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -117,7 +118,9 @@ class StreamingConfig:
     """``outer.sync=streaming`` (Streaming DiLoCo, arXiv 2501.18512; dipaco.sync.streaming)."""
 
     num_fragments: Optional[int] = None  # F; null = one fragment per unit
-    fragment: str = "module"  # the unit fragments are made of: level (a part) | module
+    # the unit fragments are made of: level (a part) | module | blocks:K (K consecutive decoder blocks of a
+    # module; the embedding and the head cut into pieces of at most K blocks' parameters)
+    fragment: str = "module"
     pattern: str = "strided"  # units to fragments: strided (i mod F) | sequential (blocks of units) | balanced (by size)
     overlap_steps: int = 0  # tau: a fragment's exchange runs during this many inner steps; < inner_steps / F
     mix_alpha: float = 0.0  # alpha: theta_path <- alpha * local + (1 - alpha) * global when a fragment lands
@@ -262,7 +265,6 @@ _CHOICES = {
     "train.sharding": ("iid", "column", "kmeans"),
     "dist.backend": ("auto", "gloo", "nccl"),
     "dist.comm_dtype": ("fp32", "bf16", "fp16", "int8", "int4", "fp4"),
-    "outer.streaming.fragment": ("level", "module"),
     "outer.streaming.pattern": ("strided", "sequential", "balanced"),
     "route.featurizer": ("lm_prefix", "tfidf_svd", "encoder"),
     "route.transform": ("none", "center_l2", "pca_l2", "whiten_l2"),
@@ -437,6 +439,7 @@ def _validate_comm(cfg: Config) -> None:
     if cfg.outer.delayed.eager and cfg.outer.delayed.delay != 1:
         raise ConfigError(f"outer.delayed.eager: needs outer.delayed.delay=1 (a path's own delta is kept while "
                           f"exactly one exchange is in flight), got delay={cfg.outer.delayed.delay}")
+    fragment_blocks(stream.fragment)
     if stream.num_fragments is not None and stream.num_fragments < 1:
         raise ConfigError(f"outer.streaming.num_fragments: must be >= 1 or null, got {stream.num_fragments}")
     if stream.overlap_steps < 0:
@@ -444,6 +447,18 @@ def _validate_comm(cfg: Config) -> None:
     _check_range("outer.streaming.mix_alpha", stream.mix_alpha, 0.0, 1.0)
     if cfg.outer.sync == "streaming" and stream.num_fragments is not None:
         check_streaming_schedule(cfg, stream.num_fragments)
+
+
+def fragment_blocks(fragment: str) -> int | None:
+    """K of ``outer.streaming.fragment=blocks:K`` (None for ``level`` and ``module``); checks the
+    syntax. Whether K fits the topology (at most a module's blocks) is checked by the sync."""
+    if fragment in ("level", "module"):
+        return None
+    match = re.fullmatch(r"blocks:([0-9]+)", fragment)
+    if match and int(match.group(1)) >= 1:
+        return int(match.group(1))
+    raise ConfigError(f"outer.streaming.fragment: {fragment!r} is not one of level, module, blocks:K "
+                      f"(K >= 1 decoder blocks, e.g. blocks:1)")
 
 
 def check_streaming_schedule(cfg: Config, fragments: int) -> None:

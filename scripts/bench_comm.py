@@ -22,7 +22,8 @@ once in ``--work``.
     python scripts/bench_comm.py --out /tmp/bench_comm.json
 
 ``--rows`` runs the outer-sync table instead (issue 12): DiLoCo fp32/int8, Streaming DiLoCo
-(``outer.sync=streaming``: F fragments, tau overlapped steps, mixing alpha; fp32 or fp4) and the
+(``outer.sync=streaming``: F fragments, tau overlapped steps, mixing alpha; fp32 or fp4; rows ending
+in ``_blocksK`` cut fragments from K-block slices, ``outer.streaming.fragment=blocks:K``) and the
 one-step-delay sync (``outer.sync=delayed``: int8 or adaptive codecs). Each row gives total bytes
 per rank and round over DDP's, the peak bytes of one sync over DiLoCo fp32's peak, the share of the
 round spent issuing and waiting for exchanges (on the last rank to arrive at each sync, so that a
@@ -183,6 +184,12 @@ ROWS = {
         "outer.sync=streaming", f"outer.streaming.num_fragments={f}", f"outer.streaming.overlap_steps={tau}",
         f"outer.streaming.mix_alpha={alpha}", "outer.streaming.pattern=balanced", f"dist.comm_dtype={dtype}"]
        for f in (2, 4) for tau in (0, 2) for alpha in ("0", "0.5") for dtype in ("fp32", "fp4")},
+    # sub-module fragments: units of K decoder blocks, the embedding and head in pieces of at most K blocks
+    **{f"streaming_F{f}_tau{tau}_a{alpha}_{dtype}_blocks{k}": [
+        "outer.sync=streaming", f"outer.streaming.num_fragments={f}", f"outer.streaming.overlap_steps={tau}",
+        f"outer.streaming.mix_alpha={alpha}", "outer.streaming.pattern=balanced",
+        f"outer.streaming.fragment=blocks:{k}", f"dist.comm_dtype={dtype}"]
+       for f in (2, 4) for tau in (0, 2) for alpha in ("0", "0.5") for dtype in ("fp32", "fp4") for k in (1,)},
     "delayed_int8": ["outer.sync=delayed", "dist.comm_dtype=int8"],
     "delayed_adaptive": ["outer.sync=delayed", "dist.comm_dtype=int8", "dist.adaptive=true"],
     "delayed_eager_int8": ["outer.sync=delayed", "outer.delayed.eager=true", "dist.comm_dtype=int8"],

@@ -1,7 +1,10 @@
 """The transport: sums per-module payloads over the ranks holding each module.
 
-It knows nothing of the algorithm that uses it. A payload is, per module, a few exact fp32
-``meta`` values (summed in fp32, never encoded) and a flat fp32 vector (sent through a
+It knows nothing of the algorithm that uses it. Its "modules" are the ids its groups list: the
+outer syncs pass slices of the bank's modules (:mod:`dipaco.sync.slices`; whole modules, or K-block
+pieces of them under ``outer.streaming.fragment=blocks:K``, named ``module[start:stop]``), and the
+error feedback and adaptive codecs that wrap it keep their state per such id. A payload is, per
+module, a few exact fp32 ``meta`` values (summed in fp32, never encoded) and a flat fp32 vector (sent through a
 :class:`~dipaco.comm.codecs.Codec`). :meth:`Transport.start` issues the collectives as
 asynchronous torch.distributed work and returns a :class:`Reduction`; :meth:`Reduction.wait`
 completes them, so a caller can overlap communication with computation.

@@ -15,14 +15,14 @@ are absent from ``state_dict``; composing a path through one of them is an error
 
 from __future__ import annotations
 
-from typing import Collection, Iterable
+from typing import Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from dipaco.errors import CheckpointError
-from dipaco.model.llama import check_covers_model, part_parameter_names
+from dipaco.model.llama import block_prefix, check_covers_model, part_parameter_names
 from dipaco.model.topology import Part, Topology
 
 
@@ -65,6 +65,19 @@ class ModuleBank:
     def numel(self, part: Part) -> int:
         return sum(s.numel() for s in self.param_shapes[part.name])
 
+    def block_spans(self, part: Part) -> list[tuple[int, int]]:
+        """[start, stop) of each decoder block of a level ``part`` in its modules' flat vectors, in
+        forward order (a block's parameters are consecutive: :func:`part_parameter_names`)."""
+        spans, offset = [], 0
+        sizes = dict(zip(self.param_names[part.name], (s.numel() for s in self.param_shapes[part.name])))
+        for layer in part.layers:
+            numel = sum(n for name, n in sizes.items() if name.startswith(block_prefix(layer)))
+            spans.append((offset, offset + numel))
+            offset += numel
+        if offset != self.numel(part):
+            raise ValueError(f"{part.name}: its parameters are not its blocks' parameters in block order")
+        return spans
+
     def holds(self, module_id: int) -> bool:
         return module_id in self._held
 
@@ -74,10 +87,12 @@ class ModuleBank:
 
     @torch.no_grad()
     def load_path(self, path: int, model: PreTrainedModel, modules: Collection[int] | None = None,
-                  keep: float = 0.0) -> None:
+                  keep: float = 0.0, spans: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> None:
         """Overwrites ``model``'s parameters in place with the modules of ``path``.
 
-        ``modules``: only the parts whose module is one of these (default: every part). ``keep``:
+        ``modules``: only the parts whose module is one of these (default: every part). ``spans``:
+        for the modules it names, only these [start, stop) ranges of the module's flat vector (a
+        slice of a module: Streaming DiLoCo's ``blocks:K`` fragments); the others whole. ``keep``:
         mix instead of overwriting, theta_path <- keep * theta_path + (1 - keep) * theta_bank
         (Streaming DiLoCo's alpha); 0 copies the bank's values exactly.
         """
@@ -88,12 +103,19 @@ class ModuleBank:
             raise ValueError(f"path {path} goes through modules this bank does not hold: {missing}")
         for part, module_id in chosen:
             targets = self._path_params(model, part)
-            chunks = torch.split(self.params[module_id], [t.numel() for t in targets])
-            for target, chunk in zip(targets, chunks):
-                if keep:
-                    target.mul_(keep).add_(chunk.view_as(target), alpha=1.0 - keep)
-                else:
-                    target.copy_(chunk.view_as(target))
+            ranges = (spans or {}).get(module_id, ((0, self.params[module_id].numel()),))
+            offset = 0  # of the target tensor in the module's flat vector
+            for target, chunk in zip(targets, torch.split(self.params[module_id], [t.numel() for t in targets])):
+                flat = target.view(-1)
+                for start, stop in ranges:
+                    lo, hi = max(start, offset) - offset, min(stop, offset + flat.numel()) - offset
+                    if lo >= hi:
+                        continue
+                    if keep:
+                        flat[lo:hi].mul_(keep).add_(chunk[lo:hi], alpha=1.0 - keep)
+                    else:
+                        flat[lo:hi].copy_(chunk[lo:hi])
+                offset += flat.numel()
 
     @torch.no_grad()
     def add_to_path(self, model: PreTrainedModel, part: Part, vector: torch.Tensor, alpha: float = 1.0) -> None:

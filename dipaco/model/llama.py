@@ -66,8 +66,13 @@ def part_parameter_names(model: LlamaForCausalLM, part: Part) -> list[str]:
         return [n for n in names if n.startswith("model.embed_tokens.")]
     if part.kind == HEAD:
         return [n for n in names if n.startswith("model.norm.") or n.startswith("lm_head.")]
-    prefixes = tuple(f"model.layers.{i}." for i in part.layers)
+    prefixes = tuple(block_prefix(i) for i in part.layers)
     return [n for n in names if n.startswith(prefixes)]
+
+
+def block_prefix(layer: int) -> str:
+    """The name prefix of decoder block ``layer``'s parameters (a level part holds whole blocks)."""
+    return f"model.layers.{layer}."
 
 
 def check_covers_model(model: LlamaForCausalLM, topology: Topology) -> None:

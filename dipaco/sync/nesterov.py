@@ -9,12 +9,17 @@ averaging were worse). Guarantees of :class:`ModuleNesterov`:
   parameters whose ``grad`` is None);
 * with ``lr=1, momentum=0`` the step subtracts the gradient: theta_m <- theta_m - Delta_m, which
   replaces a module by the weighted average of its paths;
+* a step of some slices of a module (``spans``: Streaming DiLoCo's ``blocks:K`` fragments) changes
+  only their elements, parameters and momentum, and changes them exactly as the step of the whole
+  module would (the SGD update is elementwise; torch's step runs on the whole module, with a zero
+  gradient elsewhere, and the other elements are put back). Momentum elements whose slice has not
+  stepped yet are 0; torch's first step, buf = g, is then mu * 0 + g, the same value;
 * state covers exactly the modules the bank holds, by module name.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -30,16 +35,32 @@ class ModuleNesterov:
                                    nesterov=cfg.nesterov and cfg.momentum > 0)
 
     @torch.no_grad()
-    def step(self, grads: Mapping[int, torch.Tensor | None]) -> dict[str, float]:
-        """One SGD step with each held module's outer gradient (None: untouched); returns their norms."""
+    def step(self, grads: Mapping[int, torch.Tensor | None],
+             spans: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> dict[str, float]:
+        """One SGD step with each held module's outer gradient (None: untouched); returns their norms.
+
+        ``spans``: for the modules it names, only these [start, stop) ranges step (their gradient is
+        the full-size vector, read only there); the others step whole."""
         norms: dict[str, float] = {}
+        kept: dict[int, tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor | None]] = {}
         for m in self.bank.held:
             grad = grads.get(m)
+            if grad is not None and spans and m in spans:
+                param, buf = self.bank.params[m], self.momentum(m)
+                kept[m] = (_complement(spans[m], param.numel()), param.detach().clone(),
+                           None if buf is None else buf.clone())
+                grad = _only(grad, spans[m])
             self.bank.params[m].grad = grad
             if grad is not None:
                 norms[self.bank.module_name(m)] = float(grad.norm())
         self.sgd.step()
         self.sgd.zero_grad(set_to_none=True)
+        for m, (outside, param, buf) in kept.items():  # the elements outside the spans, as they were
+            mom = self.momentum(m)
+            for start, stop in outside:
+                self.bank.params[m][start:stop] = param[start:stop]
+                if mom is not None:
+                    mom[start:stop] = 0.0 if buf is None else buf[start:stop]
         return norms
 
     def momentum(self, module_id: int) -> torch.Tensor | None:
@@ -68,3 +89,20 @@ class ModuleNesterov:
             if buf.shape != param.shape:
                 raise CheckpointError(f"outer momentum for {name}: shape {tuple(buf.shape)}, expected {tuple(param.shape)}")
             self.sgd.state[param]["momentum_buffer"] = buf.clone().to(param.device)
+
+
+def _only(grad: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``grad`` inside ``spans``, 0 elsewhere."""
+    out = torch.zeros_like(grad)
+    for start, stop in spans:
+        out[start:stop] = grad[start:stop]
+    return out
+
+
+def _complement(spans: Sequence[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for start, stop in sorted(spans):
+        if start > at:
+            out.append((at, start))
+        at = max(at, stop)
+    return out + ([(at, numel)] if at < numel else [])

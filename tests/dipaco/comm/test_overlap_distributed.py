@@ -1,5 +1,6 @@
 """The overlapping syncs under torchrun (gloo on loopback, CPU): Streaming DiLoCo on 2 ranks against
-one process, and a 2-rank resume with a 4-bit, error-fed, adaptive fragment in flight."""
+one process, and a 2-rank resume with a 4-bit, error-fed, adaptive fragment in flight (whole modules,
+and sub-module slices: outer.streaming.fragment=blocks:1)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dipaco.checkpoint.store import rank_files
+from dipaco.checkpoint.store import load_tensors, rank_files
 from dipaco.config import StreamingConfig, save_config
 from dipaco.metrics import read_metrics
 from dipaco.train.loop import train
@@ -58,14 +59,22 @@ def test_two_ranks_stream_the_same_bank_as_one_process(copied):
 
 
 @pytest.mark.slow
-def test_two_rank_resume_with_a_4bit_adaptive_fragment_in_flight_is_bit_exact(copied):
+@pytest.mark.parametrize("fragment", ["module", "blocks:1"])
+def test_two_rank_resume_with_a_4bit_adaptive_fragment_in_flight_is_bit_exact(copied, fragment):
     cfg, cfg_file = copied
-    lossy = (*STREAM, "dist.comm_dtype=fp4", "dist.chunk_size=64", "dist.adaptive=true")
-    run(cfg_file, *lossy, "train.name=whole")
-    run(cfg_file, *lossy, "train.name=part", "--until-round", "1")
-    ckpt = Path(cfg.run.dir) / "train" / "part" / "checkpoints" / "round_000001"
+    lossy = (*STREAM, "dist.comm_dtype=fp4", "dist.chunk_size=64", "dist.adaptive=true",
+             f"outer.streaming.fragment={fragment}")
+    name = fragment.replace(":", "")
+    run(cfg_file, *lossy, f"train.name=whole_{name}")
+    run(cfg_file, *lossy, f"train.name=part_{name}", "--until-round", "1")
+    ckpt = Path(cfg.run.dir) / "train" / f"part_{name}" / "checkpoints" / "round_000001"
     assert rank_files(ckpt, "streaming.safetensors")  # a fragment was in flight at the checkpoint
     assert rank_files(ckpt, "comm.safetensors") and rank_files(ckpt, "adaptive.safetensors")
-    run(cfg_file, *lossy, "train.name=part", "--resume")
-    a, b = final_bank(cfg, "whole"), final_bank(cfg, "part")
+    if fragment != "module":  # residuals and codec choices per slice: the embedding's and the head's halves
+        residuals = {k for f in rank_files(ckpt, "comm.safetensors").values() for k in load_tensors(f)}
+        assert {"embedding.0[0:8192]", "embedding.0[8192:16384]", "head.0[0:8208]"} <= residuals
+        in_flight = {k for f in rank_files(ckpt, "streaming.safetensors").values() for k in load_tensors(f)}
+        assert any(k.startswith(("0/embedding.0[", "0/head.0[")) for k in in_flight)
+    run(cfg_file, *lossy, f"train.name=part_{name}", "--resume")
+    a, b = final_bank(cfg, f"whole_{name}"), final_bank(cfg, f"part_{name}")
     assert all(torch.equal(a[k], b[k]) for k in a)

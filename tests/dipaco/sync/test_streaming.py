@@ -63,7 +63,7 @@ def test_a_hand_computed_schedule_says_which_module_syncs_at_which_step():
                     changed_at.setdefault(m, []).append((r, offset))
     assert changed_at == {0: [(1, 1)], 3: [(1, 1)], 1: [(0, 3), (1, 3)], 4: [(0, 3), (1, 3)],
                           2: [(0, 5), (1, 5)], 5: [(0, 5), (1, 5)]}
-    assert sync.in_flight is not None and sync.in_flight.modules == (0, 3)  # round 1's fragment 0
+    assert sync.in_flight is not None and sync.in_flight.slices == (0, 3)  # round 1's fragment 0
 
 
 def test_fragment_patterns():

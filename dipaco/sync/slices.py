@@ -1,0 +1,93 @@
+"""Slices: the pieces of the bank's modules that outer gradients are exchanged and applied in.
+
+A slice is the elements [start, stop) of one module's flat vector in the bank
+(:class:`~dipaco.model.bank.ModuleBank`). DiLoCo and its variants exchange, encode, error-feed and
+apply outer gradients per slice: the transport (:mod:`dipaco.comm.reduce`), its error feedback and
+its adaptive codec choice are keyed by slice ids and named by slice names, so they need no notion of
+a sub-module. Normally every slice is a whole module (:func:`whole_modules`: slice id = module id,
+slice name = module name, so the checkpoints are the same as with modules). Streaming DiLoCo's
+``outer.streaming.fragment=blocks:K`` cuts modules finer (:func:`block_slices`):
+
+* a level module into runs of K consecutive decoder blocks (the last run of a module shorter when
+  K does not divide its blocks); K may not exceed the blocks of any level's modules;
+* every other part (the embedding; the head: final norm and LM head) into the fewest contiguous
+  pieces of at most K blocks' parameters, of equal size (the first ones one element larger when
+  the size does not divide), so that no slice is much larger than a K-block one and a fragment's
+  share of the model can fall to about 1/F.
+
+What stays per module: the averaging (every slice of module m carries the same meta values, the
+weight and count of the paths through m), the scale of lossy payloads (the weight of every path
+through m), the Nesterov momentum buffer (one per module, of which a slice steps its elements:
+:meth:`dipaco.sync.nesterov.ModuleNesterov.step`), and which ranks hold it (a slice's group is its
+module's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from dipaco.errors import ConfigError
+from dipaco.model.bank import ModuleBank
+
+
+@dataclass(frozen=True)
+class Slice:
+    module: int  # global module id
+    start: int  # [start, stop) of the module's flat vector
+    stop: int
+    name: str  # the module's name when whole, else "<module>[start:stop]"
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def _slice(bank: ModuleBank, module: int, start: int, stop: int) -> Slice:
+    name = bank.module_name(module)
+    whole = start == 0 and stop == bank.numel(bank.topology.modules[module].part)
+    return Slice(module, start, stop, name if whole else f"{name}[{start}:{stop}]")
+
+
+def whole_modules(bank: ModuleBank) -> list[Slice]:
+    """One slice per module, in module order (slice id = module id)."""
+    return [_slice(bank, m.id, 0, bank.numel(m.part)) for m in bank.topology.modules]
+
+
+def block_slices(bank: ModuleBank, k: int) -> list[list[Slice]]:
+    """``outer.streaming.fragment=blocks:K``: each module's slices (module order), as the module
+    docstring says."""
+    levels = [part for part in bank.topology.parts if part.kind == "level"]
+    short = [part for part in levels if len(part.layers) < k]
+    if short:
+        raise ConfigError(f"outer.streaming.fragment: blocks:{k} but the modules of {short[0].name} have only "
+                          f"{len(short[0].layers)} block(s); K must be at most every level's blocks per module "
+                          f"({min(len(p.layers) for p in levels)} here)")
+    block = max(stop - start for part in levels for start, stop in bank.block_spans(part))
+    cap = k * block  # the most parameters a piece of a part without blocks may have
+    out = []
+    for module in bank.topology.modules:
+        part = module.part
+        if part.kind == "level":
+            spans = bank.block_spans(part)
+            runs = [(spans[i][0], spans[min(i + k, len(spans)) - 1][1]) for i in range(0, len(spans), k)]
+        else:
+            numel = bank.numel(part)
+            pieces = max(1, -(-numel // cap))
+            size, extra = divmod(numel, pieces)
+            bounds = [i * size + min(i, extra) for i in range(pieces + 1)]
+            runs = list(zip(bounds[:-1], bounds[1:]))
+        out.append([_slice(bank, module.id, start, stop) for start, stop in runs])
+    return out
+
+
+def spans_by_module(slices: Iterable[Slice]) -> dict[int, list[tuple[int, int]]]:
+    """Module id -> the [start, stop) ranges the slices cover, sorted, adjacent ranges merged."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for s in sorted(slices, key=lambda s: (s.module, s.start)):
+        ranges = out.setdefault(s.module, [])
+        if ranges and ranges[-1][1] == s.start:
+            ranges[-1] = (ranges[-1][0], s.stop)
+        else:
+            ranges.append((s.start, s.stop))
+    return out
