@@ -65,7 +65,9 @@ def test_adaptive_picks_the_cheapest_codec_within_the_tolerance():
     codecs = [build_codec(n, 64) for n in CANDIDATES]
     gen = torch.Generator().manual_seed(0)
     gaussian = torch.randn(4096, generator=gen)  # 4-bit relative error ~0.11
-    heavy = torch.distributions.StudentT(2.0).sample((4096,))  # heavy tails: chunk scales waste the 4-bit grid
+    with torch.random.fork_rng():  # StudentT samples from the global generator: seed it, or the draw (and the
+        torch.manual_seed(0)  # chosen codec) depends on which tests ran before
+        heavy = torch.distributions.StudentT(2.0).sample((4096,))  # heavy tails: chunk scales waste the 4-bit grid
     i, errors = choose(codecs, gaussian, tolerance=0.12)
     assert CANDIDATES[i] == "fp4" and errors[0] < errors[1] and errors[i] <= 0.12  # same size: smaller error
     j, errors = choose(codecs, heavy, tolerance=0.12)
