@@ -3,9 +3,10 @@
 The codecs (:mod:`dipaco.comm.codecs`) run on every sync, and the adaptive rule
 (:mod:`dipaco.comm.adaptive`) encodes every candidate after every sync, on the exchange's critical
 path. This times both on a vector of --numel fp32 values (one module-sized outer gradient), best of
---repeats. With --baseline REF the codecs of another git revision are loaded from ``git show
-REF:dipaco/comm/codecs.py`` and timed in the same process, alternating with ours, and their
-outputs are checked to be bit-identical.
+--repeats, in CPU time of the calling thread (use --threads 1). With --baseline REF the codecs of
+another git revision are loaded from ``git show REF:dipaco/comm/codecs.py`` and timed in the same
+process, alternating with ours, and their outputs are checked to be bit-identical. ``--baseline
+HEAD`` on an unchanged tree is the control: its ratios show the measurement's noise.
 
     python scripts/bench_codecs.py --numel 345000 --baseline 9a1b553 --threads 1
 """
@@ -44,11 +45,13 @@ def load_baseline(ref: str):
 
 
 def best_seconds(fn, repeats: int) -> float:
+    """Best CPU time of this thread over ``repeats`` calls: with one torch thread (--threads 1) it is the
+    work done, which a busy shared machine inflates far less than wall time."""
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.thread_time() - start)
     return min(times)
 
 

@@ -195,6 +195,10 @@ ROWS = {
     "delayed_eager_int8": ["outer.sync=delayed", "outer.delayed.eager=true", "dist.comm_dtype=int8"],
     "delayed_eager_adaptive": ["outer.sync=delayed", "outer.delayed.eager=true", "dist.comm_dtype=int8",
                                "dist.adaptive=true"],
+    # A stale outer gradient under Nesterov momentum 0.9 overshoots: the same delays with a damped outer step.
+    "delayed_int8_momentum0": ["outer.sync=delayed", "dist.comm_dtype=int8", "outer.momentum=0.0"],
+    "delayed_eager_int8_momentum0": ["outer.sync=delayed", "outer.delayed.eager=true", "dist.comm_dtype=int8",
+                                     "outer.momentum=0.0"],
 }
 DEFAULT_ROWS = ["diloco_fp32", "diloco_int8", "streaming_F2_tau0_a0_fp32", "streaming_F4_tau0_a0_fp32",
                 "streaming_F4_tau2_a0_fp4", "streaming_F4_tau2_a0.5_fp4", "delayed_int8", "delayed_adaptive",
