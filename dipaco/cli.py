@@ -208,18 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dipaco.runtime import quiet_library_progress_bars
+    from dipaco.runtime import quiet_library_progress_bars, sigint_stops_training
 
     args = build_parser().parse_args(argv)
     try:
-        if not getattr(args, "uses_config", True):  # generate / export / serve: the run's stored config
-            quiet_library_progress_bars()
-            args.func(args)
-            return 0
-        cfg = load_config(args.config, args.overrides)
-        if not cfg.run.progress:
-            quiet_library_progress_bars()
-        args.func(cfg, args)
+        with sigint_stops_training():
+            if not getattr(args, "uses_config", True):  # generate / export / serve: the run's stored config
+                quiet_library_progress_bars()
+                args.func(args)
+                return 0
+            cfg = load_config(args.config, args.overrides)
+            if not cfg.run.progress:
+                quiet_library_progress_bars()
+            args.func(cfg, args)
     except DipacoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -132,6 +132,10 @@ class DelayedConfig:
 
     delay: int = 1  # rounds between a round's outer gradient and the round it is applied at; 0 = DiLoCo
     eager: bool = False  # each path keeps its own last delta at once; the average lands a round later (delay 1)
+    # the outer step of this sync: null = outer.lr / outer.momentum (a stale outer gradient under full momentum
+    # overshoots: see docs/benchmarks.md, issue 12, for the measured effect of a damped step)
+    lr: Optional[float] = None
+    momentum: Optional[float] = None
 
 
 @dataclass
@@ -436,6 +440,10 @@ def _validate_comm(cfg: Config) -> None:
         raise ConfigError(f"dist.adaptive_sample_chunks: must be >= 0 (0 = every chunk), got {dist.adaptive_sample_chunks}")
     if cfg.outer.delayed.delay < 0:
         raise ConfigError(f"outer.delayed.delay: must be >= 0, got {cfg.outer.delayed.delay}")
+    if cfg.outer.delayed.lr is not None:
+        _check_range("outer.delayed.lr", cfg.outer.delayed.lr, 0.0, math.inf)
+    if cfg.outer.delayed.momentum is not None:
+        _check_range("outer.delayed.momentum", cfg.outer.delayed.momentum, 0.0, 1.0)
     if cfg.outer.delayed.eager and cfg.outer.delayed.delay != 1:
         raise ConfigError(f"outer.delayed.eager: needs outer.delayed.delay=1 (a path's own delta is kept while "
                           f"exactly one exchange is in flight), got delay={cfg.outer.delayed.delay}")

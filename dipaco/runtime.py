@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -72,3 +76,39 @@ def quiet_library_progress_bars() -> None:
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+
+
+_interrupted = False  # set by the SIGINT handler of sigint_stops_training
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def sigint_stops_training() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is also remembered.
+
+    Python runs a signal handler between bytecodes, wherever they are: a KeyboardInterrupt raised
+    inside a finalizer or a callback called from C is printed as "Exception ignored" and lost, and
+    training would go on. :func:`raise_if_interrupted`, called every inner step, raises it again.
+    A SIGINT that the process inherited as ignored (a background job) stays ignored."""
+    global _interrupted
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    _interrupted = False
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _interrupted = False
+
+
+def raise_if_interrupted() -> None:
+    """Raises KeyboardInterrupt when a Ctrl-C arrived under :func:`sigint_stops_training`."""
+    if _interrupted:
+        raise KeyboardInterrupt

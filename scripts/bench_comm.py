@@ -41,6 +41,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -205,6 +206,12 @@ DEFAULT_ROWS = ["diloco_fp32", "diloco_int8", "streaming_F2_tau0_a0_fp32", "stre
                 "delayed_eager_int8", "delayed_eager_adaptive"]
 
 
+def row_overrides(name: str) -> list[str]:
+    """A row's dipaco overrides: ``ROW`` is a name in ROWS, ``ROW@key=value@key=value`` adds overrides to it."""
+    base, *extra = name.split("@")
+    return [*ROWS[base], *extra]
+
+
 def wait_share(exp_dir: Path) -> dict:
     """Share of the round spent issuing and waiting for exchanges, on the rank that arrived last
     (the smaller comm_seconds of each round). Steady state: median over the rounds after the first
@@ -228,28 +235,30 @@ def sync_table(args, cfg, cfg_file: Path, work: Path) -> dict:
     from dipaco.eval.evaluate import evaluate_experiment
 
     names = {"all": list(ROWS), "default": list(DEFAULT_ROWS)}.get(args.rows) or args.rows.split(",")
-    unknown = [n for n in names if n not in ROWS]
+    unknown = [n for n in names if n.split("@")[0] not in ROWS]
     if unknown:
-        sys.exit(f"--rows: unknown {unknown}; one of {', '.join(ROWS)}")
+        sys.exit(f"--rows: unknown {unknown}; one of {', '.join(ROWS)} (ROW@key=value@... adds overrides)")
     if "diloco_fp32" not in names:
         names.insert(0, "diloco_fp32")  # the baseline of every ratio
     results = {}
     for name in names:
-        exp_dir = work / "run" / "train" / name
+        exp_name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)  # ROW@key=value: a directory-safe train.name
+        exp_dir = work / "run" / "train" / exp_name
         shutil.rmtree(exp_dir, ignore_errors=True)
-        wall = run_job(cfg_file, args.nproc, name, ROWS[name])
+        overrides = row_overrides(name)
+        wall = run_job(cfg_file, args.nproc, exp_name, overrides)
         comm = read_metrics(exp_dir / "metrics.jsonl", "comm")
-        row = {"overrides": ROWS[name], "job_wall_seconds": wall,
+        row = {"overrides": overrides, "job_wall_seconds": wall,
                "bytes_sent_per_rank_round": statistics.mean(r["bytes_sent"] for r in comm),
                "ddp_bytes_per_rank_round": statistics.mean(r["ddp_bytes"] for r in comm),
                "peak_sync_bytes": max(r["peak_sync_bytes"] for r in comm),
                "ddp_peak_sync_bytes": comm[0]["ddp_peak_sync_bytes"], "loopback": wait_share(exp_dir)}
-        row["val_ppl"] = evaluate_experiment(apply_overrides(cfg, [f"train.name={name}", *ROWS[name]]))["overall"]["ppl"]
+        row["val_ppl"] = evaluate_experiment(apply_overrides(cfg, [f"train.name={exp_name}", *overrides]))["overall"]["ppl"]
         if args.rate:
-            limited = f"{name}_limited"
+            limited = f"{exp_name}_limited"
             shutil.rmtree(work / "run" / "train" / limited, ignore_errors=True)
             with LimitedLoopback(args.rate) as netns:
-                row["limited_wall_seconds"] = run_job(cfg_file, args.nproc, limited, ROWS[name], netns=netns)
+                row["limited_wall_seconds"] = run_job(cfg_file, args.nproc, limited, overrides, netns=netns)
             row["limited"] = wait_share(work / "run" / "train" / limited)
         results[name] = row
         print(f"{name}: {json.dumps(row)}", flush=True)

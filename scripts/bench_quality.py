@@ -68,6 +68,9 @@ from dipaco.train.loop import train  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 SOURCES = ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz")
+# --corpus: which shared corpora make the benchmark corpus (mix: all three, the default)
+CORPORA = {"mix": SOURCES, "bbc": ("bbc_news.jsonl.gz",), "20ng": ("20news_bydate.jsonl.gz",),
+           "brown": ("brown_genres.jsonl.gz",)}
 
 
 @dataclass
@@ -180,11 +183,11 @@ def scale_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def write_corpus(path: Path, docs_per_source: int | None) -> Path:
-    """The three shared corpora as one jsonl, labels prefixed by source, 20NG headers stripped."""
+def write_corpus(path: Path, docs_per_source: int | None, sources: tuple[str, ...] = SOURCES) -> Path:
+    """The shared corpora as one jsonl, labels prefixed by source, 20NG headers stripped."""
     n = 0
     with path.open("w", encoding="utf-8") as out:
-        for name in SOURCES:
+        for name in sources:
             with gzip.open(SHARED / name, "rt", encoding="utf-8") as f:
                 for i, line in enumerate(f):
                     if docs_per_source is not None and i >= docs_per_source:
@@ -194,7 +197,7 @@ def write_corpus(path: Path, docs_per_source: int | None) -> Path:
                     row = {"id": f"{doc['source']}/{doc['id']}", "label": f"{doc['source']}:{doc['label']}", "text": text}
                     out.write(json.dumps(row) + "\n")
                     n += 1
-    echo(f"[bench] corpus: {n} documents from {', '.join(SOURCES)}")
+    echo(f"[bench] corpus: {n} documents from {', '.join(sources)}")
     return path
 
 
@@ -464,6 +467,8 @@ def main() -> None:
     p.add_argument("--rows", nargs="*", help="run only these rows (with --resume: run them again, keep the others)")
     p.add_argument("--resume", action="store_true",
                    help="keep the rows results.json already holds (same base config), run the missing ones")
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="mix",
+                   help="the shared corpora to train and route on: mix (all three) or one of them")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
     if not SHARED.is_dir():
@@ -472,7 +477,14 @@ def main() -> None:
     quiet_library_progress_bars()
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    corpus = write_corpus(out_dir / "corpus.jsonl", 150 if args.smoke else None)
+    corpus = out_dir / "corpus.jsonl"
+    fresh = write_corpus(out_dir / "corpus.jsonl.new", 150 if args.smoke else None, CORPORA[args.corpus])
+    prepared = (out_dir / "base" / "pretrain" / "config.json").is_file()
+    if prepared and corpus.is_file() and corpus.read_bytes() != fresh.read_bytes():
+        fresh.unlink()
+        sys.exit(f"error: {out_dir} was prepared on another corpus than --corpus {args.corpus}"
+                 f"{' --smoke' if args.smoke else ''}; use another --out-dir")
+    fresh.replace(corpus)
     base = load_config(REPO / "configs/bench/quality.yaml",
                        [*scale_overrides(args), f"run.dir={out_dir / 'base'}", f"data.corpus={corpus}", *args.overrides])
     started = time.perf_counter()

@@ -42,13 +42,24 @@ lags one round behind it. Each path's d_p is checkpointed (per rank, by path).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Mapping
 
 import torch
 from transformers import PreTrainedModel
 
+from dipaco.config import OuterConfig
 from dipaco.sync.base import SavedState, SyncContext, SyncReport
 from dipaco.sync.diloco import DiLoCo, Exchange
+from dipaco.sync.nesterov import ModuleNesterov
+
+
+def delayed_outer_step(outer: OuterConfig) -> OuterConfig:
+    """The outer optimizer settings of the delayed sync: ``outer.delayed.lr`` / ``.momentum`` where set."""
+    lr = outer.lr if outer.delayed.lr is None else outer.delayed.lr
+    momentum = outer.momentum if outer.delayed.momentum is None else outer.delayed.momentum
+    return replace(outer, lr=lr, momentum=momentum)
+
 
 IN_FLIGHT_FILE = "delayed"  # delayed.safetensors: the outer gradients in flight at the checkpoint
 OWN_FILE = "delayed_own"  # delayed_own.safetensors (eager): each path's own last delta, per rank
@@ -60,6 +71,7 @@ class DelayedDiLoCo(DiLoCo):
     def __init__(self, ctx: SyncContext, two_phase_from: int = 3) -> None:
         super().__init__(ctx, two_phase_from)
         self.delay, self.eager = ctx.cfg.outer.delayed.delay, ctx.cfg.outer.delayed.eager
+        self.nesterov = ModuleNesterov(ctx.bank, delayed_outer_step(ctx.cfg.outer))
         self.in_flight: list[Exchange] = []  # oldest first
         self.paths = tuple(ctx.by_rank[ctx.world.rank])
         self.own: dict[int, dict[str, torch.Tensor]] = {}  # eager: path -> part name -> d_p while it is in flight

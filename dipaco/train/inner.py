@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from dipaco.config import ModelConfig, OptimConfig
 from dipaco.model.llama import enable_activation_checkpointing
 from dipaco.precision import Precision, resolve_precision
+from dipaco.runtime import raise_if_interrupted
 from dipaco.train.lr_schedule import build_scheduler
 from dipaco.train.sampler import ShardSampler
 
@@ -199,6 +200,7 @@ class InnerLoop:
         total = torch.zeros((), device=self.device)
         recent = torch.zeros((), device=self.device)
         for i in range(steps):
+            raise_if_interrupted()
             loss = self.train_step()
             total += loss
             recent += loss

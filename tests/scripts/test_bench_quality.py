@@ -136,3 +136,21 @@ def test_rerouting_rows_reroute_inside_dipaco_train_at_their_points(bench):
     assert em_rounds("dipaco_2x2_kmeans") == [] and em_rounds("dense_4x") == []
     assert "route.em_rounds=[1,2,3]" in bench.row_overrides(every["dipaco_2x2_em"], Config())  # 4 rounds
     assert "reroute(" not in SCRIPT.read_text()  # no re-routing loop of its own
+
+
+def test_corpus_option_writes_only_the_named_shared_corpora(bench, tmp_path, monkeypatch):
+    import gzip
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for name in bench.SOURCES:
+        source = name.split("_")[0]
+        docs = [{"source": source, "label": f"t{i % 2}", "id": str(i), "text": f"{source} document {i}"} for i in range(3)]
+        with gzip.open(shared / name, "wt", encoding="utf-8") as f:
+            f.write("".join(json.dumps(d) + "\n" for d in docs))
+    monkeypatch.setattr(bench, "SHARED", shared)
+    assert set(bench.CORPORA) == {"mix", "bbc", "20ng", "brown"} and bench.CORPORA["mix"] == bench.SOURCES
+    bbc = [json.loads(line) for line in bench.write_corpus(tmp_path / "bbc.jsonl", 2, bench.CORPORA["bbc"]).open()]
+    assert [d["id"] for d in bbc] == ["bbc/0", "bbc/1"] and {d["label"] for d in bbc} == {"bbc:t0", "bbc:t1"}
+    mix = [json.loads(line) for line in bench.write_corpus(tmp_path / "mix.jsonl", None).open()]
+    assert len(mix) == 9 and {d["id"].split("/")[0] for d in mix} == {"20news", "bbc", "brown"}

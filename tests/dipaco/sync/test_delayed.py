@@ -14,10 +14,12 @@ from dipaco.sync.delayed import DelayedDiLoCo
 from test_streaming import tiny_model
 
 
-def delayed(rounds: int, eager: bool) -> DelayedDiLoCo:
+def delayed(rounds: int, eager: bool, lr: float = 1.0, momentum: float = 0.0,
+            lr_delayed: float | None = None, momentum_delayed: float | None = None) -> DelayedDiLoCo:
     topo = Topology.grid(2, [1])  # one path through every module
+    step = DelayedConfig(delay=1, eager=eager, lr=lr_delayed, momentum=momentum_delayed)
     cfg = Config(train=TrainConfig(inner_steps=4, rounds=rounds),
-                 outer=OuterConfig(lr=1.0, momentum=0.0, sync="delayed", delayed=DelayedConfig(delay=1, eager=eager)))
+                 outer=OuterConfig(lr=lr, momentum=momentum, sync="delayed", delayed=step))
     sync = build_sync(SyncContext(cfg, topo, ModuleBank(topo, tiny_model()), {0: 1.0}, [(0,)], World()))
     assert isinstance(sync, DelayedDiLoCo)
     return sync
@@ -52,3 +54,35 @@ def test_each_round_lands_one_round_late_and_eager_paths_keep_their_own_progress
 def test_eager_needs_a_delay_of_one():
     with pytest.raises(ConfigError, match="outer.delayed.eager: needs outer.delayed.delay=1"):
         load_config(None, ["outer.sync=delayed", "outer.delayed.eager=true", "outer.delayed.delay=2"])
+
+
+
+def run_rounds(sync: DelayedDiLoCo, rounds: int) -> torch.Tensor:
+    model = sync.bank.compose(0, tiny_model())
+    for r in range(rounds):
+        with torch.no_grad():  # a round of "training": every parameter moves by -1
+            for prm in model.parameters():
+                prm.sub_(1.0)
+        sync.at(r, 4, {0: model})
+    return torch.cat(list(sync.bank.params)).clone()
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_delayed_outer_step_keys_replace_outer_lr_and_momentum(eager):
+    b0 = torch.cat(list(delayed(rounds=3, eager=eager).bank.params)).clone()
+    # outer.lr=1, momentum=0.9 would move the bank by 1, then 1.9 + ...; the delayed keys make it lr 0.5, no momentum
+    damped = run_rounds(delayed(rounds=3, eager=eager, momentum=0.9, lr_delayed=0.5, momentum_delayed=0.0), 3)
+    plain = run_rounds(delayed(rounds=3, eager=eager, lr=0.5, momentum=0.0), 3)
+    assert torch.equal(damped, plain)
+    # every round's delta is 1 (non-eager: each round re-does the step from the stale bank; eager: the path
+    # trains as if alone); 3 deltas land at lr 0.5
+    torch.testing.assert_close(damped, b0 - 1.5, rtol=0, atol=1e-5)
+    full = run_rounds(delayed(rounds=3, eager=eager, momentum=0.9), 3)
+    assert not torch.allclose(full, plain)
+
+
+@pytest.mark.parametrize("key,value", [("outer.delayed.lr", "-0.1"), ("outer.delayed.momentum", "1.0"),
+                                       ("outer.delayed.momentum", "-0.5")])
+def test_bad_delayed_outer_step_names_the_key(key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, ["outer.sync=delayed", f"{key}={value}"])

@@ -83,19 +83,60 @@ def test_a_failed_write_of_any_kind_removes_the_temporary_directory(tmp_path):
     assert list((tmp_path / "ckpts").iterdir()) == []
 
 
+def _signal_masks(pid: int) -> str:
+    """The child's ignored, blocked and caught signal masks (Linux), to tell a hang from an ignored SIGINT."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "unavailable"
+    return " ".join(line.replace("\t", "") for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 def test_ctrl_c_is_one_line_and_exit_130(run_cfg):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")])}
-    cmd = [sys.executable, "-m", "dipaco", "train", *cli_args(run_cfg, "train.inner_steps=100000")]
+    # -X faulthandler: if the child hangs, SIGABRT makes it print every thread's stack before it dies.
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "dipaco", "train", *cli_args(run_cfg, "train.inner_steps=100000")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
         line = proc.stdout.readline()  # the first [train] line: the experiment is built, training runs
         assert line.startswith("[train]"), line
         time.sleep(1.0)
+        signals = _signal_masks(proc.pid)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"no exit within 120 s of SIGINT; signal masks before it: {signals}\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted: dipaco train stopped; continue with --resume"
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_ctrl_c_lost_inside_a_finalizer_still_stops_training_at_the_next_step(run_cfg, monkeypatch):
+    # Python runs the SIGINT handler between any two bytecodes; inside a finalizer or a callback from C
+    # the KeyboardInterrupt is printed as "Exception ignored" and lost. Here the step swallows it the same way.
+    from dipaco.runtime import sigint_stops_training
+    from dipaco.train.inner import InnerLoop
+
+    real_step, calls = InnerLoop.train_step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 3:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler runs here
+            except KeyboardInterrupt:
+                pass
+        return real_step(self)
+
+    monkeypatch.setattr(InnerLoop, "train_step", step)
+    with pytest.raises(KeyboardInterrupt), sigint_stops_training():
+        train(run_cfg)
+    assert len(calls) == 3  # the step that lost the interrupt finished; the next one did not start
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
