@@ -132,8 +132,8 @@ class DelayedConfig:
 
     delay: int = 1  # rounds between a round's outer gradient and the round it is applied at; 0 = DiLoCo
     eager: bool = False  # each path keeps its own last delta at once; the average lands a round later (delay 1)
-    # the outer step of this sync: null = outer.lr / outer.momentum (a stale outer gradient under full momentum
-    # overshoots: see docs/benchmarks.md, issue 12, for the measured effect of a damped step)
+    # the outer step of this sync. lr: null = outer.lr. momentum: null = min(outer.momentum, 0.5) with a delay
+    # (a round-late outer gradient under momentum 0.9 overshoots; measured in docs/benchmarks.md), outer.momentum at 0
     lr: Optional[float] = None
     momentum: Optional[float] = None
 

@@ -86,3 +86,20 @@ def test_the_delayed_outer_step_keys_replace_outer_lr_and_momentum(eager):
 def test_bad_delayed_outer_step_names_the_key(key, value):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, ["outer.sync=delayed", f"{key}={value}"])
+
+
+def test_a_delay_damps_the_default_outer_momentum_and_a_zero_delay_keeps_diloco_s():
+    from dipaco.sync.delayed import DELAYED_MOMENTUM, delayed_outer_step
+
+    def step(**over):
+        cfg = load_config(None, ["outer.sync=delayed", *[f"{k}={v}" for k, v in over.items()]])
+        return delayed_outer_step(cfg.outer)
+
+    assert DELAYED_MOMENTUM == 0.5
+    assert (step().lr, step().momentum) == (0.7, 0.5)  # DiLoCo's 0.9 damped
+    assert step(**{"outer.delayed.delay": 0}).momentum == 0.9  # delay 0 is DiLoCo
+    assert step(**{"outer.momentum": 0.3}).momentum == 0.3  # a smaller outer momentum is kept
+    assert step(**{"outer.delayed.momentum": 0.8, "outer.delayed.lr": 1.0}).momentum == 0.8
+    assert step(**{"outer.delayed.lr": 1.0}).lr == 1.0
+    sync = delayed(rounds=2, eager=True, momentum=0.9)
+    assert sync.nesterov.sgd.param_groups[0]["momentum"] == 0.5
