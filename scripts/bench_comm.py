@@ -33,6 +33,10 @@ whose loopback is limited by a token bucket (``tc qdisc ... tbf rate RATE``), an
 is measured there too.
 
     python scripts/bench_comm.py --rows all --inner-steps 48 --rate 20mbit --out /tmp/bench_sync.json
+
+A row name may carry extra dipaco overrides, ``ROW@key=value@key=value`` (a sweep of one setting):
+
+    python scripts/bench_comm.py --rows diloco_fp32,delayed_eager_int8@outer.delayed.momentum=0.7
 """
 
 from __future__ import annotations
