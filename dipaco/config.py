@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -86,8 +86,21 @@ class TopologyConfig:
     preset: Optional[str] = None
     levels: List[LevelConfig] = field(default_factory=lambda: [LevelConfig(blocks=4, modules=1)])
     replicas: int = 1  # paths per module tuple, each on its own shard (DiLoCo data parallelism)
-    embedding: str = "shared"  # shared | path
-    head: str = "shared"  # final norm + LM head: shared | path
+    # shared | path; null: the preset's choice (default_part_sharing): path for moe:P, shared otherwise
+    embedding: Optional[str] = None
+    head: Optional[str] = None  # final norm + LM head, as `embedding`
+
+
+def default_part_sharing(preset: str | None) -> str:
+    """What a null ``topology.embedding`` / ``topology.head`` means. A flat MoE (moe:P) is P independent
+    models, so its embedding and head are path-specific; every other topology shares them."""
+    return "path" if preset is not None and preset.partition(":")[0] == "moe" else "shared"
+
+
+def resolved_part_sharing(topo: TopologyConfig) -> tuple[str, str]:
+    """(embedding, head) sharing of a topology config, nulls resolved."""
+    default = default_part_sharing(topo.preset)
+    return topo.embedding or default, topo.head or default
 
 
 @dataclass
@@ -259,8 +272,8 @@ class Config:
 
 _CHOICES = {
     "data.empty_docs": ("error", "skip"),
-    "topology.embedding": ("shared", "path"),
-    "topology.head": ("shared", "path"),
+    "topology.embedding": (None, "shared", "path"),
+    "topology.head": (None, "shared", "path"),
     "outer.weighting": ("tokens", "uniform"),
     "outer.rescale": ("none", "sqrt_paths", "inv_sqrt_paths"),
     "train.driver": ("torchrun", "ray"),
@@ -307,7 +320,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"outer.sync: {cfg.outer.sync!r} is not one of {', '.join([*SYNCS, *ASYNC_SYNCS])}")
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
-            raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {', '.join(choices)}")
+            raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {', '.join('null' if c is None else c for c in choices)}")
     for key in _POSITIVE:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)}")
@@ -605,6 +618,13 @@ RESUME_FIXED = ("route.topk", "route.em_rounds")
 RESUME_FIXED_EM = ("route.reroute_holdout", "route.reroute_target")
 
 
+def _with_resolved_parts(cfg: Config) -> Config:
+    """A null embedding/head and the value it resolves to compute the same run (a run dir written
+    before the null existed holds "shared")."""
+    embedding, head = resolved_part_sharing(cfg.topology)
+    return replace(cfg, topology=replace(cfg.topology, embedding=embedding, head=head))
+
+
 def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTABLE,
                 keep: tuple[str, ...] | None = None) -> list[str]:
     """Keys whose values differ, as ``key: old -> new``, skipping keys that start with ``ignore``
@@ -612,7 +632,7 @@ def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTAB
     itself with route.em_rounds)."""
     if keep is None:
         keep = RESUME_FIXED + (RESUME_FIXED_EM if old.route.em_rounds or new.route.em_rounds else ())
-    a, b = _flatten(asdict(old)), _flatten(asdict(new))
+    a, b = (_flatten(asdict(_with_resolved_parts(c))) for c in (old, new))
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))

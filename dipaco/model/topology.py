@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Sequence
 
+from dipaco.config import resolved_part_sharing
 from dipaco.errors import ConfigError
 
 EMBEDDING = "embedding"
@@ -228,7 +229,8 @@ class Topology:
 
 def topology_from_config(topo_cfg, num_layers: int) -> Topology:
     """Builds the Topology a config describes and checks it covers ``model.num_layers`` blocks."""
-    kw = dict(embedding=topo_cfg.embedding, head=topo_cfg.head)
+    embedding, head = resolved_part_sharing(topo_cfg)
+    kw = dict(embedding=embedding, head=head)
     if topo_cfg.preset:
         topology = Topology.from_preset(topo_cfg.preset, num_layers, **kw)
     else:

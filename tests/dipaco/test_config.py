@@ -147,3 +147,20 @@ def test_em_schedule_and_its_rerouting_settings_are_fixed_on_resume():
         "route.reroute_target: 'uniform' -> 'current'"]
     plain = load_config(None, EM)
     assert config_diff(plain, load_config(None, [*EM, "route.reroute_holdout=0.2"])) == []
+
+
+def test_a_null_embedding_resumes_a_run_dir_that_spelled_out_its_default():
+    """Run dirs written before topology.embedding/head could be null hold "shared": the same run for
+    a grid, another run (its embedding and head were shared) for a flat MoE."""
+    grid = ["topology.preset=grid:2x2"]
+    old = load_config(None, [*grid, "topology.embedding=shared", "topology.head=shared"])
+    assert config_diff(old, load_config(None, grid)) == []
+    moe = ["topology.preset=moe:4"]
+    old = load_config(None, [*moe, "topology.embedding=shared", "topology.head=shared"])
+    assert config_diff(old, load_config(None, moe)) == [
+        "topology.embedding: 'shared' -> 'path'", "topology.head: 'shared' -> 'path'"]
+
+
+def test_a_bad_embedding_sharing_names_the_key_and_the_choices():
+    with pytest.raises(ConfigError, match=r"topology.embedding: 'expert' is not one of null, shared, path"):
+        load_config(None, ["topology.embedding=expert"])

@@ -1,7 +1,8 @@
 import pytest
 
+from dipaco.config import load_config
 from dipaco.errors import ConfigError
-from dipaco.model.topology import Level, Topology, mixed_radix_decode, mixed_radix_encode
+from dipaco.model.topology import Level, Topology, mixed_radix_decode, mixed_radix_encode, topology_from_config
 
 
 def test_mixed_radix_round_trip():
@@ -77,3 +78,28 @@ def test_bad_levels():
         Topology.grid(2, [2, 2, 2])
     with pytest.raises(IndexError):
         Topology.grid(4, [2, 2]).path_modules(4)
+
+
+def test_a_flat_moe_from_config_is_independent_models():
+    """moe:P is P independent models: with embedding/head left null, no module is shared by two paths."""
+    cfg = load_config(None, ["topology.preset=moe:4"])
+    moe = topology_from_config(cfg.topology, cfg.model.num_layers)
+    assert moe.num_paths == 4
+    assert all(len(moe.paths_through(m.id)) == 1 for m in moe.modules)
+
+
+@pytest.mark.parametrize("preset", ["dense", "diloco:2", "grid:2x2"])
+def test_other_presets_share_embedding_and_head_by_default(preset):
+    cfg = load_config(None, [f"topology.preset={preset}"])
+    topo = topology_from_config(cfg.topology, cfg.model.num_layers)
+    for part in (topo.parts[0], topo.parts[-1]):
+        assert part.num_modules == 1 and not part.path_specific
+
+
+def test_explicit_embedding_and_head_override_the_preset():
+    cfg = load_config(None, ["topology.preset=moe:4", "topology.head=shared"])
+    moe = topology_from_config(cfg.topology, cfg.model.num_layers)
+    assert moe.parts[0].path_specific and moe.parts[-1].num_modules == 1
+    cfg = load_config(None, ["topology.preset=grid:2x2", "topology.embedding=path"])
+    grid = topology_from_config(cfg.topology, cfg.model.num_layers)
+    assert grid.parts[0].num_modules == 4 and grid.parts[-1].num_modules == 1
