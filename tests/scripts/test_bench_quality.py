@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dipaco.config import Config, apply_overrides
+from dipaco.config import Config, apply_overrides, load_config
+from dipaco.model.topology import topology_from_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_quality.py"
 
@@ -90,10 +91,16 @@ def test_targets_are_checked_on_both_grids(bench):
 
 def test_every_routed_row_has_an_iid_control_of_its_topology_and_the_smoke_run_keeps_one(bench):
     every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
-    for routed, control in (("dipaco_2x2_kmeans", "dipaco_2x2_iid"), ("moe_4", "moe_4_iid"),
-                            ("dipaco_4x4_kmeans", "dipaco_4x4_iid")):
-        assert every[control].routing is None and every[control].preset == every[routed].preset
-        assert every[control].overrides == [] and every[control].rounds_factor == every[routed].rounds_factor
+    for routed in (r for r in every.values() if r.routing is not None and bench.iid_control(r.name)):
+        control = every[bench.iid_control(routed.name)]
+        assert control.routing is None and control.preset == routed.preset
+        assert control.rounds_factor == routed.rounds_factor
+        # The same topology: embedding and head sharing are the control's, other overrides are the row's.
+        topology = [o for o in routed.overrides if o.startswith("topology.")]
+        assert control.overrides == topology, routed.name
+    assert bench.iid_control("dipaco_2x2_pathemb_top2") == "dipaco_2x2_pathemb_iid"
+    assert bench.iid_control("moe_4") == "moe_4_iid" and bench.iid_control("moe_4_iid") is None
+    assert bench.iid_control("diloco_4") is None and bench.iid_control("dense_deep_4x") is None
     assert "dipaco_2x2_iid" not in bench.SMOKE_SKIP and set(bench.SMOKE_SKIP) <= set(every)
     assert {n.format(p=4, q=16) for n in bench.GPU_ROWS} <= set(every)  # --preset gpu names real rows
     assert every["dipaco_2x2_top2"].overrides == ["route.topk=2"] and every["dipaco_2x2_em"].reroutes == 3
@@ -116,11 +123,32 @@ def test_iid_controls_and_routing_agreement_are_in_the_table_and_targets(bench):
     assert "| NMI | purity |" in table.splitlines()[0]
     assert "| dipaco_2x2_featurizer | 4 | 1.0k | 1.0k | 100 | 4x | 1.0k | 0.380 | 0.610 |" in table
     lines = bench.targets(rows)
-    assert "- dipaco_2x2_featurizer beats its iid control by >= 3%: met (95.00 vs 100.00: +5.0%)" in lines
-    assert "- dipaco_2x2_kmeans beats its iid control by >= 3%: MISSED (99.00 vs 100.00: +1.0%)" in lines
-    assert "- moe_4 beats its iid control by >= 3%: met (96.00 vs 100.00: +4.0%)" in lines
+    assert "- dipaco_2x2_featurizer beats its iid control (dipaco_2x2_iid) by >= 3%: met (95.00 vs 100.00: +5.0%)" in lines
+    assert "- dipaco_2x2_kmeans beats its iid control (dipaco_2x2_iid) by >= 3%: MISSED (99.00 vs 100.00: +1.0%)" in lines
+    assert "- moe_4 beats its iid control (moe_4_iid) by >= 3%: met (96.00 vs 100.00: +4.0%)" in lines
     assert any(line.startswith("- DiPaCo 2x2 beats DiLoCo-4 at equal compute: met (best 2x2 row "
                                "dipaco_2x2_featurizer") for line in lines)
+
+
+def test_path_embedding_rows_are_judged_against_their_own_iid_control(bench):
+    rows = [_row(name, 4, 100, 1000, ppl) for name, ppl in [
+        ("dipaco_2x2_featurizer", 148.0), ("dipaco_2x2_iid", 147.0),
+        ("dipaco_2x2_pathemb_featurizer", 153.0), ("dipaco_2x2_pathemb_iid", 170.0)]]
+    lines = bench.targets(rows)
+    assert ("- dipaco_2x2_pathemb_featurizer beats its iid control (dipaco_2x2_pathemb_iid) by >= 3%: "
+            "met (153.00 vs 170.00: +10.0%)") in lines
+    assert any(line.startswith("- dipaco_2x2_featurizer beats its iid control (dipaco_2x2_iid) by >= 3%: MISSED")
+               for line in lines)
+    assert not any(line.startswith("- dipaco_2x2_pathemb_iid beats") for line in lines)
+
+
+def test_path_embedding_rows_give_every_path_its_own_embedding_and_head(bench):
+    every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
+    base = load_config(None, [])
+    for name in ("dipaco_2x2_pathemb_featurizer", "dipaco_2x2_pathemb_top2", "dipaco_2x2_pathemb_iid"):
+        cfg = apply_overrides(base, bench.row_overrides(every[name], base))
+        topo = topology_from_config(cfg.topology, cfg.model.num_layers)
+        assert topo.parts[0].num_modules == topo.parts[-1].num_modules == 4 == topo.num_paths
 
 
 def test_rerouting_rows_reroute_inside_dipaco_train_at_their_points(bench):
