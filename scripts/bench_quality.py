@@ -34,6 +34,9 @@ validation perplexity against training tokens and of shard sizes.
     python scripts/bench_quality.py --smoke         # ~1 min, for CI
     python scripts/bench_quality.py --scale 4       # wider model, more steps: for a GPU (run.device=auto)
     python scripts/bench_quality.py --resume        # keep the rows results.json already holds, run the rest
+    python scripts/bench_quality.py --rows dipaco_2x2_featurizer@outer.rescale=sqrt_paths \
+        dipaco_2x2_iid@outer.rescale=sqrt_paths      # ROW@key=value@...: a row with extra dipaco overrides,
+                                                    # judged against its iid control with the same overrides
     timeout 590 python scripts/bench_quality.py --preset gpu --resume   # the GPU regime, 10-minute commands:
                                                     # repeat until it prints the table; a row cut off
                                                     # continues from its last round's checkpoint
@@ -44,10 +47,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +91,11 @@ class Row:
     early_stopping: bool = False  # hold out train docs, score each path's best round
     model: list[str] = field(default_factory=list)  # another architecture: own run dir and pretraining
     overrides: list[str] = field(default_factory=list)
+
+    @property
+    def experiment(self) -> str:
+        """The row's train.name: its name, made a plain directory name (ROW@key=value rows hold '=' and '.')."""
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", self.name)
 
 
 EARLY_STOP_HOLDOUT = "train.early_stopping_holdout=0.05"
@@ -155,9 +164,21 @@ CONTROL_FAMILIES = ("dipaco_2x2_pathemb_", "dipaco_2x2_", "dipaco_4x4_", "moe_4_
 
 
 def iid_control(name: str) -> str | None:
-    """The iid control a routed row is judged against (None for rows without one)."""
-    family = next((f for f in CONTROL_FAMILIES if f"{name}_".startswith(f)), None)
-    return None if family is None or name == f"{family}iid" else f"{family}iid"
+    """The iid control a routed row is judged against (None for rows without one). A ``ROW@key=value``
+    row's control carries the same overrides: the sweep changes both sides of the comparison."""
+    base, at, extra = name.partition("@")
+    family = next((f for f in CONTROL_FAMILIES if f"{base}_".startswith(f)), None)
+    return None if family is None or base == f"{family}iid" else f"{family}iid{at}{extra}"
+
+
+def named_row(name: str, known: dict[str, Row]) -> Row:
+    """``ROW`` (a row of :func:`rows`) or ``ROW@key=value@key=value``: that row with extra dipaco overrides
+    on top of its own, under the full name."""
+    base, *extra = name.split("@")
+    if base not in known or any("=" not in o for o in extra):
+        raise KeyError(name)
+    row = known[base]
+    return replace(row, name=name, overrides=[*row.overrides, *extra]) if extra else row
 
 
 def improved_featurizer() -> list[str]:
@@ -281,7 +302,7 @@ def train_row(row: Row, cfg: Config, resume: bool) -> tuple:
     """Trains the row; a re-routing row re-routes inside `dipaco train` (route.em_rounds, see
     :func:`row_overrides`). With ``resume``, a row continues from its last round's checkpoint (a command
     cut off by a time limit loses at most one round; a re-routing row keeps the re-routings it did)."""
-    exp_dir = RunDir(cfg.run.dir).experiment(row.name)
+    exp_dir = RunDir(cfg.run.dir).experiment(row.experiment)
     latest = CheckpointManager(exp_dir / "checkpoints").latest()
     if resume and latest is not None:
         echo(f"[bench] {row.name}: continuing from {latest.name}")
@@ -296,7 +317,7 @@ def row_overrides(row: Row, base: Config) -> list[str]:
     rounds = base.train.rounds * row.rounds_factor
     points = reroute_rounds(rounds, row.reroutes) if row.reroutes else []
     em = [f"route.em_rounds=[{','.join(map(str, points))}]"] if points else []
-    return [f"topology.preset={row.preset}", f"train.name={row.name}", f"train.rounds={rounds}", *em, *row.overrides]
+    return [f"topology.preset={row.preset}", f"train.name={row.experiment}", f"train.rounds={rounds}", *em, *row.overrides]
 
 
 def routing_quality(cfg: Config, num_paths: int) -> dict:
@@ -315,8 +336,8 @@ def run_row(row: Row, base: Config, out_dir: Path, resume: bool = False) -> dict
     init_ppl = None
     if row.model:
         assert row.routing is None, "rows with their own architecture are dense (no routing)"
-        base, init_ppl = architecture_run(base, row.name, row.model, out_dir)
-    run = variant_run(base, row.routing, out_dir, private=row.name if row.reroutes else None, keep=resume)
+        base, init_ppl = architecture_run(base, row.experiment, row.model, out_dir)
+    run = variant_run(base, row.routing, out_dir, private=row.experiment if row.reroutes else None, keep=resume)
     cfg = apply_overrides(run, row_overrides(row, base))
     start = time.perf_counter()
     exp, resumed = train_row(row, cfg, resume)
@@ -387,7 +408,7 @@ def targets(results: list[dict]) -> list[str]:
             gain = 1 - by[name] / by[control]
             check(f"{name} beats its iid control ({control}) by >= 3%", gain >= 0.03,
                   f"{by[name]:.2f} vs {by[control]:.2f}: {gain:+.1%}")
-    routed_2x2 = {k: v for k, v in by.items() if k.startswith("dipaco_2x2_") and not k.endswith("_iid")}
+    routed_2x2 = {k: v for k, v in by.items() if k.startswith("dipaco_2x2_") and iid_control(k) is not None}
     if routed_2x2 and "diloco_4" in by:
         best = min(routed_2x2, key=routed_2x2.get)
         check("DiPaCo 2x2 beats DiLoCo-4 at equal compute", routed_2x2[best] < by["diloco_4"],
@@ -506,28 +527,38 @@ def main() -> None:
     fresh.replace(corpus)
     base = load_config(REPO / "configs/bench/quality.yaml",
                        [*scale_overrides(args), f"run.dir={out_dir / 'base'}", f"data.corpus={corpus}", *args.overrides])
+    # The smoke corpus is too small for 16 shards; the smoke run covers the 4-path rows.
+    every_row = rows(4, 16, True, base.model.num_layers)
+    every = {r.name: r for r in every_row}
+    try:  # before any preparation: a misspelt row fails at once
+        asked = [named_row(name, every) for name in args.rows or ()]
+    except KeyError as err:
+        sys.exit(f"error: unknown row {err.args[0]!r} (ROW or ROW@key=value@...); known: {', '.join(every)}")
+    include_large = not (args.no_large or args.smoke or (args.preset == "gpu" and not args.large))
+    in_scope = {r.name for r in rows(4, 16, include_large, base.model.num_layers)}
+    if args.preset == "gpu":
+        in_scope &= {n.format(p=4, q=16) for n in GPU_ROWS}
+    position = {r.name: i for i, r in enumerate(every_row)}
+
+    def table_order(name: str) -> tuple[int, str]:  # a ROW@... row follows its row
+        return position.get(name.split("@")[0], len(position)), name
+
+    selected = sorted((r for r in asked or every_row if r.name.split("@")[0] in in_scope
+                       and not (args.smoke and not args.rows and r.name in SMOKE_SKIP)),
+                      key=lambda r: table_order(r.name))
+
     started = time.perf_counter()
     if not (Path(base.run.dir) / "pretrain" / "config.json").is_file():
         prepare(base)
         pretrain(base)
     init = evaluate_pretrained(base)
 
-    # The smoke corpus is too small for 16 shards; the smoke run covers the 4-path rows.
-    every_row = rows(4, 16, True, base.model.num_layers)
-    unknown = set(args.rows or ()) - {r.name for r in every_row}
-    if unknown:
-        sys.exit(f"error: unknown rows {sorted(unknown)}; known: {', '.join(r.name for r in every_row)}")
-    include_large = not (args.no_large or args.smoke or (args.preset == "gpu" and not args.large))
-    preset_rows = {n.format(p=4, q=16) for n in GPU_ROWS} if args.preset == "gpu" else None
-    selected = [r for r in rows(4, 16, include_large, base.model.num_layers)
-                if (not args.rows or r.name in args.rows) and (preset_rows is None or r.name in preset_rows)
-                and not (args.smoke and not args.rows and r.name in SMOKE_SKIP)]
     by_name = finished_rows(out_dir / "results.json", base) if args.resume else {}
     if not args.resume and (out_dir / "results.json").is_file():
         echo(f"[bench] starting over: {out_dir / 'results.json'} will be replaced (--resume keeps its rows)")
 
     def ordered() -> list[dict]:  # kept and new rows, in the table's order
-        return [by_name[r.name] for r in every_row if r.name in by_name]
+        return [by_name[name] for name in sorted(by_name, key=table_order)]
 
     for row in selected:
         if row.name in by_name and row.name not in (args.rows or ()):

@@ -182,3 +182,45 @@ def test_corpus_option_writes_only_the_named_shared_corpora(bench, tmp_path, mon
     assert [d["id"] for d in bbc] == ["bbc/0", "bbc/1"] and {d["label"] for d in bbc} == {"bbc:t0", "bbc:t1"}
     mix = [json.loads(line) for line in bench.write_corpus(tmp_path / "mix.jsonl", None).open()]
     assert len(mix) == 9 and {d["id"].split("/")[0] for d in mix} == {"20news", "bbc", "brown"}
+
+
+def test_a_row_with_overrides_is_that_row_judged_against_its_control_with_the_same_overrides(bench):
+    every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
+    row = bench.named_row("dipaco_2x2_pathemb_top2@outer.rescale=sqrt_paths@outer.lr=0.5", every)
+    assert row.overrides == [*every["dipaco_2x2_pathemb_top2"].overrides, "outer.rescale=sqrt_paths", "outer.lr=0.5"]
+    assert row.routing == "featurizer4" and row.preset == "grid:2x2"
+    assert row.experiment == "dipaco_2x2_pathemb_top2_outer.rescale_sqrt_paths_outer.lr_0.5"
+    cfg = apply_overrides(load_config(None, []), bench.row_overrides(row, load_config(None, [])))
+    assert cfg.outer.rescale == "sqrt_paths" and cfg.train.name == row.experiment and cfg.route.topk == 2
+    assert bench.named_row("moe_4", every) is every["moe_4"]
+    for bad in ("moe_5", "moe_4@outer.lr", "nope@outer.lr=1"):
+        with pytest.raises(KeyError):
+            bench.named_row(bad, every)
+
+    sweep = "@outer.rescale=sqrt_paths"
+    assert bench.iid_control(f"dipaco_2x2_featurizer{sweep}") == f"dipaco_2x2_iid{sweep}"
+    assert bench.iid_control(f"dipaco_2x2_iid{sweep}") is None
+    rows = [_row(name, 4, 100, 1000, ppl) for name, ppl in [
+        ("diloco_4", 150.0), ("dipaco_2x2_featurizer", 148.0), ("dipaco_2x2_iid", 147.0),
+        (f"dipaco_2x2_featurizer{sweep}", 140.0), (f"dipaco_2x2_iid{sweep}", 100.0)]]
+    lines = bench.targets(rows)
+    assert (f"- dipaco_2x2_featurizer{sweep} beats its iid control (dipaco_2x2_iid{sweep}) by >= 3%: "
+            "MISSED (140.00 vs 100.00: -40.0%)") in lines
+    # An iid control is never the "best DiPaCo 2x2 row", whatever overrides it carries.
+    assert ("- DiPaCo 2x2 beats DiLoCo-4 at equal compute: met (best 2x2 row "
+            f"dipaco_2x2_featurizer{sweep} 140.00 vs 150.00)") in lines
+
+
+def test_an_unknown_row_fails_before_anything_is_prepared(bench, tmp_path, monkeypatch):
+    import gzip
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with gzip.open(shared / "bbc_news.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"source": "bbc", "label": "t", "id": "0", "text": "a document"}) + "\n")
+    monkeypatch.setattr(bench, "SHARED", shared)
+    monkeypatch.setattr(bench, "prepare", lambda cfg: pytest.fail("prepared before the rows were checked"))
+    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--corpus", "bbc", "--out-dir", str(tmp_path / "out"),
+                                      "--rows", "dipaco_2x2_iid@outer.rescale=sqrt_paths", "dipaco_2x2_idd"])
+    with pytest.raises(SystemExit, match=r"unknown row 'dipaco_2x2_idd' \(ROW or ROW@key=value@...\)"):
+        bench.main()
