@@ -206,9 +206,13 @@ def test_a_row_with_overrides_is_that_row_judged_against_its_control_with_the_sa
     lines = bench.targets(rows)
     assert (f"- dipaco_2x2_featurizer{sweep} beats its iid control (dipaco_2x2_iid{sweep}) by >= 3%: "
             "MISSED (140.00 vs 100.00: -40.0%)") in lines
-    # An iid control is never the "best DiPaCo 2x2 row", whatever overrides it carries.
+    # An iid control is never the "best DiPaCo 2x2 row", whatever overrides it carries, and neither is a
+    # row that trained longer than DiLoCo-4.
     assert ("- DiPaCo 2x2 beats DiLoCo-4 at equal compute: met (best 2x2 row "
             f"dipaco_2x2_featurizer{sweep} 140.00 vs 150.00)") in lines
+    longer = _row("dipaco_2x2_featurizer@train.rounds=8", 4, 200, 1000, 90.0)
+    assert ("- DiPaCo 2x2 beats DiLoCo-4 at equal compute: met (best 2x2 row "
+            f"dipaco_2x2_featurizer{sweep} 140.00 vs 150.00)") in bench.targets([*rows, longer])
 
 
 def test_an_unknown_row_fails_before_anything_is_prepared(bench, tmp_path, monkeypatch):
