@@ -119,6 +119,9 @@ def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[R
         Row("dipaco_2x2_top2", "grid:2x2", f"featurizer{small}", overrides=["route.topk=2"]),
         Row("dipaco_2x2_iid", "grid:2x2", None),
         Row("dipaco_2x2_product", "grid:2x2", "product2x2"),
+        # Paths that share a level module get documents near each other in that level's feature half,
+        # where flat k-means pairs its clusters onto the grid's cells in index order.
+        Row("dipaco_2x2_product_featurizer", "grid:2x2", "featurizer_product2x2"),
         Row("dipaco_2x2_reroute", "grid:2x2", f"kmeans{small}", reroutes=1),
         Row("dipaco_2x2_em", "grid:2x2", f"featurizer{small}", reroutes=EM_REROUTES),
         Row("dipaco_2x2_early_stop", "grid:2x2", f"kmeans{small}", early_stopping=True, overrides=[EARLY_STOP_HOLDOUT]),
@@ -156,7 +159,7 @@ IMPROVED_SVD = 64  # TF-IDF SVD width of the improved featurizer
 # Left out of --smoke to keep CI's time: the smoke run still has an iid control (dipaco_2x2_iid), and at
 # its 2 rounds the EM row would re-route at the same single point as dipaco_2x2_reroute.
 SMOKE_SKIP = ("moe_4_featurizer", "moe_4_iid", "dipaco_2x2_em", "dipaco_2x2_pathemb_featurizer",
-              "dipaco_2x2_pathemb_top2", "dipaco_2x2_pathemb_iid")
+              "dipaco_2x2_pathemb_top2", "dipaco_2x2_pathemb_iid", "dipaco_2x2_product_featurizer")
 
 # A routed row's iid control is its family's "iid" row (same topology, embedding and head); the
 # longest matching prefix wins.
@@ -193,6 +196,7 @@ ROUTINGS = {  # variant -> (topology used to fit it, route.method, other route s
     "kmeans4": ("grid:2x2", "kmeans", []),
     "featurizer4": ("grid:2x2", "kmeans", None),  # None: improved_featurizer()
     "product2x2": ("grid:2x2", "product", []),
+    "featurizer_product2x2": ("grid:2x2", "product", [o for o in improved_featurizer() if o != "route.topk=2"]),
     "kmeans16": ("grid:4x4", "kmeans", []),
     # Product cells are not fitted to the joint data: with the cap alone one 4x4 cell got 1 document.
     "product4x4": ("grid:4x4", "product", ["route.min_shard_fraction=0.5"]),

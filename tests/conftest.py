@@ -5,6 +5,7 @@ see tests/dipaco/tiny.py); `e2e_guard` marks them and makes CI fail when one is 
 corpora in ../shared/data, next to the repository, serve the benchmarks and one corpus test.
 """
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,13 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared corpora not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture
+def sigint_from_a_terminal():
+    """SIGINT handled as at a terminal (Python's KeyboardInterrupt) for the Ctrl-C tests. A suite started in
+    the background without job control (`make test &`, a CI runner's shell) inherits SIGINT ignored, and
+    so would a training subprocess; the tests would then measure that instead of dipaco's handler."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

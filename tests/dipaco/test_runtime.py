@@ -9,7 +9,7 @@ import pytest
 from dipaco.runtime import raise_if_interrupted, sigint_stops_training
 
 
-def test_ctrl_c_raises_at_once_and_again_at_the_next_check_then_the_handler_is_put_back():
+def test_ctrl_c_raises_at_once_and_again_at_the_next_check_then_the_handler_is_put_back(sigint_from_a_terminal):
     before = signal.getsignal(signal.SIGINT)
     with sigint_stops_training():
         raise_if_interrupted()  # nothing arrived: no-op

@@ -151,6 +151,17 @@ def test_path_embedding_rows_give_every_path_its_own_embedding_and_head(bench):
         assert topo.parts[0].num_modules == topo.parts[-1].num_modules == 4 == topo.num_paths
 
 
+def test_the_product_featurizer_row_routes_each_grid_level_on_the_improved_featurizer(bench):
+    preset, method, settings = bench.ROUTINGS["featurizer_product2x2"]
+    assert (preset, method) == ("grid:2x2", "product")
+    # The flat featurizer row's features and metric; top-1 shards, as the other non-top-2 rows train.
+    assert set(settings) == set(bench.improved_featurizer()) - {"route.topk=2"}
+    cfg = apply_overrides(load_config(None, []), [f"topology.preset={preset}", f"route.method={method}", *settings])
+    assert (cfg.route.method, cfg.route.featurizer, cfg.route.topk) == ("product", "tfidf_svd", 1)
+    row = next(r for r in bench.rows(4, 16, True, num_layers=4) if r.name == "dipaco_2x2_product_featurizer")
+    assert row.routing == "featurizer_product2x2" and bench.iid_control(row.name) == "dipaco_2x2_iid"
+
+
 def test_rerouting_rows_reroute_inside_dipaco_train_at_their_points(bench):
     """One code path: the reroute and EM rows set route.em_rounds and train with one `train` call."""
     every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}

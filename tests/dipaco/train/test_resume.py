@@ -92,7 +92,7 @@ def _signal_masks(pid: int) -> str:
     return " ".join(line.replace("\t", "") for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
-def test_ctrl_c_is_one_line_and_exit_130(run_cfg):
+def test_ctrl_c_is_one_line_and_exit_130(run_cfg, sigint_from_a_terminal):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")])}
     # -X faulthandler: if the child hangs, SIGABRT makes it print every thread's stack before it dies.
     cmd = [sys.executable, "-X", "faulthandler", "-m", "dipaco", "train", *cli_args(run_cfg, "train.inner_steps=100000")]
@@ -117,7 +117,8 @@ def test_ctrl_c_is_one_line_and_exit_130(run_cfg):
     assert len(err.strip().splitlines()) == 1, err
 
 
-def test_a_ctrl_c_lost_inside_a_finalizer_still_stops_training_at_the_next_step(run_cfg, monkeypatch):
+def test_a_ctrl_c_lost_inside_a_finalizer_still_stops_training_at_the_next_step(run_cfg, monkeypatch,
+                                                                                 sigint_from_a_terminal):
     # Python runs the SIGINT handler between any two bytecodes; inside a finalizer or a callback from C
     # the KeyboardInterrupt is printed as "Exception ignored" and lost. Here the step swallows it the same way.
     from dipaco.runtime import sigint_stops_training
