@@ -190,7 +190,9 @@ class TrainConfig:
 class RouteConfig:
     """`dipaco route`: document features -> k-means -> one path per document (see routing/)."""
 
-    featurizer: str = "lm_prefix"  # lm_prefix (the pretrained model's prefix states) | tfidf_svd | encoder
+    # lm_prefix (the pretrained model's prefix states) | tfidf_svd (TF-IDF + SVD of the prefix) | encoder |
+    # doc_topics (topics of the whole training documents, read from the prefix by a naive Bayes word model)
+    featurizer: str = "lm_prefix"
     layers: List[int] = field(default_factory=lambda: [-1])  # lm_prefix/encoder: hidden states pooled (0 = embeddings)
     skip_tokens: int = 0  # lm_prefix/encoder: leave each document's first tokens out of the mean
     transform: str = "none"  # none | center_l2 | pca_l2 | whiten_l2: fitted on the train features, kept by the router
@@ -204,7 +206,9 @@ class RouteConfig:
     n_init: int = 3
     max_iter: int = 100
     topk: int = 1  # >1: each train doc also trains its next-best paths (overlapping shards, `paths_topk`)
-    svd_components: int = 128  # tfidf_svd only
+    svd_components: int = 128  # tfidf_svd: the features' width; doc_topics: the whole-document clustering's
+    topics: int = 0  # doc_topics: topics found in the whole documents (the features' width); 0 = one per path
+    topic_smoothing: float = 0.1  # doc_topics: additive smoothing of the word model's counts (> 0)
     batch_size: int = 64  # featurizer batch
     precision: str = "auto"  # the featurizer's forward pass: auto | fp32 | bf16 | fp16
     reroute_holdout: float = 0.05  # `dipaco reroute`: fraction of train docs scored by every path
@@ -283,7 +287,7 @@ _CHOICES = {
     "dist.backend": ("auto", "gloo", "nccl"),
     "dist.comm_dtype": ("fp32", "bf16", "fp16", "int8", "int4", "fp4"),
     "outer.streaming.pattern": ("strided", "sequential", "balanced"),
-    "route.featurizer": ("lm_prefix", "tfidf_svd", "encoder"),
+    "route.featurizer": ("lm_prefix", "tfidf_svd", "encoder", "doc_topics"),
     "route.transform": ("none", "center_l2", "pca_l2", "whiten_l2"),
     "route.method": ("kmeans", "product"),
     "route.metric": ("euclidean", "cosine"),
@@ -376,6 +380,10 @@ def _validate_route_features(cfg: Config) -> None:
                           f"got {route.skip_tokens}")
     if route.transform_components is not None and route.transform_components <= 0:
         raise ConfigError(f"route.transform_components: must be > 0 or null, got {route.transform_components}")
+    if route.topics < 0 or route.topics == 1:
+        raise ConfigError(f"route.topics: must be 0 (one topic per path) or >= 2, got {route.topics}")
+    if route.topic_smoothing <= 0:
+        raise ConfigError(f"route.topic_smoothing: must be > 0, got {route.topic_smoothing}")
     if route.featurizer == "encoder" and not route.encoder:
         raise ConfigError("route.encoder: route.featurizer=encoder needs a Hugging Face encoder name or local directory")
 

@@ -10,10 +10,14 @@ Three featurizers:
   directory, `load_encoder`), for users who have a sentence encoder.
 - `tfidf_svd_features`: c-BTM's TF-IDF + truncated SVD (LSA) feature. Needs no model,
   so it is also the cheap baseline.
+- `doc_topics_features`: topics found in the whole training documents, read back from the
+  routing context: the posterior over T topics of a naive Bayes word model fitted on the
+  whole documents (`DocTopics`). Needs no model either, and is the most topical of the
+  three on a 32-token prefix (docs/benchmarks.md, "Topics from whole documents").
 
-The fitted TF-IDF transform is kept as plain arrays (vocabulary, idf, SVD components)
-in `TfidfSvd`, not as pickled scikit-learn objects, so a router artifact stays
-safetensors + JSON and loads with any scikit-learn version (or none).
+The fitted text models are kept as plain arrays (vocabulary, idf, SVD components, word
+log-probabilities) in `TfidfSvd` and `DocTopics`, not as pickled scikit-learn objects, so a
+router artifact stays safetensors + JSON and loads with any scikit-learn version (or none).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import inspect
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -230,6 +234,30 @@ def encoder_features(
 
 
 # ----------------------------------------------------------------------------------------
+# Words: the tokenization every text featurizer shares
+
+
+def word_counts(texts: Sequence[str], index: dict[str, int], token_pattern: str = DEFAULT_TOKEN_PATTERN,
+                lowercase: bool = True):
+    """Sparse (N, len(index)) float64 counts of each text's words (scikit-learn's tokenization:
+    optional lowercasing, then `token_pattern`); words outside `index` are ignored."""
+    from scipy import sparse
+
+    pattern = re.compile(token_pattern)
+    indptr, indices, counts = [0], [], []
+    for text in texts:
+        text = text.lower() if lowercase else text
+        c = Counter(index[t] for t in pattern.findall(text) if t in index)
+        indices.extend(c.keys())
+        counts.extend(c.values())
+        indptr.append(len(indices))
+    return sparse.csr_matrix(
+        (np.asarray(counts, dtype=np.float64), np.asarray(indices, dtype=np.int64), indptr),
+        shape=(len(texts), len(index)),
+    )
+
+
+# ----------------------------------------------------------------------------------------
 # TF-IDF + SVD features (c-BTM)
 
 
@@ -242,6 +270,7 @@ class TfidfSvd:
     regex `token_pattern`); words outside `vocabulary` are ignored, as in scikit-learn.
     """
 
+    kind: ClassVar[str] = "tfidf_svd"
     vocabulary: list[str]  # term of each column, in column order
     idf: np.ndarray  # (V,) float64
     components: np.ndarray  # (n_components, V) float32: SVD right singular vectors
@@ -269,18 +298,7 @@ class TfidfSvd:
         """Sparse (N, V) TF-IDF matrix with L2-normalised rows, as scikit-learn computes it."""
         from scipy import sparse
 
-        pattern = re.compile(self.token_pattern)
-        indptr, indices, counts = [0], [], []
-        for text in texts:
-            text = text.lower() if self.lowercase else text
-            c = Counter(self._index[t] for t in pattern.findall(text) if t in self._index)
-            indices.extend(c.keys())
-            counts.extend(c.values())
-            indptr.append(len(indices))
-        x = sparse.csr_matrix(
-            (np.asarray(counts, dtype=np.float64), np.asarray(indices, dtype=np.int64), indptr),
-            shape=(len(texts), len(self.vocabulary)),
-        )
+        x = word_counts(texts, self._index, self.token_pattern, self.lowercase)
         if self.sublinear_tf:
             x.data = 1.0 + np.log(x.data)
         x.data *= self.idf[x.indices]
@@ -377,3 +395,156 @@ def tfidf_svd_features(
     # the same transform (tests check fitted.transform(texts) matches this).
     z = np.asarray(x @ fitted.components.astype(np.float64).T)
     return _l2_normalize_rows(z).astype(np.float32), fitted
+
+
+# ----------------------------------------------------------------------------------------
+# Topics from whole documents, read from the routing context
+
+
+@dataclass
+class DocTopics:
+    """T topics found in whole documents, and a word model that reads them from a few words.
+
+    `transform` gives each text its posterior over the topics under a multinomial naive Bayes
+    model, p(t | text) proportional to p(t) * prod_w p(w | t)^count(w), with p(w | t) estimated
+    (additive smoothing) from the words of every whole training document of topic t. A text with
+    no known word gets the prior. Tokenization is `word_counts`'; words outside `vocabulary`
+    are ignored.
+
+    Why a word model and not the context's own TF-IDF vector: 32 tokens hold a handful of content
+    words, too few for their TF-IDF vector to land near their topic's documents, but each of those
+    words' association with a topic can be learned from whole documents, where the topic is clear.
+    Naive Bayes is the classifier that adds such evidence word by word, and it is linear in the
+    counts, so it is exact and cheap to store as arrays.
+    """
+
+    kind: ClassVar[str] = "doc_topics"
+    vocabulary: list[str]  # word of each column, in column order
+    log_prior: np.ndarray  # (T,) float64: log fraction of training documents per topic
+    log_word_probs: np.ndarray  # (T, V) float64: log p(word | topic)
+    token_pattern: str = DEFAULT_TOKEN_PATTERN
+    lowercase: bool = True
+    _index: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.log_prior = np.asarray(self.log_prior, dtype=np.float64)
+        self.log_word_probs = np.asarray(self.log_word_probs, dtype=np.float64)
+        t, v = self.log_prior.shape[0], len(self.vocabulary)
+        if self.log_prior.ndim != 1 or self.log_word_probs.shape != (t, v):
+            raise ValueError(f"inconsistent topic arrays: vocabulary {v}, log_prior {self.log_prior.shape}, "
+                             f"log_word_probs {self.log_word_probs.shape}")
+        self._index = {w: i for i, w in enumerate(self.vocabulary)}
+
+    @property
+    def dim(self) -> int:
+        return int(self.log_prior.shape[0])
+
+    def log_posterior(self, texts: Sequence[str]) -> np.ndarray:
+        """(N, T) float64 log p(topic | words of the text), normalised per row."""
+        joint = np.asarray(word_counts(texts, self._index, self.token_pattern, self.lowercase)
+                           @ self.log_word_probs.T) + self.log_prior
+        peak = joint.max(axis=1, keepdims=True)
+        return joint - (peak + np.log(np.exp(joint - peak).sum(axis=1, keepdims=True)))
+
+    def transform(self, texts: Sequence[str]) -> np.ndarray:
+        """(N, T) float32 topic posteriors (rows sum to 1): the routing features."""
+        return np.exp(self.log_posterior(texts)).astype(np.float32)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "topics": self.dim, "vocab_size": len(self.vocabulary),
+                "token_pattern": self.token_pattern, "lowercase": self.lowercase}
+
+    def state(self) -> dict[str, Any]:
+        return {"vocabulary": list(self.vocabulary), "token_pattern": self.token_pattern, "lowercase": self.lowercase}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"log_prior": self.log_prior, "log_word_probs": self.log_word_probs}
+
+    @classmethod
+    def from_parts(cls, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> "DocTopics":
+        return cls(vocabulary=list(state["vocabulary"]), log_prior=np.asarray(arrays["log_prior"]),
+                   log_word_probs=np.asarray(arrays["log_word_probs"]),
+                   token_pattern=state.get("token_pattern", DEFAULT_TOKEN_PATTERN),
+                   lowercase=bool(state.get("lowercase", True)))
+
+
+def naive_bayes_words(counts, topics: np.ndarray, num_topics: int, smoothing: float) -> tuple[np.ndarray, np.ndarray]:
+    """Multinomial naive Bayes from (N, V) word counts and each row's topic: (log prior (T,), log p(word | topic)
+    (T, V)), p(w | t) = (count of w in topic t + smoothing) / (words in topic t + smoothing * V)."""
+    if smoothing <= 0:
+        raise ValueError(f"smoothing must be > 0 (a word unseen in a topic would veto it), got {smoothing}")
+    topics = np.asarray(topics, dtype=np.int64)
+    docs_per_topic = np.bincount(topics, minlength=num_topics).astype(np.float64)
+    if (docs_per_topic == 0).any():
+        raise ValueError(f"topics {np.flatnonzero(docs_per_topic == 0).tolist()} hold no document")
+    from scipy import sparse
+
+    onehot = sparse.csr_matrix((np.ones(len(topics)), (topics, np.arange(len(topics)))),
+                               shape=(num_topics, len(topics)))
+    per_topic = np.asarray((onehot @ counts).todense()) + smoothing  # (T, V)
+    log_word_probs = np.log(per_topic) - np.log(per_topic.sum(axis=1, keepdims=True))
+    return np.log(docs_per_topic / docs_per_topic.sum()), log_word_probs
+
+
+def doc_topics_features(
+    documents: Sequence[str],
+    contexts: Sequence[str],
+    topics: int,
+    *,
+    n_components: int = 64,
+    smoothing: float = 0.1,
+    slack: float | None = 0.1,
+    seed: int = 0,
+    n_init: int = 2,
+    max_iter: int = 100,
+    max_features: int = 50000,
+) -> tuple[np.ndarray, DocTopics, np.ndarray]:
+    """Fit `DocTopics` on whole documents and featurize their routing contexts.
+
+    1. TF-IDF + SVD(`n_components`) of each whole document (`tfidf_svd_features`), cosine k-means into
+       `topics` clusters, balanced with `slack` (None: plain k-means) so that no topic is a sliver;
+    2. a naive Bayes word model of each topic over the documents' words (`naive_bayes_words`).
+
+    `n_init` clusterings are tried (seeds `seed`, `seed + 1`, ...), and the one kept is the one the
+    contexts read best: the most documents whose context's most probable topic is their whole
+    document's. Not the lowest k-means inertia: among clusterings of nearly equal inertia, some split
+    the corpus along lines a prefix shows and some along lines only the whole text shows, and on the
+    benchmark's mixed corpus the lowest-inertia one of three was the least readable (label NMI 0.20
+    against 0.28; docs/benchmarks.md). No label is used.
+
+    `contexts[i]` is what routing may see of `documents[i]` (its prefix). Returns the contexts'
+    topic posteriors (N, T), the fitted model, and each document's whole-document topic.
+    """
+    from sklearn.feature_extraction.text import CountVectorizer
+
+    from routing.kmeans import balanced_kmeans, kmeans
+
+    if len(documents) != len(contexts):
+        raise ValueError(f"{len(documents)} documents but {len(contexts)} routing contexts")
+    if not 2 <= topics <= len(documents):
+        raise ValueError(f"topics must be in [2, {len(documents)} documents], got {topics}")
+    whole, _ = tfidf_svd_features(documents, n_components=n_components, seed=seed, max_features=max_features)
+    x = torch.from_numpy(whole)
+    vec = CountVectorizer(stop_words="english", min_df=2, max_df=0.5, max_features=max_features,
+                          token_pattern=DEFAULT_TOKEN_PATTERN, lowercase=True, dtype=np.float64)
+    counts = vec.fit_transform(list(documents))
+    vocabulary = [str(w) for w in vec.get_feature_names_out()]
+    best: tuple[float, DocTopics, np.ndarray, np.ndarray] | None = None
+    for trial in range(max(1, n_init)):
+        if slack is None:
+            doc_topic = kmeans(x, topics, metric="cosine", seed=seed + trial, max_iter=max_iter).labels.numpy()
+        else:
+            doc_topic = balanced_kmeans(x, topics, slack, metric="cosine", seed=seed + trial,
+                                        max_iter=max_iter).labels.numpy()
+        log_prior, log_word_probs = naive_bayes_words(counts, doc_topic, topics, smoothing)
+        model = DocTopics(vocabulary=vocabulary, log_prior=log_prior, log_word_probs=log_word_probs)
+        features = model.transform(contexts)
+        readable = float(np.mean(features.argmax(axis=1) == doc_topic))
+        if best is None or readable > best[0]:
+            best = (readable, model, features, doc_topic)
+    assert best is not None
+    return best[2], best[1], best[3]
+
+
+# featurizer kind -> the fitted text model a router keeps for it
+TEXT_MODELS: dict[str, type] = {"tfidf_svd": TfidfSvd, "doc_topics": DocTopics}

@@ -9,9 +9,10 @@ A router maps a document's feature vector to a path id in [0, num_paths). Three 
 - "linear": a logistic-regression classifier (discriminative re-routing, DiPaCo §2.4.2):
   score = x @ weight.T + bias.
 
-On disk a router is a directory with `router.safetensors` (centroids, classifier, TF-IDF
-arrays, feature transform) and `router.json` (everything else, including the featurizer spec,
-the TF-IDF vocabulary and any topology dict the caller passed, stored verbatim).
+On disk a router is a directory with `router.safetensors` (centroids, classifier, the text
+featurizer's arrays, feature transform) and `router.json` (everything else, including the
+featurizer spec, the text featurizer's vocabulary and any topology dict the caller passed, stored
+verbatim).
 
 A router may hold a fitted `FeatureTransform` (centring, PCA whitening, L2 normalisation): its
 centroids or classifier live in the transformed space, and `scores`/`assign` apply the transform
@@ -35,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from routing.assignment import balanced_assign_costs, capacity, floor_size
-from routing.featurize import TfidfSvd, encoder_features, lm_prefix_features, load_encoder
+from routing.featurize import TEXT_MODELS, DocTopics, TfidfSvd, encoder_features, lm_prefix_features, load_encoder
 from routing.kmeans import (
     Metric,
     balanced_kmeans,
@@ -71,7 +72,7 @@ class Router:
     weight: torch.Tensor | None = None  # linear: (P, D)
     bias: torch.Tensor | None = None  # linear: (P,)
     featurizer: dict[str, Any] = field(default_factory=dict)  # e.g. {"kind": "lm_prefix", "prefix_tokens": 32}
-    tfidf: TfidfSvd | None = None  # fitted transform when featurizer kind is "tfidf_svd"
+    text_model: TfidfSvd | DocTopics | None = None  # fitted text featurizer (kinds "tfidf_svd", "doc_topics")
     balance_slack: float | None = None  # slack used to shard the training set, None = unbalanced
     balance_min_fraction: float = 0.0  # and each shard's floor, as a fraction of N/P (see floor_size)
     topology: dict[str, Any] | None = None  # caller's topology, stored verbatim
@@ -232,10 +233,10 @@ class Router:
         model and tokenizer; ``encoder`` loads its encoder by the name or directory it records)."""
         kind = self.featurizer.get("kind")
         pooling = {"layers": self.featurizer.get("layers", [-1]), "skip_tokens": int(self.featurizer.get("skip_tokens", 0))}
-        if kind == "tfidf_svd":
-            if self.tfidf is None:
-                raise ValueError("featurizer is tfidf_svd but the router holds no fitted TF-IDF arrays")
-            return torch.from_numpy(self.tfidf.transform(texts))
+        if kind in TEXT_MODELS:
+            if self.text_model is None or self.text_model.kind != kind:
+                raise ValueError(f"featurizer is {kind} but the router holds no fitted {kind} arrays")
+            return torch.from_numpy(self.text_model.transform(texts))
         if kind == "lm_prefix":
             if model is None or tokenizer is None:
                 raise ValueError("the lm_prefix featurizer needs the caller's model and tokenizer")
@@ -263,9 +264,9 @@ class Router:
             tensors[f"centroids.{level}"] = c.contiguous()
         if self.weight is not None and self.bias is not None:
             tensors["weight"], tensors["bias"] = self.weight.contiguous(), self.bias.contiguous()
-        if self.tfidf is not None:
-            for name, arr in self.tfidf.arrays().items():
-                tensors[f"tfidf.{name}"] = torch.from_numpy(arr).contiguous()
+        if self.text_model is not None:
+            for name, arr in self.text_model.arrays().items():
+                tensors[f"text_model.{name}"] = torch.from_numpy(arr).contiguous()
         if self.transform is not None:
             for name, t in self.transform.tensors().items():
                 tensors[f"transform.{name}"] = t
@@ -282,7 +283,7 @@ class Router:
             "balance_min_fraction": self.balance_min_fraction,
             "topology": self.topology,
             "meta": self.meta,
-            "tfidf": None if self.tfidf is None else self.tfidf.state(),
+            "text_model": None if self.text_model is None else {"kind": self.text_model.kind, **self.text_model.state()},
             "transform": None if self.transform is None else self.transform.state(),
         }
         # Write to temporary names and rename, so a crash never leaves a half-written router.
@@ -322,10 +323,7 @@ class Router:
             raise RouterFileError(f"{d / TENSORS_NAME} is corrupt: {e}") from e
         try:
             levels = int(doc["levels"])
-            tfidf = None
-            if doc.get("tfidf") is not None:
-                arrays = {k[len("tfidf."):]: v.numpy() for k, v in tensors.items() if k.startswith("tfidf.")}
-                tfidf = TfidfSvd.from_parts(doc["tfidf"], arrays)
+            text_model = _load_text_model(doc, tensors)
             transform = None
             if doc.get("transform") is not None:
                 parts = {k[len("transform."):]: v for k, v in tensors.items() if k.startswith("transform.")}
@@ -338,7 +336,7 @@ class Router:
                 weight=tensors.get("weight"),
                 bias=tensors.get("bias"),
                 featurizer=doc.get("featurizer") or {},
-                tfidf=tfidf,
+                text_model=text_model,
                 balance_slack=doc.get("balance_slack"),
                 balance_min_fraction=doc.get("balance_min_fraction", 0.0),
                 topology=doc.get("topology"),
@@ -354,6 +352,20 @@ class Router:
         return router
 
 
+def _load_text_model(doc: dict[str, Any], tensors: dict[str, torch.Tensor]) -> TfidfSvd | DocTopics | None:
+    """The fitted text featurizer of a saved router; routers saved before `text_model` existed kept a
+    TF-IDF transform under "tfidf"."""
+    state, prefix = doc.get("text_model"), "text_model."
+    if state is None and doc.get("tfidf") is not None:
+        state, prefix = {"kind": "tfidf_svd", **doc["tfidf"]}, "tfidf."
+    if state is None:
+        return None
+    if state.get("kind") not in TEXT_MODELS:
+        raise ValueError(f"unknown text featurizer kind {state.get('kind')!r}")
+    arrays = {k[len(prefix):]: v.numpy() for k, v in tensors.items() if k.startswith(prefix)}
+    return TEXT_MODELS[state["kind"]].from_parts(state, arrays)
+
+
 def fit_router(
     features: Features,
     radices: Sequence[int],
@@ -362,7 +374,7 @@ def fit_router(
     slack: float | None = None,
     min_fraction: float = 0.0,
     featurizer: dict[str, Any] | None = None,
-    tfidf: TfidfSvd | None = None,
+    text_model: TfidfSvd | DocTopics | None = None,
     topology: dict[str, Any] | None = None,
     seed: int = 0,
     transform: FeatureTransform | None = None,
@@ -374,14 +386,14 @@ def fit_router(
     ceil(N/P * (1+slack)), floor floor(N/P * min_fraction)) when `slack` is not None,
     nearest-centroid otherwise. For one
     level with a slack, centroids are refined by balanced k-means so they match the shards.
-    `featurizer` defaults to `tfidf.spec()` when a fitted TF-IDF transform is given.
+    `featurizer` defaults to `text_model.spec()` when a fitted text featurizer is given.
     With a `transform` (fitted on these features), k-means runs on the transformed features and
     the router keeps the transform, so it routes raw features of new documents the same way.
     """
     radices = [int(r) for r in radices]
     if featurizer is None:
-        featurizer = tfidf.spec() if tfidf is not None else {}
-    common = dict(featurizer=featurizer, tfidf=tfidf, balance_slack=slack, topology=topology,
+        featurizer = text_model.spec() if text_model is not None else {}
+    common = dict(featurizer=featurizer, text_model=text_model, balance_slack=slack, topology=topology,
                   balance_min_fraction=min_fraction, transform=transform)
     raw = features
     if transform is not None:

@@ -9,8 +9,9 @@ steps differ. Rows (P = paths of the small grid, Q = paths of the large one):
     diloco_P            P replicas of the dense model on k-means shards            compute Px
     moe_P               P independent models on k-means shards (flat MoE)          compute Px
     moe_P_featurizer    flat MoE on the improved featurizer's shards               compute Px
-    moe_P_iid           flat MoE on iid shards: the control of the two rows above  compute Px
-    dipaco_2x2_*        kmeans / improved featurizer / + top-2 overlapping shards /
+    moe_P_doctopics     flat MoE on the doc_topics featurizer's shards             compute Px
+    moe_P_iid           flat MoE on iid shards: the control of the three rows above compute Px
+    dipaco_2x2_*        kmeans / improved featurizer / doc_topics / + top-2 overlapping shards /
                         product k-means / + discriminative re-routing once / EM re-sharding
                         (re-routing after several rounds) / + per-path early stopping /
                         iid shards (the control every routed 2x2 row is judged against)   compute Px
@@ -23,7 +24,8 @@ steps differ. Rows (P = paths of the small grid, Q = paths of the large one):
 
 "kmeans" routing is `dipaco route`'s default featurizer (the pretrained model's mean last hidden
 state over the prefix); "featurizer" is the improved one (TF-IDF + SVD of the same prefix text, cosine
-k-means; see docs/benchmarks.md for the NMI study that chose it). Each row
+k-means; see docs/benchmarks.md for the NMI study that chose it); "doctopics" reads the same prefix with
+a naive Bayes word model of topics found in the whole training documents (`route.featurizer=doc_topics`). Each row
 reports the NMI and purity of its training shards against the corpus labels, so what routing buys
 is visible beside the routed row's perplexity and its iid control's.
 
@@ -113,9 +115,11 @@ def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[R
         Row(f"diloco_{small}", f"diloco:{small}", f"kmeans{small}"),
         Row(f"moe_{small}", f"moe:{small}", f"kmeans{small}"),
         Row(f"moe_{small}_featurizer", f"moe:{small}", f"featurizer{small}"),
+        Row(f"moe_{small}_doctopics", f"moe:{small}", f"doctopics{small}"),
         Row(f"moe_{small}_iid", f"moe:{small}", None),
         Row("dipaco_2x2_kmeans", "grid:2x2", f"kmeans{small}"),
         Row("dipaco_2x2_featurizer", "grid:2x2", f"featurizer{small}"),
+        Row("dipaco_2x2_doctopics", "grid:2x2", f"doctopics{small}"),
         Row("dipaco_2x2_top2", "grid:2x2", f"featurizer{small}", overrides=["route.topk=2"]),
         Row("dipaco_2x2_iid", "grid:2x2", None),
         Row("dipaco_2x2_product", "grid:2x2", "product2x2"),
@@ -148,8 +152,8 @@ def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[R
 
 # The GPU regime's rows (issue 14): dense 1x and Px, DiLoCo-P, flat MoE-P, DiPaCo k-means / improved
 # featurizer / top-2 overlap / iid control, and the MoE controls.
-GPU_ROWS = ("dense_1x", "dense_{p}x", "diloco_{p}", "moe_{p}", "moe_{p}_featurizer", "moe_{p}_iid",
-            "dipaco_2x2_kmeans", "dipaco_2x2_featurizer", "dipaco_2x2_top2", "dipaco_2x2_iid",
+GPU_ROWS = ("dense_1x", "dense_{p}x", "diloco_{p}", "moe_{p}", "moe_{p}_featurizer", "moe_{p}_doctopics", "moe_{p}_iid",
+            "dipaco_2x2_kmeans", "dipaco_2x2_featurizer", "dipaco_2x2_doctopics", "dipaco_2x2_top2", "dipaco_2x2_iid",
             "dipaco_2x2_pathemb_featurizer", "dipaco_2x2_pathemb_top2", "dipaco_2x2_pathemb_iid",
             "diloco_{q}", "dipaco_4x4_kmeans", "dipaco_4x4_iid")
 
@@ -158,7 +162,7 @@ IMPROVED_SVD = 64  # TF-IDF SVD width of the improved featurizer
 
 # Left out of --smoke to keep CI's time: the smoke run still has an iid control (dipaco_2x2_iid), and at
 # its 2 rounds the EM row would re-route at the same single point as dipaco_2x2_reroute.
-SMOKE_SKIP = ("moe_4_featurizer", "moe_4_iid", "dipaco_2x2_em", "dipaco_2x2_pathemb_featurizer",
+SMOKE_SKIP = ("moe_4_featurizer", "moe_4_doctopics", "moe_4_iid", "dipaco_2x2_em", "dipaco_2x2_pathemb_featurizer",
               "dipaco_2x2_pathemb_top2", "dipaco_2x2_pathemb_iid", "dipaco_2x2_product_featurizer")
 
 # A routed row's iid control is its family's "iid" row (same topology, embedding and head); the
@@ -192,9 +196,17 @@ def improved_featurizer() -> list[str]:
             "route.topk=2"]  # topk: the top-2 row's overlapping shards; the other rows train with route.topk=1
 
 
+def doc_topics_featurizer() -> list[str]:
+    """Topics of the whole training documents (TF-IDF + SVD(64), cosine k-means, one per path) read from the
+    same prefix by a naive Bayes word model (the NMI study in docs/benchmarks.md, "Topics from whole documents");
+    the router then clusters the prefixes' topic posteriors, cosine."""
+    return ["route.featurizer=doc_topics", f"route.svd_components={IMPROVED_SVD}", "route.metric=cosine", "route.topk=2"]
+
+
 ROUTINGS = {  # variant -> (topology used to fit it, route.method, other route settings)
     "kmeans4": ("grid:2x2", "kmeans", []),
     "featurizer4": ("grid:2x2", "kmeans", None),  # None: improved_featurizer()
+    "doctopics4": ("grid:2x2", "kmeans", doc_topics_featurizer()),
     "product2x2": ("grid:2x2", "product", []),
     "featurizer_product2x2": ("grid:2x2", "product", [o for o in improved_featurizer() if o != "route.topk=2"]),
     "kmeans16": ("grid:4x4", "kmeans", []),

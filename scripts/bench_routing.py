@@ -15,11 +15,16 @@
             pooled, skipped first tokens, TF-IDF over the prefix, TF-IDF + LM, and --encoder NAME.
 5. context: with --lm-tokenizer DIR, the NMI of TF-IDF routing against the routing context's length
             (--context-tokens, 0 = the whole document) on the same corpora: how much topic a prefix holds.
+6. doc_topics: with --lm-tokenizer DIR, routing on the first --prefix-tokens tokens as `dipaco route`
+            does, fitted on 90% of each corpus and scored on the fitted shards and on the held-out 10%
+            (routed one by one): TF-IDF + SVD of the prefix, whole-document topics routed by nearest
+            centroid of the prefix's projection (c-BTM's rule), and the doc_topics featurizer.
 
     python scripts/bench_routing.py                       # sections 1 and 2
     python scripts/bench_routing.py --sections 20ng --lm-model runs/demo/pretrain --out bench.json
     python scripts/bench_routing.py --sections featurizers --lm-model RUN/pretrain --lm-tokenizer RUN/tokenizer
     python scripts/bench_routing.py --sections context --lm-tokenizer RUN/tokenizer --corpora bbc,mix
+    python scripts/bench_routing.py --sections doc_topics --lm-tokenizer RUN/tokenizer --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from routing.featurize import (  # noqa: E402
+    doc_topics_features,
     encoder_features,
     lm_prefix_features,
     load_encoder,
@@ -420,11 +426,99 @@ def bench_context(args) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------
+# 6. Topics from whole documents, routed from the prefix
+
+
+def held_out(n: int, fraction: float = 0.1, seed: int = 0) -> np.ndarray:
+    """Boolean mask of the held-out documents: a seeded random `fraction` of them."""
+    return np.random.default_rng(seed).random(n) < fraction
+
+
+def score_routing(name: str, fit: Callable[[int], tuple[torch.Tensor, torch.Tensor]], labels: np.ndarray,
+                  test: np.ndarray, k: int, seeds: list[int]) -> dict[str, Any]:
+    """``fit(seed)`` -> (training documents' balanced paths, held-out documents' paths); NMI and purity of
+    both against the labels, mean (and min) over seeds, and the training shards' balance."""
+    train_nmi, test_nmi, purity, ratio = [], [], [], []
+    for seed in seeds:
+        train_paths, test_paths = fit(seed)
+        fitted = routing_report(train_paths, k, labels=labels[~test].tolist())
+        train_nmi.append(fitted["nmi"])
+        purity.append(fitted["purity"])
+        ratio.append(fitted["docs_max_min_ratio"] or float("inf"))
+        test_nmi.append(routing_report(test_paths, k, labels=labels[test].tolist())["nmi"])
+    return {"featurizer": name, "train_nmi": statistics.mean(train_nmi), "min_train_nmi": min(train_nmi),
+            "test_nmi": statistics.mean(test_nmi), "min_test_nmi": min(test_nmi),
+            "train_purity": statistics.mean(purity), "max_min_docs": max(ratio)}
+
+
+def bench_doc_topics(args) -> dict[str, Any]:
+    """The doc_topics featurizer against the prefix's own TF-IDF, on each shared corpus, as `dipaco route`
+    would use them: fitted on the training documents (doc_topics and the whole-document rows read their
+    whole text, which is training data), every document routed on its first --prefix-tokens tokens,
+    balanced cosine k-means (k = --featurizer-k, --slack) over the features."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.lm_tokenizer, local_files_only=True)
+    n, k = args.tfidf_components[len(args.tfidf_components) // 2], args.featurizer_k
+    out: dict[str, Any] = {"tokenizer": args.lm_tokenizer, "prefix_tokens": args.prefix_tokens, "k": k, "svd": n,
+                           "slack": args.slack, "seeds": args.seeds, "held_out": 0.1, "corpora": {}}
+
+    def routed(train_x: np.ndarray, test_x: np.ndarray, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        router, paths = fit_router(torch.from_numpy(train_x), [k], slack=args.slack, seed=seed, n_init=args.n_init,
+                                   metric="cosine")
+        return paths, router.assign(torch.from_numpy(test_x))
+
+    for corpus in args.corpora.split(","):
+        start = time.perf_counter()
+        docs = load_shared(args.shared_data, corpus, args.featurizer_max_docs)
+        ids = tokenizer(docs["text"], add_special_tokens=False)["input_ids"]
+        contexts = np.array(tokenizer.batch_decode([i[: args.prefix_tokens] for i in ids]), dtype=object)
+        whole, labels = np.array(docs["text"], dtype=object), np.array(docs["label"])
+        test = held_out(len(whole))
+        tr = ~test
+
+        def prefix_tfidf(seed: int):
+            x, fitted = tfidf_svd_features(list(contexts[tr]), n_components=n, seed=seed)
+            return routed(x, fitted.transform(list(contexts[test])), seed)
+
+        def whole_centroids(seed: int):
+            # c-BTM: clusters of whole documents; a new document goes to the centroid nearest its prefix.
+            x, fitted = tfidf_svd_features(list(whole[tr]), n_components=n, seed=seed)
+            router, _ = fit_router(torch.from_numpy(x), [k], slack=args.slack, seed=seed, n_init=args.n_init,
+                                   metric="cosine")
+            prefixes = torch.from_numpy(fitted.transform(list(contexts)))
+            return router.assign_balanced(prefixes[torch.from_numpy(tr)]), router.assign(prefixes[torch.from_numpy(test)])
+
+        def doc_topics(seed: int):
+            x, model, _ = doc_topics_features(list(whole[tr]), list(contexts[tr]), k, n_components=n,
+                                              slack=args.slack, seed=seed, n_init=args.n_init)
+            return routed(x, model.transform(list(contexts[test])), seed)
+
+        def whole_tfidf(seed: int):  # not a router (it reads the whole text): the ceiling of the rows above
+            x, fitted = tfidf_svd_features(list(whole[tr]), n_components=n, seed=seed)
+            return routed(x, fitted.transform(list(whole[test])), seed)
+
+        rows = [score_routing(name, fit, labels, test, k, args.seeds) for name, fit in (
+            (f"tfidf prefix, svd {n}", prefix_tfidf),
+            (f"whole-document clusters, nearest to the prefix (c-BTM), svd {n}", whole_centroids),
+            (f"doc_topics (whole-document topics, naive Bayes on the prefix), svd {n}", doc_topics),
+            (f"whole document, tfidf svd {n} (not a router: ceiling)", whole_tfidf))]
+        out["corpora"][corpus] = {"docs": len(whole), "held_out_docs": int(test.sum()), "labels": len(set(labels)),
+                                  "rows": rows, "wall_s": time.perf_counter() - start}
+        print(f"\n## {corpus}: {len(whole)} docs ({int(test.sum())} held out), {len(set(labels))} labels, k={k}, "
+              f"balanced (slack {args.slack}), first {args.prefix_tokens} tokens, seeds {args.seeds}")
+        print(table(rows, ["featurizer", "train_nmi", "min_train_nmi", "test_nmi", "min_test_nmi", "train_purity",
+                           "max_min_docs"]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="kmeans,20ng", help="comma list of kmeans, 20ng, featurizers, context (lm runs with --lm-model)")
+    p.add_argument("--sections", default="kmeans,20ng", help="comma list of kmeans, 20ng, featurizers, context, doc_topics "
+                   "(lm runs with --lm-model)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="20news_bydate.jsonl.gz")
     p.add_argument("--keep-subject", action="store_true", help="keep the Subject: header line (default: body only)")
     p.add_argument("--k", type=int, default=20)
@@ -462,7 +556,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         torch.set_num_threads(args.threads)
         threadpool_limits(args.threads)
-    results: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    # Paths relative to the checkout, so a results file names no machine's folders.
+    results: dict[str, Any] = {"args": {k: (os.path.relpath(v, REPO) if isinstance(v, Path) else v)
+                                        for k, v in vars(args).items()},
                                "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                                "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     # Timings on a shared machine are only comparable at similar load: print it with them.
@@ -513,6 +609,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.lm_tokenizer:
             p.error("--sections context needs --lm-tokenizer (a run's tokenizer/ directory)")
         results["context"] = bench_context(args)
+    if "doc_topics" in sections:
+        if not args.lm_tokenizer:
+            p.error("--sections doc_topics needs --lm-tokenizer (a run's tokenizer/ directory)")
+        results["doc_topics"] = bench_doc_topics(args)
     if "featurizers" in sections:
         if not args.lm_model:
             p.error("--sections featurizers needs --lm-model (a run's pretrain/ directory)")

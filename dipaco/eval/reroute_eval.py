@@ -153,7 +153,7 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
                 features = featurize_ids(router, featurizer, contexts, tok.pad_token_id, device=device,
                                          batch_size=cfg.route.batch_size)
             del featurizer
-        elif kind in ("tfidf_svd", "encoder"):  # text featurizers (the encoder is loaded by its recorded name)
+        elif kind in ("tfidf_svd", "doc_topics", "encoder"):  # text featurizers (the encoder is loaded by its recorded name)
             features = router.featurize(tok.batch_decode([docs[d][max(0, s - context_tokens) : s] for d, s in points]))
         else:
             raise DipacoError(f"re-routing does not know the router's featurizer {router.featurizer!r}")

@@ -3,7 +3,7 @@
 ``route`` featurizes every train and validation document (by default the DiPaCo way: the
 pretrained dense model's mean last hidden state over the first ``data.prefix_tokens`` tokens;
 ``route.layers`` and ``route.skip_tokens`` choose the states and tokens pooled, ``route.featurizer``
-``tfidf_svd`` or ``encoder`` other features), optionally fits a feature transform
+``tfidf_svd``, ``encoder`` or ``doc_topics`` other features), optionally fits a feature transform
 (``route.transform``: centring, PCA whitening, L2 normalisation) on the train features, fits
 (balanced, optionally product) k-means on the train features and assigns both splits. It
 writes, under ``<run.dir>/routing/``:
@@ -44,7 +44,8 @@ from dipaco.run_dir import RunDir
 from dipaco.precision import resolve_precision
 from dipaco.runtime import resolve_device, seed_everything
 from dipaco.train.pretrain import load_pretrained
-from routing.featurize import encoder_features, lm_prefix_features, load_encoder, tfidf_svd_features
+from routing.featurize import (doc_topics_features, encoder_features, lm_prefix_features, load_encoder,
+                               tfidf_svd_features)
 from routing.quality import routing_report
 from routing.router import Router, fit_router
 from routing.transform import FeatureTransform
@@ -92,6 +93,26 @@ def hf_encoder_features(cfg: Config, texts: dict[str, list[str]]) -> dict[str, t
                                 layers=cfg.route.layers, skip_tokens=cfg.route.skip_tokens).float().cpu()
         for split, t in texts.items()
     }
+
+
+def fit_doc_topics(cfg: Config, prepared: Prepared, contexts: list[str], num_paths: int):
+    """``doc_topics`` features of the training documents' routing contexts, and the fitted word model.
+
+    The topics come from the whole training documents: they are the training data, and fitting on
+    them reads no validation token. Validation documents and served prompts are featurized from their
+    routing context only, as the training documents are."""
+    topics = cfg.route.topics or num_paths
+    echo(f"[route] doc_topics: {topics} topics from whole training documents (TF-IDF + SVD({cfg.route.svd_components}), "
+         f"cosine k-means), read from the first {cfg.data.prefix_tokens} tokens by a naive Bayes word model")
+    try:
+        train_x, model, _ = doc_topics_features(
+            prepared.train["text"], contexts, topics, n_components=cfg.route.svd_components,
+            smoothing=cfg.route.topic_smoothing, slack=cfg.route.balance_slack, seed=cfg.run.seed,
+            n_init=cfg.route.n_init, max_iter=cfg.route.max_iter)
+    except ValueError as exc:
+        raise ConfigError(f"route.featurizer=doc_topics: {exc}") from None
+    echo(f"[route] doc_topics: word model over {len(model.vocabulary):,} words")
+    return train_x, model
 
 
 def pooling_spec(cfg: Config) -> dict:
@@ -192,12 +213,16 @@ def route(cfg: Config) -> dict:
     start = time.perf_counter()
     texts = {"train": routing_context(prepared.train, prepared, cfg.data.prefix_tokens),
              "validation": routing_context(prepared.validation, prepared, cfg.data.prefix_tokens)}
-    tfidf = None
+    text_model = None
     if cfg.route.featurizer == "tfidf_svd":
         echo(f"[route] TF-IDF + SVD({cfg.route.svd_components}) features")
-        train_x, tfidf = tfidf_svd_features(texts["train"], n_components=cfg.route.svd_components, seed=cfg.run.seed)
-        features = {"train": torch.from_numpy(train_x), "validation": torch.from_numpy(tfidf.transform(texts["validation"]))}
-        spec = tfidf.spec()
+        train_x, text_model = tfidf_svd_features(texts["train"], n_components=cfg.route.svd_components, seed=cfg.run.seed)
+    elif cfg.route.featurizer == "doc_topics":
+        train_x, text_model = fit_doc_topics(cfg, prepared, texts["train"], topology.num_paths)
+    if text_model is not None:
+        features = {"train": torch.from_numpy(train_x),
+                    "validation": torch.from_numpy(text_model.transform(texts["validation"]))}
+        spec = text_model.spec()
     elif cfg.route.featurizer == "encoder":
         echo(f"[route] encoder features from {cfg.route.encoder}, hidden states {list(cfg.route.layers)}")
         features = hf_encoder_features(cfg, texts)
@@ -221,7 +246,7 @@ def route(cfg: Config) -> dict:
     router, train_paths = fit_router(
         features["train"], radices, metric=cfg.route.metric, slack=cfg.route.balance_slack,
         min_fraction=cfg.route.min_shard_fraction, featurizer=spec,
-        tfidf=tfidf, topology=topology.to_dict(), seed=cfg.run.seed, n_init=cfg.route.n_init, max_iter=cfg.route.max_iter,
+        text_model=text_model, topology=topology.to_dict(), seed=cfg.run.seed, n_init=cfg.route.n_init, max_iter=cfg.route.max_iter,
         transform=transform,
     )
     paths = {"train": np.asarray(train_paths, dtype=np.int64),

@@ -69,7 +69,7 @@ def reroute(cfg: Config, checkpoint: str | None = None, device: torch.device | N
     # The classifier sees features as the old router did (after its transform) and keeps that transform.
     weight, bias = fit_discriminative_router(old.transformed(stored["train"][rows][scored]), loglik[scored], target)
     router = Router("linear", [topology.num_paths], weight=weight.float(), bias=bias.float(), featurizer=old.featurizer,
-                    tfidf=old.tfidf, topology=topology.to_dict(), meta={"checkpoint": ckpt.name},
+                    text_model=old.text_model, topology=topology.to_dict(), meta={"checkpoint": ckpt.name},
                     transform=old.transform)
     paths = {s: router.assign(stored[s]).numpy().astype(np.int64) for s in ("train", "validation")}
     topk = router.assign_topk(stored["train"], cfg.route.topk).numpy() if cfg.route.topk > 1 else None

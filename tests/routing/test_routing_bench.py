@@ -55,7 +55,10 @@ def test_lm_section_on_tiny_model(bench, tiny_llama, tiny_tokenizer, tmp_path):
     assert lm["featurizer_docs_per_s"] > 0 and lm["forward_docs_per_s"] > 0
     assert {r["router"] for r in lm["rows"]} == {"lm_prefix/euclidean", "lm_prefix/cosine"}
     assert all(0.0 <= r["train_nmi"] <= 1.0 for r in lm["rows"])
-    assert json.loads(out.read_text())["lm"]["docs"]["train"] == 36
+    written = json.loads(out.read_text())
+    assert written["lm"]["docs"]["train"] == 36
+    # Paths are recorded relative to the checkout: a committed results file names no machine's folders.
+    assert not Path(written["args"]["data"]).is_absolute() and not Path(written["args"]["shared_data"]).is_absolute()
 
 
 def test_featurizers_section_scores_every_variant_on_a_shared_corpus(bench, tiny_llama, tiny_tokenizer, tmp_path):
@@ -105,3 +108,40 @@ def test_context_section_shows_topic_that_only_a_longer_context_holds(bench, tin
     short, whole = res["context"]["corpora"]["bbc"]["rows"]
     assert short["context_tokens"] == 3 and whole["context_tokens"] is None
     assert whole["nmi"] > 0.6 and short["nmi"] < 0.2  # purity 0.92 vs chance
+
+
+def test_doc_topics_section_reads_whole_document_topics_from_a_prefix_that_barely_names_them(bench, tiny_tokenizer,
+                                                                                            tmp_path):
+    """Each prefix is three topic-free words and one topic word; the rest of the document is its topic's words.
+    The prefix's own TF-IDF mostly sees the topic-free words; the word model learned on whole documents reads
+    the one topic word, on the fitted shards and on held-out documents."""
+    import copy
+
+    import numpy as np
+    from tokenizers import decoders
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.backend_tokenizer.decoder = decoders.WordPiece()
+    tokenizer.save_pretrained(tmp_path / "tok")
+    topics = {"pets": "cat mat dog park red blue".split(), "sky": "sun moon star river tree house".split(),
+              "food": "music song dance food bread milk".split()}
+    neutral = "car road city water fire stone".split()
+    rng = np.random.default_rng(0)
+    with gzip.open(tmp_path / "bbc_news.jsonl.gz", "wt") as out:
+        for i in range(150):
+            label = list(topics)[i % 3]
+            words = topics[label]
+            text = " ".join([*rng.choice(neutral, 3), rng.choice(words),
+                             *[w for _ in range(15) for w in (rng.choice(words), rng.choice(neutral))]])
+            out.write(json.dumps({"source": "bbc", "label": label, "id": str(i), "text": text}) + "\n")
+    res = bench.main(["--sections", "doc_topics", "--shared-data", str(tmp_path), "--corpora", "bbc",
+                      "--lm-tokenizer", str(tmp_path / "tok"), "--featurizer-k", "3", "--seeds", "0,1",
+                      "--n-init", "2", "--tfidf-components", "4", "--prefix-tokens", "4"])
+    bbc = res["doc_topics"]["corpora"]["bbc"]
+    assert bbc["docs"] == 150 and 0 < bbc["held_out_docs"] < 30
+    prefix, centroids, doc_topics, whole = bbc["rows"]
+    assert prefix["featurizer"].startswith("tfidf prefix") and doc_topics["featurizer"].startswith("doc_topics")
+    print({r["featurizer"]: (round(r["train_nmi"], 3), round(r["test_nmi"], 3)) for r in bbc["rows"]})
+    assert whole["train_nmi"] > 0.9
+    assert doc_topics["train_nmi"] > 0.9 and doc_topics["test_nmi"] > 0.9
+    assert prefix["train_nmi"] < 0.5

@@ -145,7 +145,7 @@ def test_tfidf_router_featurizes_new_text_after_reload(tmp_path):
     texts = ["cats and dogs play", "dogs chase cats", "stocks and bonds fall", "bonds and stocks rise",
              "the team scores a goal", "a late goal wins the match"] * 4
     feats, fitted = tfidf_svd_features(texts, n_components=3, min_df=1, max_df=1.0)
-    router, labels = fit_router(feats, [3], tfidf=fitted, metric="cosine")
+    router, labels = fit_router(feats, [3], text_model=fitted, metric="cosine")
     assert router.featurizer["kind"] == "tfidf_svd"
     router.save(tmp_path)
     loaded = Router.load(tmp_path)

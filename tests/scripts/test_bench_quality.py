@@ -162,6 +162,18 @@ def test_the_product_featurizer_row_routes_each_grid_level_on_the_improved_featu
     assert row.routing == "featurizer_product2x2" and bench.iid_control(row.name) == "dipaco_2x2_iid"
 
 
+def test_the_doc_topics_rows_route_on_doc_topics_and_are_judged_against_their_iid_controls(bench):
+    preset, method, settings = bench.ROUTINGS["doctopics4"]
+    cfg = apply_overrides(load_config(None, []), [f"topology.preset={preset}", f"route.method={method}", *settings])
+    assert (cfg.route.method, cfg.route.featurizer, cfg.route.metric) == ("kmeans", "doc_topics", "cosine")
+    assert cfg.route.topics == 0  # one topic per path
+    by_name = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
+    assert by_name["dipaco_2x2_doctopics"].routing == by_name["moe_4_doctopics"].routing == "doctopics4"
+    assert bench.iid_control("dipaco_2x2_doctopics@outer.rescale=sqrt_paths") == "dipaco_2x2_iid@outer.rescale=sqrt_paths"
+    assert bench.iid_control("moe_4_doctopics") == "moe_4_iid"
+    assert "dipaco_2x2_doctopics" not in bench.SMOKE_SKIP  # CI routes and trains it at the smoke size
+
+
 def test_rerouting_rows_reroute_inside_dipaco_train_at_their_points(bench):
     """One code path: the reroute and EM rows set route.em_rounds and train with one `train` call."""
     every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}

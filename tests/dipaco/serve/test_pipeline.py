@@ -139,8 +139,10 @@ def test_generate_command(served_run, capsys):
     assert "run directory not found" in capsys.readouterr().err
 
 
-def test_tfidf_router_reads_only_the_routing_prefix(served_run, tmp_path):
-    """A TF-IDF router sees the first prefix_tokens tokens, as `dipaco route` gave it; re-routing eval runs too."""
+@pytest.mark.parametrize("featurizer", ["tfidf_svd", "doc_topics"])
+def test_text_router_reads_only_the_routing_prefix(served_run, tmp_path, featurizer):
+    """A text featurizer's router sees the first prefix_tokens tokens, as `dipaco route` gave it (doc_topics
+    learned its word model from whole training documents, but routes the prefix too); re-routing eval runs too."""
     from dataclasses import replace
 
     import shutil
@@ -150,15 +152,15 @@ def test_tfidf_router_reads_only_the_routing_prefix(served_run, tmp_path):
     from dipaco.train.loop import train
 
     cfg = replace(served_run, run=replace(served_run.run, dir=str(copy_run(served_run, tmp_path))),
-                  route=replace(served_run.route, featurizer="tfidf_svd", svd_components=8),
+                  route=replace(served_run.route, featurizer=featurizer, svd_components=8),
                   eval=replace(served_run.eval, max_docs=3))
     route(cfg)
     # The experiment was trained on the LM-prefix routing, which serving now refuses: train it anew.
     shutil.rmtree(RunDir(cfg.run.dir).experiment(cfg.train.name))
     train(cfg)
     pipe = Pipeline.from_run(cfg.run.dir)
-    assert pipe.router.featurizer["kind"] == "tfidf_svd"
+    assert pipe.router.featurizer["kind"] == featurizer
     val = datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["validation"]
     assert [pipe.route(t)[0] for t in val["text"]] == val["path"]
     report = reroute_evaluate(cfg, [32])
-    assert report["featurizer"] == "tfidf_svd" and report["results"][1]["decisions"] > 0
+    assert report["featurizer"] == featurizer and report["results"][1]["decisions"] > 0
