@@ -200,6 +200,9 @@ class RouteConfig:
     encoder: Optional[str] = None  # featurizer=encoder: a Hugging Face encoder's hub name or local directory
     encoder_max_tokens: int = 128  # featurizer=encoder: the encoder's tokens per routing context
     method: str = "kmeans"  # kmeans (P clusters) | product (one k-means per grid level)
+    # kmeans on a grid: which cluster becomes which path (routing.arrange). similar: clusters with alike token
+    # distributions on paths that share modules | none: k-means' own numbering | dissimilar: the worst (a control)
+    arrange: str = "none"
     metric: str = "euclidean"  # euclidean | cosine
     balance_slack: Optional[float] = 0.1  # shards hold at most ceil(N/P * (1 + slack)) docs; null = unbalanced
     min_shard_fraction: float = 0.0  # with a slack: shards hold at least floor(N/P * this) docs
@@ -290,6 +293,7 @@ _CHOICES = {
     "route.featurizer": ("lm_prefix", "tfidf_svd", "encoder", "doc_topics"),
     "route.transform": ("none", "center_l2", "pca_l2", "whiten_l2"),
     "route.method": ("kmeans", "product"),
+    "route.arrange": ("none", "similar", "dissimilar"),
     "route.metric": ("euclidean", "cosine"),
     "route.reroute_target": ("uniform", "current"),
     "model.attention": ("sdpa", "eager"),
@@ -384,6 +388,9 @@ def _validate_route_features(cfg: Config) -> None:
         raise ConfigError(f"route.topics: must be 0 (one topic per path) or >= 2, got {route.topics}")
     if route.topic_smoothing <= 0:
         raise ConfigError(f"route.topic_smoothing: must be > 0, got {route.topic_smoothing}")
+    if route.arrange != "none" and route.method != "kmeans":
+        raise ConfigError(f"route.arrange={route.arrange}: needs route.method=kmeans (a product router's path is "
+                          f"its per-level clusters; there is no numbering to choose)")
     if route.featurizer == "encoder" and not route.encoder:
         raise ConfigError("route.encoder: route.featurizer=encoder needs a Hugging Face encoder name or local directory")
 

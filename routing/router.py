@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -156,6 +156,19 @@ class Router:
             raise ValueError(
                 f"product router levels {self.radices} do not match the run's levels {list(radices)}"
             )
+
+    def renumbered(self, perm: Sequence[int], **meta: Any) -> "Router":
+        """The same router with cluster c routed to path ``perm[c]`` (see routing.arrange); ``meta`` is
+        added to its provenance. Only a plain k-means router's numbering is free: a product router's
+        path is its per-level digits, and a classifier's classes are the paths it was trained on."""
+        if self.kind != "kmeans":
+            raise ValueError(f"only a kmeans router can be renumbered, not a {self.kind} router")
+        order = torch.as_tensor(list(perm), dtype=torch.long)
+        if sorted(order.tolist()) != list(range(self.num_paths)):
+            raise ValueError(f"perm must be a permutation of range({self.num_paths}), got {order.tolist()}")
+        centroids = torch.empty_like(self.centroids[0])
+        centroids[order] = self.centroids[0]
+        return replace(self, centroids=[centroids], meta={**self.meta, **meta})
 
     # ------------------------------------------------------------------------------------
     # Routing

@@ -11,7 +11,9 @@ steps differ. Rows (P = paths of the small grid, Q = paths of the large one):
     moe_P_featurizer    flat MoE on the improved featurizer's shards               compute Px
     moe_P_doctopics     flat MoE on the doc_topics featurizer's shards             compute Px
     moe_P_iid           flat MoE on iid shards: the control of the three rows above compute Px
-    dipaco_2x2_*        kmeans / improved featurizer / doc_topics / + top-2 overlapping shards /
+    dipaco_2x2_*        kmeans / improved featurizer / doc_topics / doc_topics with its shards
+                        numbered so alike ones share modules (route.arrange=similar) or unlike
+                        ones do (dissimilar, the control) / + top-2 overlapping shards /
                         product k-means / + discriminative re-routing once / EM re-sharding
                         (re-routing after several rounds) / + per-path early stopping /
                         iid shards (the control every routed 2x2 row is judged against)   compute Px
@@ -120,6 +122,9 @@ def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[R
         Row("dipaco_2x2_kmeans", "grid:2x2", f"kmeans{small}"),
         Row("dipaco_2x2_featurizer", "grid:2x2", f"featurizer{small}"),
         Row("dipaco_2x2_doctopics", "grid:2x2", f"doctopics{small}"),
+        # The same shards, numbered as paths so that alike shards share modules (route.arrange), or unlike ones.
+        Row("dipaco_2x2_doctopics_similar", "grid:2x2", f"doctopics{small}_similar"),
+        Row("dipaco_2x2_doctopics_dissimilar", "grid:2x2", f"doctopics{small}_dissimilar"),
         Row("dipaco_2x2_top2", "grid:2x2", f"featurizer{small}", overrides=["route.topk=2"]),
         Row("dipaco_2x2_iid", "grid:2x2", None),
         Row("dipaco_2x2_product", "grid:2x2", "product2x2"),
@@ -153,7 +158,8 @@ def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[R
 # The GPU regime's rows (issue 14): dense 1x and Px, DiLoCo-P, flat MoE-P, DiPaCo k-means / improved
 # featurizer / top-2 overlap / iid control, and the MoE controls.
 GPU_ROWS = ("dense_1x", "dense_{p}x", "diloco_{p}", "moe_{p}", "moe_{p}_featurizer", "moe_{p}_doctopics", "moe_{p}_iid",
-            "dipaco_2x2_kmeans", "dipaco_2x2_featurizer", "dipaco_2x2_doctopics", "dipaco_2x2_top2", "dipaco_2x2_iid",
+            "dipaco_2x2_kmeans", "dipaco_2x2_featurizer", "dipaco_2x2_doctopics", "dipaco_2x2_doctopics_similar",
+            "dipaco_2x2_top2", "dipaco_2x2_iid",
             "dipaco_2x2_pathemb_featurizer", "dipaco_2x2_pathemb_top2", "dipaco_2x2_pathemb_iid",
             "diloco_{q}", "dipaco_4x4_kmeans", "dipaco_4x4_iid")
 
@@ -163,6 +169,7 @@ IMPROVED_SVD = 64  # TF-IDF SVD width of the improved featurizer
 # Left out of --smoke to keep CI's time: the smoke run still has an iid control (dipaco_2x2_iid), and at
 # its 2 rounds the EM row would re-route at the same single point as dipaco_2x2_reroute.
 SMOKE_SKIP = ("moe_4_featurizer", "moe_4_doctopics", "moe_4_iid", "dipaco_2x2_em", "dipaco_2x2_pathemb_featurizer",
+              "dipaco_2x2_doctopics_similar", "dipaco_2x2_doctopics_dissimilar",
               "dipaco_2x2_pathemb_top2", "dipaco_2x2_pathemb_iid", "dipaco_2x2_product_featurizer")
 
 # A routed row's iid control is its family's "iid" row (same topology, embedding and head); the
@@ -207,6 +214,8 @@ ROUTINGS = {  # variant -> (topology used to fit it, route.method, other route s
     "kmeans4": ("grid:2x2", "kmeans", []),
     "featurizer4": ("grid:2x2", "kmeans", None),  # None: improved_featurizer()
     "doctopics4": ("grid:2x2", "kmeans", doc_topics_featurizer()),
+    "doctopics4_similar": ("grid:2x2", "kmeans", [*doc_topics_featurizer(), "route.arrange=similar"]),
+    "doctopics4_dissimilar": ("grid:2x2", "kmeans", [*doc_topics_featurizer(), "route.arrange=dissimilar"]),
     "product2x2": ("grid:2x2", "product", []),
     "featurizer_product2x2": ("grid:2x2", "product", [o for o in improved_featurizer() if o != "route.topk=2"]),
     "kmeans16": ("grid:4x4", "kmeans", []),

@@ -207,6 +207,14 @@ class Topology:
         """Paths that contain global module id ``module``."""
         return self._paths_through[module]
 
+    def shared_blocks(self) -> list[list[int]]:
+        """(P, P): how many transformer blocks paths p and q both go through (a path's own on the diagonal).
+
+        What two paths' shards have to agree on; ``route.arrange`` puts alike clusters where it is large."""
+        block_count = [len(m.part.layers) for m in self.modules]
+        members = [set(self.path_modules(p)) for p in range(self.num_paths)]
+        return [[sum(block_count[m] for m in a & b) for b in members] for a in members]
+
     def part_assignment(self, part: Part) -> list[int]:
         """For each path, the index of the module it uses in ``part`` (the index for index_add_)."""
         return [self.module_index(part, p) for p in range(self.num_paths)]

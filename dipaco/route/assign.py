@@ -46,6 +46,7 @@ from dipaco.runtime import resolve_device, seed_everything
 from dipaco.train.pretrain import load_pretrained
 from routing.featurize import (doc_topics_features, encoder_features, lm_prefix_features, load_encoder,
                                tfidf_svd_features)
+from routing.arrange import arrange_clusters, js_divergences
 from routing.quality import routing_report
 from routing.router import Router, fit_router
 from routing.transform import FeatureTransform
@@ -113,6 +114,31 @@ def fit_doc_topics(cfg: Config, prepared: Prepared, contexts: list[str], num_pat
         raise ConfigError(f"route.featurizer=doc_topics: {exc}") from None
     echo(f"[route] doc_topics: word model over {len(model.vocabulary):,} words")
     return train_x, model
+
+
+def cluster_token_counts(prepared: Prepared, clusters: np.ndarray, num_clusters: int) -> np.ndarray:
+    """(P, V) token counts of each cluster's training documents."""
+    lengths = np.asarray(prepared.train["num_tokens"], dtype=np.int64)
+    tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in prepared.train["input_ids"]])
+    vocab = int(tokens.max()) + 1
+    flat = np.repeat(clusters, lengths) * vocab + tokens
+    return np.bincount(flat, minlength=num_clusters * vocab).reshape(num_clusters, vocab)
+
+
+def arrange_paths(cfg: Config, topology: Topology, prepared: Prepared, router: Router,
+                  clusters: np.ndarray) -> tuple[Router, np.ndarray]:
+    """``route.arrange``: number the k-means clusters as paths so that clusters whose token distributions
+    are alike (Jensen-Shannon) go to paths that share transformer blocks (routing.arrange)."""
+    if cfg.route.arrange == "none":
+        return router, clusters
+    counts = cluster_token_counts(prepared, clusters, router.num_paths)
+    found = arrange_clusters(np.asarray(topology.shared_blocks()), js_divergences(counts), cfg.route.arrange,
+                             seed=cfg.run.seed)
+    echo(f"[route] arrange={cfg.route.arrange}: cluster -> path {found.perm.tolist()}, shared-block-weighted "
+         f"Jensen-Shannon divergence {found.identity_cost:.4f} -> {found.cost:.4f}"
+         + ("" if found.exact else " (pairwise-swap local optimum)"))
+    router = router.renumbered(found.perm, arrangement={"mode": cfg.route.arrange, **found.to_dict()})
+    return router, found.perm[clusters]
 
 
 def pooling_spec(cfg: Config) -> dict:
@@ -249,13 +275,14 @@ def route(cfg: Config) -> dict:
         text_model=text_model, topology=topology.to_dict(), seed=cfg.run.seed, n_init=cfg.route.n_init, max_iter=cfg.route.max_iter,
         transform=transform,
     )
-    paths = {"train": np.asarray(train_paths, dtype=np.int64),
+    router, train_paths = arrange_paths(cfg, topology, prepared, router, np.asarray(train_paths, dtype=np.int64))
+    paths = {"train": train_paths,
              "validation": router.assign(features["validation"]).numpy().astype(np.int64)}
     topk = router.assign_topk(features["train"], cfg.route.topk).numpy() if cfg.route.topk > 1 else None
     seconds = time.perf_counter() - start
     report = routing_summary(router, paths, prepared, seconds, {
         "featurize_s": featurize_s, "docs_per_s": (len(texts["train"]) + len(texts["validation"])) / seconds,
-        **{k: v for k, v in router.meta.items() if "inertia" in k},
+        **{k: v for k, v in router.meta.items() if "inertia" in k or k == "arrangement"},
     })
     write_routing(run, prepared, router, paths, topk, features, report)
     print_report(report)

@@ -174,6 +174,19 @@ def test_the_doc_topics_rows_route_on_doc_topics_and_are_judged_against_their_ii
     assert "dipaco_2x2_doctopics" not in bench.SMOKE_SKIP  # CI routes and trains it at the smoke size
 
 
+def test_the_arranged_doc_topics_rows_differ_from_doctopics4_only_in_the_numbering(bench):
+    base = bench.ROUTINGS["doctopics4"][2]
+    for mode in ("similar", "dissimilar"):
+        preset, method, settings = bench.ROUTINGS[f"doctopics4_{mode}"]
+        assert (preset, method) == bench.ROUTINGS["doctopics4"][:2]
+        assert settings == [*base, f"route.arrange={mode}"]
+        cfg = apply_overrides(load_config(None, []), [f"topology.preset={preset}", f"route.method={method}", *settings])
+        assert cfg.route.arrange == mode
+        row = next(r for r in bench.rows(4, 16, True, num_layers=4) if r.name == f"dipaco_2x2_doctopics_{mode}")
+        assert row.routing == f"doctopics4_{mode}" and bench.iid_control(row.name) == "dipaco_2x2_iid"
+    assert "dipaco_2x2_doctopics_similar" in bench.GPU_ROWS
+
+
 def test_rerouting_rows_reroute_inside_dipaco_train_at_their_points(bench):
     """One code path: the reroute and EM rows set route.em_rounds and train with one `train` call."""
     every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}

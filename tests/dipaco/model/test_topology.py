@@ -54,6 +54,15 @@ def test_path_specific_parts_have_one_module_per_path():
     assert t.radices == (4, 1)
 
 
+def test_shared_blocks_counts_the_blocks_two_paths_both_go_through():
+    assert Topology.grid(4, [2, 2]).shared_blocks() == [[4, 2, 2, 0], [2, 4, 0, 2], [2, 0, 4, 2], [0, 2, 2, 4]]
+    assert Topology.from_preset("moe:3", 2).shared_blocks() == [[2, 0, 0], [0, 2, 0], [0, 0, 2]]
+    assert Topology.from_preset("diloco:2", 2).shared_blocks() == [[2, 2], [2, 2]]
+    # A path-specific block is never shared; the 2-block shared level is shared by all.
+    t = Topology([Level(1, path_specific=True), Level(2, 1), Level(3, 2)])
+    assert t.shared_blocks() == [[6, 2], [2, 6]]
+
+
 def test_presets():
     assert Topology.from_preset("dense", 4).num_paths == 1
     diloco = Topology.from_preset("diloco:8", 4)

@@ -1,5 +1,6 @@
 """`dipaco route` / `dipaco reroute` wired to the trainer, on the tiny run."""
 
+import itertools
 import json
 from dataclasses import replace
 
@@ -222,6 +223,46 @@ def test_route_doc_topics_options_are_checked(run_cfg):
         apply_overrides(run_cfg, ["route.topic_smoothing=0"])
     with pytest.raises(ConfigError, match="route.featurizer=doc_topics: topics must be in"):
         route(routed(run_cfg, featurizer="doc_topics", svd_components=8, topics=100000))
+
+
+def test_arrange_renumbers_the_same_clusters_so_alike_shards_share_modules(run_cfg):
+    """route.arrange=similar keeps k-means' shards and only chooses which path each one becomes: the
+    numbering with the lowest block-weighted Jensen-Shannon divergence between paths that share modules."""
+    from routing.arrange import arrangement_cost, js_divergences
+    from dipaco.model.topology import Topology
+    from dipaco.route.assign import cluster_token_counts
+
+    def shards(report: dict) -> tuple[np.ndarray, np.ndarray, Router]:
+        run = RunDir(run_cfg.run.dir)
+        splits = datasets.load_from_disk(str(run.routing / "data"))
+        return (np.asarray(splits["train"]["path"]), np.asarray(splits["validation"]["path"]),
+                Router.load(run.routing / "router"))
+
+    kw = dict(featurizer="doc_topics", svd_components=16, metric="cosine", n_init=1)
+    plain_train, plain_val, _ = shards(route(routed(run_cfg, **kw)))
+    report = route(routed(run_cfg, arrange="similar", **kw))
+    train_paths, val_paths, router = shards(report)
+    perm = np.asarray(report["arrangement"]["perm"])
+    assert router.meta["arrangement"]["mode"] == "similar"
+    assert train_paths.tolist() == perm[plain_train].tolist()
+    assert val_paths.tolist() == perm[plain_val].tolist()
+
+    from dipaco.data.prepare import load_prepared
+    prepared = load_prepared(run_cfg, routed=False)
+    dis = js_divergences(cluster_token_counts(prepared, plain_train, 4))
+    shared = np.asarray(Topology.grid(run_cfg.model.num_layers, [2, 2]).shared_blocks())
+    every = [arrangement_cost(np.asarray(p), shared, dis) for p in itertools.permutations(range(4))]
+    assert report["arrangement"]["cost"] == pytest.approx(min(every))
+    assert report["arrangement"]["identity_cost"] == pytest.approx(every[0])
+
+
+def test_arrange_needs_plain_kmeans(run_cfg):
+    from dipaco.config import apply_overrides
+
+    with pytest.raises(ConfigError, match="route.arrange=similar: needs route.method=kmeans"):
+        apply_overrides(run_cfg, ["route.method=product", "route.arrange=similar"])
+    with pytest.raises(ConfigError, match="route.arrange"):
+        apply_overrides(run_cfg, ["route.arrange=closest"])
 
 
 def test_reroute_keeps_overlapping_shards_top2_and_em_training_uses_them(run_cfg):
