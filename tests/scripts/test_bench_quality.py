@@ -249,6 +249,15 @@ def test_a_row_with_overrides_is_that_row_judged_against_its_control_with_the_sa
     longer = _row("dipaco_2x2_featurizer@train.rounds=8", 4, 200, 1000, 90.0)
     assert ("- DiPaCo 2x2 beats DiLoCo-4 at equal compute: met (best 2x2 row "
             f"dipaco_2x2_featurizer{sweep} 140.00 vs 150.00)") in bench.targets([*rows, longer])
+    # ... and is judged against the best DiLoCo-4 row that trained as long.
+    longer_diloco = [_row("diloco_4@train.rounds=8", 4, 200, 1000, 85.0),
+                     _row("diloco_4@train.rounds=8@outer.lr=0.5", 4, 200, 1000, 88.0)]
+    lines = bench.targets([*rows, longer, *longer_diloco])
+    assert ("- DiPaCo 2x2 beats DiLoCo-4 at equal compute: met (best 2x2 row "
+            f"dipaco_2x2_featurizer{sweep} 140.00 vs 150.00)") in lines
+    assert ("- DiPaCo 2x2 beats DiLoCo-4 at equal compute (200 steps per path): MISSED (best 2x2 row "
+            "dipaco_2x2_featurizer@train.rounds=8 90.00 vs diloco_4@train.rounds=8 85.00)") in lines
+    assert sum("DiLoCo-4" in line for line in lines) == 2
 
 
 def test_an_unknown_row_fails_before_anything_is_prepared(bench, tmp_path, monkeypatch):
@@ -264,3 +273,27 @@ def test_an_unknown_row_fails_before_anything_is_prepared(bench, tmp_path, monke
                                       "--rows", "dipaco_2x2_iid@outer.rescale=sqrt_paths", "dipaco_2x2_idd"])
     with pytest.raises(SystemExit, match=r"unknown row 'dipaco_2x2_idd' \(ROW or ROW@key=value@...\)"):
         bench.main()
+
+
+def test_data_option_names_the_corpora_folder_and_a_missing_one_is_named(bench, tmp_path, monkeypatch):
+    """The repository travels to a GPU machine without ../shared: --data points at a carried copy."""
+    import gzip
+
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    with gzip.open(carried / "bbc_news.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"source": "bbc", "label": "t", "id": "0", "text": "a document"}) + "\n")
+    monkeypatch.setattr(bench, "SHARED", tmp_path / "absent")
+    written = bench.write_corpus(tmp_path / "bbc.jsonl", None, bench.CORPORA["bbc"], carried)
+    assert [json.loads(line)["id"] for line in written.open()] == ["bbc/0"]
+
+    monkeypatch.setattr(bench, "prepare", lambda cfg: pytest.fail("prepared without the corpora"))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--out-dir", str(out), "--data", str(carried)])
+    with pytest.raises(SystemExit, match=r"not at .*carried \(missing 20news_bydate.jsonl.gz, "
+                                         r"brown_genres.jsonl.gz\); name their folder with --data"):
+        bench.main()  # the mix needs all three corpora
+    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--corpus", "bbc", "--out-dir", str(out)])
+    with pytest.raises(SystemExit, match=r"absent \(missing bbc_news.jsonl.gz\)"):
+        bench.main()
+    assert not out.exists()
