@@ -5,7 +5,6 @@ that the smoke run cannot show: curve points, the compute column, and `--resume`
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -19,12 +18,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_quality.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script):
+    return load_script("bench_quality")
 
 
 def test_curve_rounds_are_powers_of_two_and_the_last(bench):

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_quality.py"
-
 
 @pytest.fixture(scope="module")
-def plot_quality():
-    spec = importlib.util.spec_from_file_location("plot_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def plot_quality(load_script):
+    return load_script("plot_quality")
 
 
 def _results(path: Path, *rows: tuple[str, float]) -> Path:
