@@ -32,7 +32,9 @@ reports the NMI and purity of its training shards against the corpus labels, so 
 is visible beside the routed row's perplexity and its iid control's.
 
 Outputs (in --out-dir): results.json (every row, every round), a markdown table, and PNG plots of
-validation perplexity against training tokens and of shard sizes.
+validation perplexity against training tokens and of shard sizes. Rows repeated over seeds
+(ROW@run.seed=N) get a table of their mean and spread, and the equal-compute comparison with DiLoCo
+uses each configuration's mean over the seeds it ran.
 
     python scripts/bench_quality.py                 # default scale, ~2 h on 2 CPU cores
     python scripts/bench_quality.py --smoke         # ~1 min, for CI
@@ -53,6 +55,7 @@ import gzip
 import json
 import re
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -183,6 +186,31 @@ def iid_control(name: str) -> str | None:
     base, at, extra = name.partition("@")
     family = next((f for f in CONTROL_FAMILIES if f"{base}_".startswith(f)), None)
     return None if family is None or base == f"{family}iid" else f"{family}iid{at}{extra}"
+
+
+SEED_KEY = "run.seed"
+
+
+def seed_group(name: str, default_seed: int) -> tuple[str, int]:
+    """A row's name without its ``@run.seed=N`` override, and the seed it trained with (``default_seed``,
+    the base config's, when the name has none). The rows of one group differ only in the training seed."""
+    base, *extra = name.split("@")
+    seeds = [o.partition("=")[2] for o in extra if o.startswith(f"{SEED_KEY}=")]
+    return "@".join([base, *(o for o in extra if not o.startswith(f"{SEED_KEY}="))]), \
+        int(seeds[-1]) if seeds else default_seed
+
+
+def seed_groups(results: list[dict], default_seed: int) -> dict[str, dict[int, float]]:
+    """Validation perplexity by seed, for each group of rows that differ only in ``run.seed``."""
+    groups: dict[str, dict[int, float]] = {}
+    for r in results:
+        group, seed = seed_group(r["name"], default_seed)
+        groups.setdefault(group, {})[seed] = r["ppl"]
+    return groups
+
+
+def _seeds(seeds) -> str:
+    return ",".join(map(str, sorted(seeds)))
 
 
 def named_row(name: str, known: dict[str, Row]) -> Row:
@@ -422,33 +450,65 @@ def markdown_table(results: list[dict], dense_steps: int) -> str:
     return "\n".join(lines)
 
 
-def targets(results: list[dict]) -> list[str]:
+def seed_table(results: list[dict], default_seed: int) -> str:
+    """Mean and spread over seeds of every row repeated with ``@run.seed=N`` ("" when none is)."""
+    repeated = {g: by_seed for g, by_seed in seed_groups(results, default_seed).items() if len(by_seed) > 1}
+    if not repeated:
+        return ""
+    lines = ["| row | seeds | mean val ppl | std | min | max |", "|---|---|---|---|---|---|"]
+    for group, by_seed in repeated.items():
+        ppl = list(by_seed.values())
+        lines.append(f"| {group} | {_seeds(by_seed)} | {statistics.fmean(ppl):.2f} | {statistics.stdev(ppl):.2f} | "
+                     f"{min(ppl):.2f} | {max(ppl):.2f} |")
+    return "\n".join(lines)
+
+
+def targets(results: list[dict], default_seed: int = 0) -> list[str]:
     by = {r["name"]: r["ppl"] for r in results}
     steps = {r["name"]: r["paths"] * r["steps_per_path"] for r in results}  # compute, for rows of one path size
+    groups = seed_groups(results, default_seed)
     out = []
 
     def check(label: str, ok: bool | None, detail: str) -> None:
         out.append(f"- {label}: {'met' if ok else 'MISSED' if ok is not None else 'not run'} ({detail})")
 
-    # Issue 14: what routing buys, against iid controls of the same topology and compute.
+    # Issue 14: what routing buys, against iid controls of the same topology and compute (and seed).
     for name in by:
         control = iid_control(name)
         if control in by:
             gain = 1 - by[name] / by[control]
             check(f"{name} beats its iid control ({control}) by >= 3%", gain >= 0.03,
                   f"{by[name]:.2f} vs {by[control]:.2f}: {gain:+.1%}")
+    # A row repeated over seeds is also judged on its mean, against its control's mean over the same seeds.
+    for group, by_seed in groups.items():
+        control = groups.get(iid_control(group) or "")
+        if len(by_seed) > 1 and control is not None and control.keys() == by_seed.keys():
+            mean, control_mean = statistics.fmean(by_seed.values()), statistics.fmean(control.values())
+            gain = 1 - mean / control_mean
+            check(f"{group} beats its iid control ({iid_control(group)}) by >= 3%, mean of seeds "
+                  f"{_seeds(by_seed)}", gain >= 0.03, f"{mean:.2f} vs {control_mean:.2f}: {gain:+.1%}")
     # Equal compute: a ROW@train.rounds=... row is judged against the DiLoCo-4 rows that trained as long,
     # the best of each side (a DiLoCo-4 row with other overrides is an alternative a user could run too).
-    routed_2x2 = {k for k in by if k.startswith("dipaco_2x2_") and iid_control(k) is not None}
-    diloco_4 = {k for k in by if k.split("@")[0] == "diloco_4"}
-    for compute in sorted({steps[k] for k in routed_2x2} & {steps[k] for k in diloco_4}):
-        best = min((k for k in routed_2x2 if steps[k] == compute), key=by.get)
-        rival = min((k for k in diloco_4 if steps[k] == compute), key=by.get)
+    # Each side is a configuration's mean over the seeds it ran: the minimum over seeds would favour the side
+    # that ran more of them.
+    mean = {g: statistics.fmean(by_seed.values()) for g, by_seed in groups.items()}
+    group_steps = {seed_group(name, default_seed)[0]: n for name, n in steps.items()}
+
+    def described(group: str) -> str:
+        seeds = groups[group]
+        return group if len(seeds) == 1 else f"{group} (mean of seeds {_seeds(seeds)})"
+
+    routed_2x2 = {g for g in mean if g.startswith("dipaco_2x2_") and iid_control(g) is not None}
+    diloco_4 = {g for g in mean if g.split("@")[0] == "diloco_4"}
+    for compute in sorted({group_steps[g] for g in routed_2x2} & {group_steps[g] for g in diloco_4}):
+        best = min((g for g in routed_2x2 if group_steps[g] == compute), key=mean.get)
+        rival = min((g for g in diloco_4 if group_steps[g] == compute), key=mean.get)
         label = "DiPaCo 2x2 beats DiLoCo-4 at equal compute"
         if rival != "diloco_4":
             label += f" ({compute // 4} steps per path)"
-        rival_name = "" if rival == "diloco_4" else f"{rival} "
-        check(label, by[best] < by[rival], f"best 2x2 row {best} {by[best]:.2f} vs {rival_name}{by[rival]:.2f}")
+        rival_name = "" if rival == "diloco_4" and len(groups[rival]) == 1 else f"{described(rival)} "
+        check(label, mean[best] < mean[rival],
+              f"best 2x2 row {described(best)} {mean[best]:.2f} vs {rival_name}{mean[rival]:.2f}")
     if "dense_1x" in by and "dipaco_2x2_kmeans" in by:
         gain = 1 - by["dipaco_2x2_kmeans"] / by["dense_1x"]
         check("DiPaCo 2x2 beats dense 1x by >= 5%", gain >= 0.05, f"{gain:+.1%}")
@@ -615,8 +675,9 @@ def main() -> None:
     results = ordered()
 
     dense_steps = base.train.rounds * base.train.inner_steps
-    table = markdown_table(results, dense_steps)
-    summary = "\n".join(targets(results))
+    table = "\n\n".join(t for t in (markdown_table(results, dense_steps),
+                                     seed_table(results, base.run.seed)) if t)
+    summary = "\n".join(targets(results, base.run.seed))
     pngs = plots(results, out_dir)
     total = time.perf_counter() - started
     training = sum(r["wall_time_s"] for r in results)

@@ -255,6 +255,32 @@ def test_a_row_with_overrides_is_that_row_judged_against_its_control_with_the_sa
     assert sum("DiLoCo-4" in line for line in lines) == 2
 
 
+
+def test_rows_repeated_over_seeds_are_judged_on_their_means(bench):
+    assert bench.seed_group("diloco_4@train.rounds=16@run.seed=2", 0) == ("diloco_4@train.rounds=16", 2)
+    assert bench.seed_group("diloco_4@train.rounds=16", 7) == ("diloco_4@train.rounds=16", 7)
+    s16 = "@outer.rescale=sqrt_paths@train.rounds=16"
+    rows = [_row(name, 4, 800, 1000, ppl) for name, ppl in [
+        ("diloco_4@train.rounds=16", 95.0),
+        (f"dipaco_2x2_doctopics{s16}", 90.0), (f"dipaco_2x2_doctopics{s16}@run.seed=1", 110.0),
+        (f"dipaco_2x2_iid{s16}", 100.0), (f"dipaco_2x2_iid{s16}@run.seed=1", 104.0)]]
+    lines = bench.targets(rows)
+    # The 2x2's luckier seed alone would beat DiLoCo-4; its mean does not.
+    assert ("- DiPaCo 2x2 beats DiLoCo-4 at equal compute (800 steps per path): MISSED (best 2x2 row "
+            f"dipaco_2x2_doctopics{s16} (mean of seeds 0,1) 100.00 vs diloco_4@train.rounds=16 95.00)") in lines
+    assert (f"- dipaco_2x2_doctopics{s16} beats its iid control (dipaco_2x2_iid{s16}) by >= 3%, mean of seeds 0,1: "
+            "MISSED (100.00 vs 102.00: +2.0%)") in lines
+    # Per seed, each row still meets its own seed's control.
+    assert (f"- dipaco_2x2_doctopics{s16} beats its iid control (dipaco_2x2_iid{s16}) by >= 3%: "
+            "met (90.00 vs 100.00: +10.0%)") in lines
+    # A control that ran other seeds gives no mean comparison.
+    assert not any("mean of seeds" in line and "iid control" in line for line in bench.targets(rows[:-1]))
+    # The seed table shows the spread beside the mean, for repeated rows only.
+    table = bench.seed_table(rows, 0).splitlines()
+    assert table[2] == f"| dipaco_2x2_doctopics{s16} | 0,1 | 100.00 | 14.14 | 90.00 | 110.00 |"
+    assert len(table) == 4 and bench.seed_table(rows[:2], 0) == ""
+
+
 def test_an_unknown_row_fails_before_anything_is_prepared(bench, tmp_path, monkeypatch):
     import gzip
 
