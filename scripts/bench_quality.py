@@ -43,6 +43,9 @@ uses each configuration's mean over the seeds it ran.
     python scripts/bench_quality.py --rows dipaco_2x2_featurizer@outer.rescale=sqrt_paths \
         dipaco_2x2_iid@outer.rescale=sqrt_paths      # ROW@key=value@...: a row with extra dipaco overrides,
                                                     # judged against its iid control with the same overrides
+    python scripts/bench_quality.py --report RUN_A/results.json RUN_B/results.json
+                                                    # train nothing: one table and the targets for rows that
+                                                    # ran side by side in two out-dirs of one corpus and init
     timeout 590 python scripts/bench_quality.py --preset gpu --resume   # the GPU regime, 10-minute commands:
                                                     # repeat until it prints the table; a row cut off
                                                     # continues from its last round's checkpoint
@@ -591,6 +594,59 @@ def finished_rows(path: Path, base: Config) -> dict[str, dict]:
     return {r["name"]: r for r in earlier["rows"]}
 
 
+def table_order(num_layers: int):
+    """Sort key of row names: the order of :func:`rows`, a ``ROW@...`` row after its row."""
+    position = {r.name: i for i, r in enumerate(rows(4, 16, True, num_layers))}
+    return lambda name: (position.get(name.split("@")[0], len(position)), name)
+
+
+def merge_results(paths: list[Path]) -> dict:
+    """One results payload from several results files of one pretrained init and seed (out-dirs of one
+    corpus that ran side by side), with the first file's base config. A row in two files must have the
+    same result in both; rows from different inits are not comparable, so those are refused."""
+    merged: dict | None = None
+    by_name: dict[str, tuple[Path, dict]] = {}
+    for path in paths:
+        try:
+            payload = json.loads(path.read_text())
+            payload_rows, pretrained = payload["rows"], float(payload["pretrained_ppl"])
+            seed = int((payload.get("base_config") or {}).get("run", {}).get("seed", 0))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise SystemExit(f"error: {path}: not a bench_quality results file ({err!r})") from None
+        if merged is None:
+            merged = {"base_config": payload.get("base_config") or {}, "pretrained_ppl": pretrained,
+                      "seed": seed, "merged_from": [str(p) for p in paths]}
+        elif round(pretrained, 2) != round(merged["pretrained_ppl"], 2):
+            raise SystemExit(f"error: {path} was trained from another pretrained init (val ppl {pretrained:.2f}) "
+                             f"than {paths[0]} ({merged['pretrained_ppl']:.2f}); its rows are not comparable")
+        elif seed != merged["seed"]:
+            raise SystemExit(f"error: {path}'s base config has run.seed={seed}, {paths[0]}'s {merged['seed']}: "
+                             "their rows without @run.seed would not be told apart")
+        for row in payload_rows:
+            first = by_name.setdefault(row["name"], (path, row))
+            if first[1]["ppl"] != row["ppl"]:
+                raise SystemExit(f"error: row {row['name']} is in {first[0]} (ppl {first[1]['ppl']:.2f}) and in "
+                                 f"{path} (ppl {row['ppl']:.2f}); keep one of them")
+    if not by_name:
+        raise SystemExit(f"error: no rows in {', '.join(map(str, paths))}")
+    base = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), merged["base_config"]))
+    order = table_order(base.model.num_layers)
+    merged["rows"] = [by_name[name][1] for name in sorted(by_name, key=order)]
+    merged["dense_steps"] = base.train.rounds * base.train.inner_steps
+    return merged
+
+
+def report(paths: list[Path], merged_path: Path | None) -> None:
+    """Print the tables and targets of finished rows, without training (``--report``)."""
+    merged = merge_results(paths)
+    results, seed = merged["rows"], merged["seed"]
+    print("\n\n".join(t for t in (markdown_table(results, merged["dense_steps"]), seed_table(results, seed)) if t))
+    print("\n" + "\n".join(targets(results, seed)))
+    if merged_path is not None:
+        write_text(merged_path, json.dumps(merged, indent=2))
+        echo(f"[bench] wrote the {len(results)} rows to {merged_path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model and steps (about a minute)")
@@ -608,8 +664,16 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=None,
                    help="the folder holding the shared corpora (default: shared/data beside the repository; "
                         "name it where the repository travels without that folder, e.g. to a GPU machine)")
+    p.add_argument("--report", type=Path, nargs="+", metavar="results.json",
+                   help="train nothing: print the table and targets of these results files' rows together "
+                        "(out-dirs of one corpus and init that ran side by side)")
+    p.add_argument("--merged", type=Path, help="with --report: also write the rows to this results file")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
+    if args.merged and not args.report:
+        p.error("--merged goes with --report")
+    if args.report:
+        return report(args.report, args.merged)
     data_dir = (SHARED if args.data is None else args.data).resolve()
     missing = [name for name in CORPORA[args.corpus] if not (data_dir / name).is_file()]
     if missing:
@@ -640,14 +704,10 @@ def main() -> None:
     in_scope = {r.name for r in rows(4, 16, include_large, base.model.num_layers)}
     if args.preset == "gpu":
         in_scope &= {n.format(p=4, q=16) for n in GPU_ROWS}
-    position = {r.name: i for i, r in enumerate(every_row)}
-
-    def table_order(name: str) -> tuple[int, str]:  # a ROW@... row follows its row
-        return position.get(name.split("@")[0], len(position)), name
-
+    order = table_order(base.model.num_layers)
     selected = sorted((r for r in asked or every_row if r.name.split("@")[0] in in_scope
                        and not (args.smoke and not args.rows and r.name in SMOKE_SKIP)),
-                      key=lambda r: table_order(r.name))
+                      key=lambda r: order(r.name))
 
     started = time.perf_counter()
     if not (Path(base.run.dir) / "pretrain" / "config.json").is_file():
@@ -660,7 +720,7 @@ def main() -> None:
         echo(f"[bench] starting over: {out_dir / 'results.json'} will be replaced (--resume keeps its rows)")
 
     def ordered() -> list[dict]:  # kept and new rows, in the table's order
-        return [by_name[name] for name in sorted(by_name, key=table_order)]
+        return [by_name[name] for name in sorted(by_name, key=order)]
 
     for row in selected:
         if row.name in by_name and row.name not in (args.rows or ()):

@@ -318,3 +318,61 @@ def test_data_option_names_the_corpora_folder_and_a_missing_one_is_named(bench, 
     with pytest.raises(SystemExit, match=r"absent \(missing bbc_news.jsonl.gz\)"):
         bench.main()
     assert not out.exists()
+
+
+def _results_file(path: Path, rows: list[dict], pretrained_ppl: float = 211.08, seed: int = 0) -> Path:
+    path.write_text(json.dumps({"base_config": {"run": {"seed": seed}}, "pretrained_ppl": pretrained_ppl,
+                                "rows": rows}))
+    return path
+
+
+def test_report_judges_rows_of_several_out_dirs_together_without_training(bench, tmp_path, monkeypatch, capsys):
+    """Rows of one corpus run side by side in two out-dirs; --report reads both, with no corpora at hand."""
+    monkeypatch.setattr(bench, "SHARED", tmp_path / "absent")
+    monkeypatch.setattr(bench, "prepare", lambda cfg: pytest.fail("--report prepared data"))
+    s16 = "@outer.rescale=sqrt_paths@train.rounds=16"
+    one = _results_file(tmp_path / "a.json", [_row(f"dipaco_2x2_doctopics{s16}", 4, 800, 1000, 90.0),
+                                              _row(f"dipaco_2x2_doctopics{s16}@run.seed=1", 4, 800, 1000, 92.0)])
+    two = _results_file(tmp_path / "b.json", [_row("diloco_4@train.rounds=16@run.seed=1", 4, 800, 1000, 93.0),
+                                              _row("diloco_4@train.rounds=16", 4, 800, 1000, 95.0),
+                                              _row(f"dipaco_2x2_doctopics{s16}", 4, 800, 1000, 90.0)])
+    merged = tmp_path / "merged.json"
+    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--report", str(one), str(two), "--merged", str(merged)])
+    bench.main()
+    out = capsys.readouterr().out
+    # Table order (DiLoCo before DiPaCo), the row both files hold once, and the seed means across files.
+    names = [line.split(" | ")[0].removeprefix("| ") for line in out.splitlines() if line.startswith("| d")]
+    assert names[:3] == ["diloco_4@train.rounds=16", "diloco_4@train.rounds=16@run.seed=1",
+                         f"dipaco_2x2_doctopics{s16}"]
+    assert "| diloco_4@train.rounds=16 | 0,1 | 94.00 | 1.41 | 93.00 | 95.00 |" in out
+    assert (f"best 2x2 row dipaco_2x2_doctopics{s16} (mean of seeds 0,1) 91.00 vs "
+            "diloco_4@train.rounds=16 (mean of seeds 0,1) 94.00") in out
+    # The merged file is a results file: reporting it again prints the same tables.
+    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--report", str(merged)])
+    bench.main()
+    table, wrote = out.rsplit("[bench] wrote", 1)
+    assert wrote.startswith(" the 4 rows to ") and capsys.readouterr().out == table
+
+
+def test_report_refuses_rows_it_cannot_compare(bench, tmp_path, monkeypatch):
+    row = _row("diloco_4", 4, 800, 1000, 95.0)
+    good = _results_file(tmp_path / "good.json", [row])
+    cases = {
+        "other_init.json": (dict(rows=[row], pretrained_ppl=150.0), r"other_init.json was trained from another "
+                            r"pretrained init \(val ppl 150.00\) than .*good.json \(211.08\)"),
+        "other_result.json": (dict(rows=[{**row, "ppl": 97.0}]), r"row diloco_4 is in .*good.json \(ppl 95.00\) "
+                              r"and in .*other_result.json \(ppl 97.00\)"),
+        "other_seed.json": (dict(rows=[row], seed=3), r"other_seed.json's base config has run.seed=3"),
+    }
+    for name, (kwargs, message) in cases.items():
+        other = _results_file(tmp_path / name, **kwargs)
+        monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--report", str(good), str(other)])
+        with pytest.raises(SystemExit, match=message):
+            bench.main()
+    (tmp_path / "table.md").write_text("| not json |")
+    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--report", str(tmp_path / "table.md")])
+    with pytest.raises(SystemExit, match=r"table.md: not a bench_quality results file"):
+        bench.main()
+    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--merged", str(tmp_path / "m.json")])
+    with pytest.raises(SystemExit):
+        bench.main()
