@@ -372,11 +372,14 @@ def train_row(row: Row, cfg: Config, resume: bool) -> tuple:
 
 def row_overrides(row: Row, base: Config) -> list[str]:
     """The row's settings on top of its run's config: topology, name, rounds and, for a re-routing row,
-    the rounds after which `dipaco train` re-routes (route.em_rounds)."""
-    rounds = base.train.rounds * row.rounds_factor
+    the rounds after which `dipaco train` re-routes (route.em_rounds). A ``train.rounds=N`` among the
+    row's overrides (``ROW@train.rounds=N``) replaces the base schedule that both are derived from."""
+    schedule = [o for o in row.overrides if o.startswith("train.rounds=")]
+    rounds = (int(schedule[-1].partition("=")[2]) if schedule else base.train.rounds) * row.rounds_factor
     points = reroute_rounds(rounds, row.reroutes) if row.reroutes else []
     em = [f"route.em_rounds=[{','.join(map(str, points))}]"] if points else []
-    return [f"topology.preset={row.preset}", f"train.name={row.experiment}", f"train.rounds={rounds}", *em, *row.overrides]
+    rest = [o for o in row.overrides if o not in schedule]
+    return [f"topology.preset={row.preset}", f"train.name={row.experiment}", f"train.rounds={rounds}", *em, *rest]
 
 
 def routing_quality(cfg: Config, num_paths: int) -> dict:

@@ -376,3 +376,21 @@ def test_report_refuses_rows_it_cannot_compare(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--merged", str(tmp_path / "m.json")])
     with pytest.raises(SystemExit):
         bench.main()
+
+
+def test_a_rounds_override_keeps_the_rows_compute_factor_and_rerouting_points(bench):
+    """ROW@train.rounds=16: dense_4x still trains 4x as long as a path, and EM re-routes inside the 16 rounds
+    (before the fix dense_4x@train.rounds=16 trained 16 rounds, as long as dense_1x, and the EM row
+    re-routed after rounds 1, 2 and 3 of the base schedule)."""
+    every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
+    base = apply_overrides(Config(), ["train.sharding=kmeans"])  # 4 rounds
+
+    def cfg(name: str) -> Config:
+        return apply_overrides(base, bench.row_overrides(bench.named_row(name, every), base))
+
+    assert cfg("dense_4x@train.rounds=16").train.rounds == 64
+    assert cfg("dense_1x@train.rounds=16").train.rounds == 16
+    assert cfg("diloco_4@train.rounds=16@run.seed=1").train.rounds == 16
+    assert cfg("dipaco_2x2_em@train.rounds=16").route.em_rounds == [4, 8, 12]
+    assert cfg("dipaco_2x2_reroute@train.rounds=16").route.em_rounds == [8]
+    assert cfg("dense_4x").train.rounds == 16 and cfg("dipaco_2x2_em").route.em_rounds == [1, 2, 3]
