@@ -563,7 +563,7 @@ class RayRun:
         while self.pushes:
             ready, _ = ray.wait(list(self.pushes), num_returns=1)
             self.on_push(ready[0])
-        states = ray.get([a.state.remote() for a in self.actors])
+        states = self._executor_states()
         inner = dict(zip(self.inner, ray.get(list(self.inner.values()))))
         sync_state: dict[str, dict[str, torch.Tensor]] = {"outer": {}, "async_outer": {}}
         counters = {}
@@ -588,6 +588,28 @@ class RayRun:
         self.metrics.log("checkpoint", step=index, tasks=index, inner_steps=self.queue.steps_done,
                          elapsed=time.perf_counter() - self.start, checkpoint=ckpt.name)
         return ckpt
+
+    def _executor_states(self) -> list[tuple[dict, dict]]:
+        """Every executor's tensors and counters. One that Ray is restarting restores its own checkpoint,
+        which holds every update it acknowledged (ray.executor_checkpoint_every=1), so it is asked again."""
+        ray = self.ray
+        states: dict[int, tuple[dict, dict]] = {}
+        tries = 0
+        while len(states) < len(self.actors):
+            asked = {g: actor.state.remote() for g, actor in enumerate(self.actors) if g not in states}
+            for g, ref in asked.items():
+                try:
+                    states[g] = ray.get(ref)
+                except ray.exceptions.RayTaskError:
+                    raise
+                except ray.exceptions.RayError as exc:
+                    tries += 1
+                    if tries * RESTART_BACKOFF_S > self.cfg.dist.timeout_s:
+                        raise DistributedError(f"executor {g} did not come back within "
+                                               f"dist.timeout_s={self.cfg.dist.timeout_s}s: {exc}") from None
+                    echo(f"[train] executor {g} unavailable for the run checkpoint: asking again")
+                    time.sleep(RESTART_BACKOFF_S)
+        return [states[g] for g in range(len(self.actors))]
 
     def close(self) -> None:
         for actor in (*self.workers, *self.actors):

@@ -117,6 +117,32 @@ def test_killed_worker_and_executor_lose_no_update(ray_session, run_cfg):
     check_exactly_once(exp.dir, modules_by_path(cfg))
 
 
+def test_an_executor_killed_as_a_run_checkpoint_starts_loses_nothing(ray_session, run_cfg):
+    """An executor restarting while the driver reads the executors' states for a run checkpoint is asked
+    again once it is back (CI found ActorUnavailableError raised out of checkpoint() instead)."""
+    cfg = with_overrides(run_cfg, "train.rounds=2")
+    killed: list[str] = []
+
+    def drill(run) -> None:
+        write = run.checkpoint
+
+        def killed_first():
+            if not killed:
+                ray.kill(run.actors[0], no_restart=False)
+                killed.append(run.checkpoint_due and "due" or "final")
+            return write()
+
+        run.checkpoint = killed_first
+
+    exp = train_ray(cfg, on_start=drill)
+    assert killed
+    tasks = completed_tasks(exp.dir)
+    assert sum(t["steps"] for t in tasks) == 2 * 5 * 4
+    check_exactly_once(exp.dir, modules_by_path(cfg))
+    latest = CheckpointManager(exp.dir / "checkpoints").latest()
+    assert latest.name == f"round_{len(tasks):06d}"
+
+
 def test_rounds_schedule_reproduces_diloco(ray_session, run_cfg, tmp_path):
     """ray.schedule=rounds with the default delay applies the same outer steps as outer.sync=diloco."""
     from dipaco.train.loop import train
