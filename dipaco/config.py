@@ -160,6 +160,9 @@ class OuterConfig:
     nesterov: bool = True
     weighting: str = "tokens"  # tokens (w_p proportional to shard tokens) | uniform
     rescale: str = "none"  # none | sqrt_paths (x sqrt(n)) | inv_sqrt_paths (/ sqrt(n))
+    # the embedding's and head's outer lr is this x the sync's lr (the levels' is the lr itself); a per-part
+    # step, on top of rescale. DiLoCo and DiPaCo grids may want a larger step there (docs/benchmarks.md)
+    embedding_head_lr_scale: float = 1.0
     drop_prob: float = 0.0  # each path's contribution is dropped with this probability per round (seeded)
     sync: str = "diloco"  # the outer-sync algorithm: a name in dipaco.sync.SYNCS (or async_nesterov, train.driver=ray)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
@@ -448,6 +451,9 @@ def _validate_optimizers(cfg: Config) -> None:
             raise ConfigError(f"{section}.warmup_steps: must be >= 0, got {optim.warmup_steps}")
     _check_range("outer.lr", cfg.outer.lr, 0.0, inf)
     _check_range("outer.momentum", cfg.outer.momentum, 0.0, inf)
+    if not (math.isfinite(cfg.outer.embedding_head_lr_scale) and cfg.outer.embedding_head_lr_scale > 0):
+        raise ConfigError(f"outer.embedding_head_lr_scale: must be a finite number > 0, "
+                          f"got {cfg.outer.embedding_head_lr_scale}")
 
 
 def _validate_comm(cfg: Config) -> None:
@@ -550,6 +556,7 @@ def _validate_driver(cfg: Config) -> None:
     if cfg.train.driver == "ray":
         unsupported = {"train.early_stopping_holdout": cfg.train.early_stopping_holdout > 0,
                        "outer.drop_prob": cfg.outer.drop_prob > 0, "outer.rescale": cfg.outer.rescale != "none",
+                       "outer.embedding_head_lr_scale": cfg.outer.embedding_head_lr_scale != 1.0,
                        "dist.comm_dtype": cfg.dist.comm_dtype != "fp32", "outer.nesterov": not cfg.outer.nesterov}
         for key, used in unsupported.items():
             if used:

@@ -14,7 +14,9 @@ averaging were worse). Guarantees of :class:`ModuleNesterov`:
   module would (the SGD update is elementwise; torch's step runs on the whole module, with a zero
   gradient elsewhere, and the other elements are put back). Momentum elements whose slice has not
   stepped yet are 0; torch's first step, buf = g, is then mu * 0 + g, the same value;
-* state covers exactly the modules the bank holds, by module name.
+* state covers exactly the modules the bank holds, by module name;
+* the embedding and head modules step at ``lr x embedding_head_lr_scale``, the level modules at
+  ``lr`` (two SGD parameter groups; with scale 1 one group, the plain DiLoCo step).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import torch
 from dipaco.config import OuterConfig
 from dipaco.errors import CheckpointError
 from dipaco.model.bank import ModuleBank
+from dipaco.model.topology import EMBEDDING, HEAD
 
 
 class ModuleNesterov:
     def __init__(self, bank: ModuleBank, cfg: OuterConfig) -> None:
         self.bank = bank
-        self.sgd = torch.optim.SGD(bank.held_params, lr=cfg.lr, momentum=cfg.momentum,
+        self.sgd = torch.optim.SGD(_param_groups(bank, cfg), lr=cfg.lr, momentum=cfg.momentum,
                                    nesterov=cfg.nesterov and cfg.momentum > 0)
 
     @torch.no_grad()
@@ -89,6 +92,16 @@ class ModuleNesterov:
             if buf.shape != param.shape:
                 raise CheckpointError(f"outer momentum for {name}: shape {tuple(buf.shape)}, expected {tuple(param.shape)}")
             self.sgd.state[param]["momentum_buffer"] = buf.clone().to(param.device)
+
+
+def _param_groups(bank: ModuleBank, cfg: OuterConfig) -> list[dict]:
+    """The held modules by outer lr: the embedding and head at ``lr x embedding_head_lr_scale``."""
+    by_lr: dict[float, list[torch.nn.Parameter]] = {}
+    for m in bank.held:
+        kind = bank.topology.modules[m].part.kind
+        scale = cfg.embedding_head_lr_scale if kind in (EMBEDDING, HEAD) else 1.0
+        by_lr.setdefault(cfg.lr * scale, []).append(bank.params[m])
+    return [{"params": params, "lr": lr} for lr, params in by_lr.items()]
 
 
 def _only(grad: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -136,6 +136,19 @@ def test_rescale_by_sqrt_of_paths_through_module(rescale, factor):
     torch.testing.assert_close(module(bank, "level0.0"), before - 2.0 * factor, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1.0, 2.0, 0.5])
+def test_embedding_and_head_step_at_their_own_lr(scale):
+    topo = Topology([Level(1, 2)])  # 2 paths: level0.0 and level0.1 each in one, embedding and head in both
+    bank = ModuleBank(topo, tiny_model())
+    outer = OuterOptimizer(bank, OuterConfig(lr=LR, momentum=MOMENTUM, embedding_head_lr_scale=scale))
+    before = {m.name: bank.params[m.id].clone() for m in topo.modules}
+    for _ in range(2):  # two steps: the momentum buffers carry the same per-part step
+        outer.step({0: path_with_delta(bank, 0, 1.0), 1: path_with_delta(bank, 1, 1.0)}, {0: 1.0, 1: 1.0})
+    moved = 1.0 * (1 + MOMENTUM) + (1.0 + MOMENTUM * (MOMENTUM + 1.0))  # Nesterov, gradient 1 twice
+    for name, lr in [("level0.0", LR), ("level0.1", LR), ("embedding.0", LR * scale), ("head.0", LR * scale)]:
+        torch.testing.assert_close(module(bank, name), before[name] - lr * moved, rtol=0, atol=1e-5)
+
+
 def test_momentum_state_round_trips(setup):
     topo, bank, outer = setup
     outer.step({0: path_with_delta(bank, 0, 1.0)}, {0: 1.0})

@@ -32,6 +32,7 @@ ASYNC = ["train.driver=ray", "outer.sync=async_nesterov"]
     ([*ASYNC, "ray.executor_checkpoint_every=0"], "ray.executor_checkpoint_every: must be > 0"),
     ([*ASYNC, "dist.comm_dtype=int8"], "dist.comm_dtype: 'int8' is not supported by train.driver=ray"),
     ([*ASYNC, "outer.drop_prob=0.5"], "outer.drop_prob: 0.5 is not supported by train.driver=ray"),
+    ([*ASYNC, "outer.embedding_head_lr_scale=2"], "outer.embedding_head_lr_scale: 2.0 is not supported by train.driver=ray"),
     ([*ASYNC, "train.early_stopping_holdout=0.1"], "train.early_stopping_holdout: 0.1 is not supported"),
     ([*ASYNC, "outer.nesterov=false"], "outer.nesterov: False is not supported"),
 ])
