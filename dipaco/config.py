@@ -555,8 +555,7 @@ def _validate_driver(cfg: Config) -> None:
                           "train.inner_steps)")
     if cfg.train.driver == "ray":
         unsupported = {"train.early_stopping_holdout": cfg.train.early_stopping_holdout > 0,
-                       "outer.drop_prob": cfg.outer.drop_prob > 0, "outer.rescale": cfg.outer.rescale != "none",
-                       "outer.embedding_head_lr_scale": cfg.outer.embedding_head_lr_scale != 1.0,
+                       "outer.drop_prob": cfg.outer.drop_prob > 0,
                        "dist.comm_dtype": cfg.dist.comm_dtype != "fp32", "outer.nesterov": not cfg.outer.nesterov}
         for key, used in unsupported.items():
             if used:

@@ -9,7 +9,9 @@ section 2.3 and its infrastructure section) runs one such outer executor per mod
 paths through that module.
 
 For module m with N arrivals per momentum update (``outer.nesterov_delay``; default: the number of
-paths through m), learning rate eta and momentum beta, arrival t of path p, computed from the module
+paths through m), learning rate eta (per module: ``outer.lr``, times ``outer.embedding_head_lr_scale``
+for the embedding and head, times ``outer.rescale``'s factor for N paths, as the lock-step step
+scales them) and momentum beta, arrival t of path p, computed from the module
 at version v (the number of arrivals applied before the task started), brings
 
     g_t = (w_p / mean_{q through m} w_q) * (theta_m(v) - theta_{p,m})      token-weighted change
@@ -68,11 +70,13 @@ class AsyncNesterov:
     name = "async_nesterov"
 
     def __init__(self, params: Mapping[int, torch.Tensor], path_weights: Mapping[int, Mapping[int, float]],
-                 lr: float, momentum: float, delay: Mapping[int, int]) -> None:
+                 lr: float | Mapping[int, float], momentum: float, delay: Mapping[int, int]) -> None:
         """``params``: module id -> flat fp32 parameters (copied); ``path_weights``: module id -> the
-        outer weight w_p of every path through it; ``delay``: module id -> N (arrivals per momentum step)."""
-        self.lr, self.beta = float(lr), float(momentum)
+        outer weight w_p of every path through it; ``lr``: one outer lr, or module id -> its own;
+        ``delay``: module id -> N (arrivals per momentum step)."""
+        self.beta = float(momentum)
         self.params = {m: p.detach().to(torch.float32).clone() for m, p in params.items()}
+        self.lr = {m: float(lr[m] if isinstance(lr, Mapping) else lr) for m in self.params}
         self.mean_weight = {m: sum(ws.values()) / len(ws) for m, ws in path_weights.items()}
         self.path_weights = {m: dict(ws) for m, ws in path_weights.items()}
         self.delay = {m: int(delay[m]) for m in self.params}
@@ -110,17 +114,17 @@ class AsyncNesterov:
         if not 0 <= start_version <= version:
             raise ValueError(f"task {task}: start version {start_version} of module {module} is not in [0, {version}]")
         g = self.weighted_gradient(module, path, delta)
-        n = self.delay[module]
+        n, lr = self.delay[module], self.lr[module]
         self.buffer[module].add_(g)
         self.pending[module] += 1
         momentum_step = self.pending[module] == n
         if momentum_step:
             self.momentum[module].mul_(self.beta).add_(self.buffer[module], alpha=1.0 / n)
-            theta.add_(g, alpha=-self.lr / n).add_(self.momentum[module], alpha=-self.lr * self.beta)
+            theta.add_(g, alpha=-lr / n).add_(self.momentum[module], alpha=-lr * self.beta)
             self.buffer[module].zero_()
             self.pending[module] = 0
         else:
-            theta.add_(g, alpha=-self.lr / n)
+            theta.add_(g, alpha=-lr / n)
         update = Update(task=task, path=path, module=module, start_version=start_version, version=version + 1,
                         staleness=version - start_version, momentum_step=momentum_step)
         self.log.append(update)

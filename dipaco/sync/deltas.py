@@ -62,10 +62,17 @@ def outer_gradient(total: Payload, rescale: str = "none") -> torch.Tensor | None
     if weight <= 0:
         return None
     grad = total.values / weight
-    if rescale != "none":
-        factor = math.sqrt(float(count))
-        grad = grad * factor if rescale == "sqrt_paths" else grad / factor
-    return grad
+    factor = rescale_factor(int(count), rescale)
+    return grad if factor == 1.0 else grad * factor
+
+
+def rescale_factor(num_paths: int, rescale: str) -> float:
+    """The factor ``outer.rescale`` puts on the outer gradient of a module that ``num_paths`` paths
+    contributed to: sqrt(n) (``sqrt_paths``), 1/sqrt(n) (``inv_sqrt_paths``) or 1 (``none``)."""
+    if rescale == "none":
+        return 1.0
+    root = math.sqrt(float(num_paths))
+    return root if rescale == "sqrt_paths" else 1.0 / root
 
 
 def dropped_paths(seed: int, round_index: int, num_paths: int, prob: float) -> set[int]:

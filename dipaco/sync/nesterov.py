@@ -28,7 +28,7 @@ import torch
 from dipaco.config import OuterConfig
 from dipaco.errors import CheckpointError
 from dipaco.model.bank import ModuleBank
-from dipaco.model.topology import EMBEDDING, HEAD
+from dipaco.model.topology import EMBEDDING, HEAD, Topology
 
 
 class ModuleNesterov:
@@ -94,13 +94,18 @@ class ModuleNesterov:
             self.sgd.state[param]["momentum_buffer"] = buf.clone().to(param.device)
 
 
+def module_outer_lr(cfg: OuterConfig, topology: Topology, module_id: int) -> float:
+    """A module's outer lr: ``outer.lr``, times ``outer.embedding_head_lr_scale`` for the embedding and
+    head modules. The one rule of both drivers (the Ray executors' :class:`AsyncNesterov` takes it too)."""
+    kind = topology.modules[module_id].part.kind
+    return cfg.lr * (cfg.embedding_head_lr_scale if kind in (EMBEDDING, HEAD) else 1.0)
+
+
 def _param_groups(bank: ModuleBank, cfg: OuterConfig) -> list[dict]:
-    """The held modules by outer lr: the embedding and head at ``lr x embedding_head_lr_scale``."""
+    """The held modules grouped by their outer lr (:func:`module_outer_lr`)."""
     by_lr: dict[float, list[torch.nn.Parameter]] = {}
     for m in bank.held:
-        kind = bank.topology.modules[m].part.kind
-        scale = cfg.embedding_head_lr_scale if kind in (EMBEDDING, HEAD) else 1.0
-        by_lr.setdefault(cfg.lr * scale, []).append(bank.params[m])
+        by_lr.setdefault(module_outer_lr(cfg, bank.topology, m), []).append(bank.params[m])
     return [{"params": params, "lr": lr} for lr, params in by_lr.items()]
 
 

@@ -69,6 +69,8 @@ from dipaco.model.topology import Topology
 from dipaco.route.shards import check_routing, record_routing
 from dipaco.runtime import rng_state, seed_everything
 from dipaco.sync.async_nesterov import AsyncNesterov, default_delay, dynamic_local_steps, staleness_summary
+from dipaco.sync.deltas import rescale_factor
+from dipaco.sync.nesterov import module_outer_lr
 from dipaco.train.experiment import CHECKPOINT_FORMAT, Experiment, build_experiment, restore
 from dipaco.train.inner import InnerLoop, InnerOptions
 from dipaco.train.sampler import ShardSampler
@@ -259,7 +261,7 @@ class ModuleExecutor:
     """
 
     def __init__(self, names: dict[int, str], init: dict[int, torch.Tensor], path_weights: dict[int, dict[int, float]],
-                 lr: float, momentum: float, delay: dict[int, int], root: str, every: int, config_yaml: str,
+                 lr: dict[int, float], momentum: float, delay: dict[int, int], root: str, every: int, config_yaml: str,
                  saved: tuple[dict, dict] | None = None) -> None:
         torch.set_num_threads(1)
         self.names, self.every, self.config_yaml = dict(names), every, config_yaml
@@ -319,6 +321,15 @@ def executor_groups(num_modules: int, executors: int | None) -> list[list[int]]:
     """Modules dealt round-robin to ``executors`` actors (None: one actor per module)."""
     count = num_modules if executors is None else min(executors, num_modules)
     return [list(range(g, num_modules, count)) for g in range(count)]
+
+
+def executor_outer_lr(cfg: Config, topology: Topology, module_id: int) -> float:
+    """The module's outer lr on its executor: the lock-step rule (:func:`module_outer_lr`) times
+    ``outer.rescale``'s factor for the paths through the module. The synchronous step puts that factor
+    on the outer gradient; SGD-Nesterov is linear in its gradient, so on the lr it moves the module the
+    same way, and every one of those paths contributes (``outer.drop_prob`` is refused here)."""
+    through = len(topology.paths_through(module_id))
+    return module_outer_lr(cfg.outer, topology, module_id) * rescale_factor(through, cfg.outer.rescale)
 
 
 # --- the driver --------------------------------------------------------------------------------
@@ -387,7 +398,8 @@ class RayRun:
             self.init_refs.append(ray.put({m: exp.bank.params[m].detach().clone() for m in group}))
             self.actors.append(executor_cls.remote(
                 {m: self.names[m] for m in group}, self.init_refs[-1],
-                {m: {p: exp.weights[p] for p in through[m]} for m in group}, cfg.outer.lr, cfg.outer.momentum,
+                {m: {p: exp.weights[p] for p in through[m]} for m in group},
+                {m: executor_outer_lr(cfg, topo, m) for m in group}, cfg.outer.momentum,
                 {m: default_delay(len(through[m]), cfg.outer.nesterov_delay) for m in group},
                 str(root / f"executor_{g:03d}"), cfg.ray.executor_checkpoint_every, config_yaml,
                 None if saved_modules is None else self._hold(merge_saved([saved_modules[m] for m in group]))))

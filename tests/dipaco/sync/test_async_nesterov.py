@@ -62,6 +62,24 @@ def test_one_round_of_arrivals_is_diloco():
         assert torch.allclose(sync.params[0], ref.detach(), atol=1e-6)
 
 
+def test_each_module_steps_at_its_own_lr():
+    """A per-module lr: one round of arrivals is torch SGD-Nesterov at that module's lr, for each module."""
+    lrs, weights = {0: 0.7, 1: 1.4}, {0: 1.0, 1: 3.0}
+    sync = AsyncNesterov({m: torch.zeros(3) for m in lrs}, {m: weights for m in lrs}, lrs, 0.9, {m: 2 for m in lrs})
+    refs = {m: torch.nn.Parameter(torch.zeros(3)) for m in lrs}
+    sgds = {m: torch.optim.SGD([refs[m]], lr=lrs[m], momentum=0.9, nesterov=True) for m in lrs}
+    gen = torch.Generator().manual_seed(1)
+    for r in range(3):
+        for m in lrs:
+            deltas = {p: torch.randn(3, generator=gen) for p in weights}
+            for p in (1, 0):
+                sync.apply(f"p{p}-r{r}", p, m, 2 * r, deltas[p])
+            refs[m].grad = sum(weights[p] * deltas[p] for p in weights) / sum(weights.values())
+            sgds[m].step()
+            assert torch.allclose(sync.params[m], refs[m].detach(), atol=1e-6)
+    assert not torch.allclose(sync.params[0], sync.params[1])
+
+
 def test_each_task_is_applied_once_and_state_round_trips():
     sync = one_module(delay=2)
     assert sync.apply("a", 0, 0, 0, torch.ones(2)) is not None

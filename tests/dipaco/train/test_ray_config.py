@@ -7,7 +7,7 @@ import pytest
 from dipaco.config import load_config
 from dipaco.errors import ConfigError
 from dipaco.model.topology import Topology
-from dipaco.train.ray_driver import check_staleness_bound, executor_groups, worker_speeds
+from dipaco.train.ray_driver import check_staleness_bound, executor_groups, executor_outer_lr, worker_speeds
 
 ASYNC = ["train.driver=ray", "outer.sync=async_nesterov"]
 
@@ -32,7 +32,6 @@ ASYNC = ["train.driver=ray", "outer.sync=async_nesterov"]
     ([*ASYNC, "ray.executor_checkpoint_every=0"], "ray.executor_checkpoint_every: must be > 0"),
     ([*ASYNC, "dist.comm_dtype=int8"], "dist.comm_dtype: 'int8' is not supported by train.driver=ray"),
     ([*ASYNC, "outer.drop_prob=0.5"], "outer.drop_prob: 0.5 is not supported by train.driver=ray"),
-    ([*ASYNC, "outer.embedding_head_lr_scale=2"], "outer.embedding_head_lr_scale: 2.0 is not supported by train.driver=ray"),
     ([*ASYNC, "train.early_stopping_holdout=0.1"], "train.early_stopping_holdout: 0.1 is not supported"),
     ([*ASYNC, "outer.nesterov=false"], "outer.nesterov: False is not supported"),
 ])
@@ -55,3 +54,18 @@ def test_workers_and_executor_groups():
     assert executor_groups(6, None) == [[0], [1], [2], [3], [4], [5]]
     assert executor_groups(6, 4) == [[0, 4], [1, 5], [2], [3]]
     assert executor_groups(2, 5) == [[0], [1]]
+
+
+def test_executors_step_at_the_lock_step_outer_lr_of_their_module():
+    """outer.embedding_head_lr_scale and outer.rescale reach the executors as each module's lr; on a 2x2
+    grid the shared embedding and head have 4 paths through them, each level module 2."""
+    topo = Topology.from_preset("grid:2x2", 2)
+    kinds = {m.id: m.part.kind for m in topo.modules}
+    cfg = load_config(None, [*ASYNC, "outer.lr=0.5", "outer.embedding_head_lr_scale=1.5", "outer.rescale=sqrt_paths"])
+    lrs = {m: executor_outer_lr(cfg, topo, m) for m in kinds}
+    for m, kind in kinds.items():
+        expected = 0.5 * 1.5 * 2.0 if kind in ("embedding", "head") else 0.5 * 2 ** 0.5
+        assert lrs[m] == pytest.approx(expected), (kind, lrs[m])
+    inverse = load_config(None, [*ASYNC, "outer.lr=0.5", "outer.rescale=inv_sqrt_paths"])
+    assert sorted({executor_outer_lr(inverse, topo, m) for m in kinds}) == pytest.approx([0.25, 0.5 / 2 ** 0.5])
+    assert {executor_outer_lr(load_config(None, ASYNC), topo, m) for m in kinds} == {0.7}

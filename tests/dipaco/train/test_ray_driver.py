@@ -144,11 +144,13 @@ def test_an_executor_killed_as_a_run_checkpoint_starts_loses_nothing(ray_session
 
 
 def test_rounds_schedule_reproduces_diloco(ray_session, run_cfg, tmp_path):
-    """ray.schedule=rounds with the default delay applies the same outer steps as outer.sync=diloco."""
+    """ray.schedule=rounds with the default delay applies the same outer steps as outer.sync=diloco,
+    per-module outer lrs included (a larger embedding/head step, the sqrt(paths) rescale)."""
     from dipaco.train.loop import train
 
-    ray_exp = train_ray(with_overrides(run_cfg, "ray.schedule=rounds", "train.name=on_ray"))
-    sync_exp = train(apply_overrides(run_cfg, ["train.name=diloco"]))
+    per_module = ["outer.embedding_head_lr_scale=1.5", "outer.rescale=sqrt_paths"]
+    ray_exp = train_ray(with_overrides(run_cfg, "ray.schedule=rounds", "train.name=on_ray", *per_module))
+    sync_exp = train(apply_overrides(run_cfg, ["train.name=diloco", *per_module]))
     on_ray = load_bank_state(CheckpointManager(ray_exp.dir / "checkpoints").latest())
     diloco = load_bank_state(CheckpointManager(sync_exp.dir / "checkpoints").latest())
     assert set(on_ray) == set(diloco)
