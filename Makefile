@@ -1,5 +1,6 @@
 # make demo : fresh virtualenv -> torch 2.13.0 (CPU) -> dipaco -> the whole pipeline on BBC News
 # make test : the same install, then the test suite (skip reasons listed)
+# make lint : ruff, mypy and import-linter
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ RUN_DIR ?= runs/demo
 # is plain continued training.
 DENSE := train.name=dense_1x topology.preset=dense outer.lr=1.0 outer.momentum=0.0 train.sharding=iid
 
-.PHONY: install demo test clean-demo
+.PHONY: install demo test lint clean-demo
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,12 @@ demo: install
 # skipped end-to-end test into a failure (tests/e2e_guard.py).
 test: install
 	$(PY) -m pytest -q -rs
+
+# ruff (lint, import order), mypy (types), import-linter (the layers in pyproject.toml, lazy imports included)
+lint: install
+	$(VENV)/bin/ruff check dipaco routing scripts tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 clean-demo:
 	rm -rf $(RUN_DIR)

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from dipaco.config import Config, load_config
+from dipaco.config import PRECISIONS
 from dipaco.errors import DipacoError
-from dipaco.precision import PRECISIONS
+
+if TYPE_CHECKING:
+    from dipaco.run import Run
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -33,60 +36,41 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="dotlist overrides, e.g. train.inner_steps=20 topology.preset=grid:2x2")
 
 
-def _cmd_prepare(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.data.prepare import prepare
-
-    prepare(cfg)
+def _cmd_prepare(run: Run, args: argparse.Namespace) -> None:
+    run.prepare()
 
 
-def _cmd_pretrain(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.train.pretrain import pretrain
-
-    pretrain(cfg)
+def _cmd_pretrain(run: Run, args: argparse.Namespace) -> None:
+    run.pretrain()
 
 
-def _cmd_train(cfg: Config, args: argparse.Namespace) -> None:
-    if cfg.train.driver == "ray":
-        from dipaco.train.ray_driver import train_ray
-
-        train_ray(cfg, resume=args.resume, resume_from=args.resume_from, until_round=args.until_round)
-        return
-    from dipaco.train.loop import train
-
-    train(cfg, resume=args.resume, resume_from=args.resume_from, until_round=args.until_round)
+def _cmd_train(run: Run, args: argparse.Namespace) -> None:
+    run.train(resume=args.resume, resume_from=args.resume_from, until_round=args.until_round)
 
 
-def _cmd_route(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.route.assign import route
-
-    route(cfg)
+def _cmd_route(run: Run, args: argparse.Namespace) -> None:
+    run.route()
 
 
-def _cmd_reroute(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.route.reroute import reroute
-
-    reroute(cfg, checkpoint=args.checkpoint)
+def _cmd_reroute(run: Run, args: argparse.Namespace) -> None:
+    run.reroute(checkpoint=args.checkpoint)
 
 
-def _cmd_eval(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.eval.evaluate import evaluate_experiment, evaluate_pretrained
-
+def _cmd_eval(run: Run, args: argparse.Namespace) -> None:
     if args.reroute_every:
-        from dipaco.eval.reroute_eval import parse_every, reroute_evaluate
+        from dipaco.eval.reroute_eval import parse_every
 
         if args.pretrained:
             raise DipacoError("--reroute-every evaluates an experiment's paths; drop --pretrained")
-        reroute_evaluate(cfg, parse_every(args.reroute_every), checkpoint=args.checkpoint)
+        run.reroute_evaluate(parse_every(args.reroute_every), checkpoint=args.checkpoint)
     elif args.pretrained:
-        evaluate_pretrained(cfg)
+        run.evaluate_pretrained()
     else:
-        evaluate_experiment(cfg, checkpoint=args.checkpoint)
+        run.evaluate(checkpoint=args.checkpoint)
 
 
-def _cmd_report(cfg: Config, args: argparse.Namespace) -> None:
-    from dipaco.eval.evaluate import comparison_table
-
-    print(comparison_table(cfg.run.dir))
+def _cmd_report(run: Run, args: argparse.Namespace) -> None:
+    print(run.report())
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -100,8 +84,9 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     how = "chosen with --path" if out.scores is None else "routed"
     print(f"path: {out.path} ({modules}), {how}")
     if out.scores is not None:
-        best_first = sorted(range(len(out.scores)), key=lambda p: -out.scores[p])
-        print("scores: " + "  ".join(f"{p}:{out.scores[p]:.4g}" for p in best_first))
+        scores = out.scores
+        best_first = sorted(range(len(scores)), key=lambda p: -scores[p])
+        print("scores: " + "  ".join(f"{p}:{scores[p]:.4g}" for p in best_first))
     print(f"tokens: {out.prompt_tokens} prompt + {out.completion_tokens} generated ({out.finish_reason}), "
           f"{out.latency_ms:.0f} ms" + (f", seed {out.seed}" if out.seed is not None else ""))
     print(f"text: {args.prompt}{out.text}")
@@ -217,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                 quiet_library_progress_bars()
                 args.func(args)
                 return 0
+            from dipaco.run import Run, load_config
+
             cfg = load_config(args.config, args.overrides)
             if not cfg.run.progress:
                 quiet_library_progress_bars()
-            args.func(cfg, args)
+            args.func(Run(cfg), args)
     except DipacoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,25 +1,26 @@
-"""Typed configuration: dataclass schemas, YAML files and dotlist overrides via omegaconf.
+"""The configuration schema: typed dataclasses, merged from YAML files and dotlist overrides by omegaconf.
 
-A config file is merged onto the schema, then the CLI's ``key=value`` overrides onto that. Unknown
-keys and wrong types are errors that name the full key; value checks that types cannot express
-(choices, ranges, cross-field rules) live in :func:`validate`.
+This module is a leaf: it imports no component. The schema says what keys exist, their types and their
+choices (``Literal``); omegaconf refuses unknown keys, wrong types and values outside a ``Literal``,
+naming the full key. The checks a type cannot express (ranges, cross-field rules) belong to the
+component that uses a section, which runs them when it is built; :func:`dipaco.run.load_config` runs
+every component's check at once, so a bad config fails before any job starts.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Literal, Optional, get_args, get_type_hints
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dipaco.errors import ConfigError
-from dipaco.precision import PRECISIONS
+
+PrecisionName = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16 on CUDA, fp32 on CPU
+PartSharing = Literal["shared", "path"]
+CommDtype = Literal["fp32", "bf16", "fp16", "int8", "int4", "fp4"]
 
 
 @dataclass
@@ -34,7 +35,7 @@ class RunConfig:
 @dataclass
 class DataConfig:
     corpus: str = "bbc"  # "bbc" (built in), a local file/dir/glob, or a hub dataset name
-    format: Optional[str] = None  # json | csv | parquet | text; inferred from the extension
+    format: Optional[Literal["json", "csv", "parquet", "text"]] = None  # null: inferred from the extension
     csv_columns: Optional[List[str]] = None  # headerless CSV: its column names, in order (e.g. [label, title, text])
     hub: bool = False  # a corpus name that is not builtin or local is loaded from the Hugging Face hub
     hub_config: Optional[str] = None
@@ -46,7 +47,7 @@ class DataConfig:
     validation_fraction: float = 0.1
     max_docs: Optional[int] = None
     strip_headers: bool = False  # drop Usenet-style headers (everything before the first blank line)
-    empty_docs: str = "error"  # error | skip
+    empty_docs: Literal["error", "skip"] = "error"
     seq_len: int = 128  # packed training sequence length and eval window length
     prefix_tokens: int = 32  # routing context; never scored at evaluation
 
@@ -69,7 +70,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     init_std: float = 0.02
-    attention: str = "sdpa"  # sdpa (flash/memory-efficient kernels on CUDA) | eager
+    attention: Literal["sdpa", "eager"] = "sdpa"  # sdpa: flash / memory-efficient kernels on CUDA
     activation_checkpointing: bool = False  # recompute each block in the backward pass: less memory, ~1/3 more compute
 
 
@@ -86,9 +87,9 @@ class TopologyConfig:
     preset: Optional[str] = None
     levels: List[LevelConfig] = field(default_factory=lambda: [LevelConfig(blocks=4, modules=1)])
     replicas: int = 1  # paths per module tuple, each on its own shard (DiLoCo data parallelism)
-    # shared | path; null: the preset's choice (default_part_sharing): path for moe:P, shared otherwise
-    embedding: Optional[str] = None
-    head: Optional[str] = None  # final norm + LM head, as `embedding`
+    # null: the preset's choice (default_part_sharing): path for moe:P, shared otherwise
+    embedding: Optional[PartSharing] = None
+    head: Optional[PartSharing] = None  # final norm + LM head, as `embedding`
 
 
 def default_part_sharing(preset: str | None) -> str:
@@ -97,9 +98,9 @@ def default_part_sharing(preset: str | None) -> str:
     return "path" if preset is not None and preset.partition(":")[0] == "moe" else "shared"
 
 
-def resolved_part_sharing(topo: TopologyConfig) -> tuple[str, str]:
+def resolved_part_sharing(topo: TopologyConfig) -> tuple[PartSharing, PartSharing]:
     """(embedding, head) sharing of a topology config, nulls resolved."""
-    default = default_part_sharing(topo.preset)
+    default: PartSharing = "path" if default_part_sharing(topo.preset) == "path" else "shared"
     return topo.embedding or default, topo.head or default
 
 
@@ -122,7 +123,7 @@ class OptimConfig:
 class PretrainConfig:
     steps: int = 200
     optim: OptimConfig = field(default_factory=OptimConfig)
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (autocast; fp32 master weights)
+    precision: PrecisionName = "auto"  # autocast of the forward pass; fp32 master weights
     compile: bool = False  # torch.compile the model's forward and backward
 
 
@@ -134,7 +135,7 @@ class StreamingConfig:
     # the unit fragments are made of: level (a part) | module | blocks:K (K consecutive decoder blocks of a
     # module; the embedding and the head cut into pieces of at most K blocks' parameters)
     fragment: str = "module"
-    pattern: str = "strided"  # units to fragments: strided (i mod F) | sequential (blocks of units) | balanced (by size)
+    pattern: Literal["strided", "sequential", "balanced"] = "strided"  # units to fragments
     overlap_steps: int = 0  # tau: a fragment's exchange runs during this many inner steps; < inner_steps / F
     mix_alpha: float = 0.0  # alpha: theta_path <- alpha * local + (1 - alpha) * global when a fragment lands
 
@@ -158,8 +159,8 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
-    weighting: str = "tokens"  # tokens (w_p proportional to shard tokens) | uniform
-    rescale: str = "none"  # none | sqrt_paths (x sqrt(n)) | inv_sqrt_paths (/ sqrt(n))
+    weighting: Literal["tokens", "uniform"] = "tokens"  # tokens: w_p proportional to shard tokens
+    rescale: Literal["none", "sqrt_paths", "inv_sqrt_paths"] = "none"  # x sqrt(n) | / sqrt(n) for n paths
     # the embedding's and head's outer lr is this x the sync's lr (the levels' is the lr itself); a per-part
     # step, on top of rescale. DiLoCo and DiPaCo grids may want a larger step there (docs/benchmarks.md)
     embedding_head_lr_scale: float = 1.0
@@ -175,17 +176,18 @@ class TrainConfig:
     name: str = "dipaco"  # experiment directory: <run.dir>/train/<name>
     rounds: int = 4
     inner_steps: int = 50
-    init: str = "pretrained"  # pretrained (run `dipaco pretrain` first) | random
-    sharding: str = "iid"  # iid | column | kmeans
+    init: Literal["pretrained", "random"] = "pretrained"  # pretrained: run `dipaco pretrain` first
+    sharding: Literal["iid", "column", "kmeans"] = "iid"
     shard_column: str = "path"  # integer path column, for sharding=column
     optim: OptimConfig = field(default_factory=OptimConfig)
     keep_checkpoints: int = 2
     log_every: int = 10  # inner steps between progress-bar loss updates
     early_stopping_holdout: float = 0.0  # >0: hold out this fraction of train docs; keep each path's best params
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (autocast; fp32 master weights)
+    precision: PrecisionName = "auto"  # autocast of the forward pass; fp32 master weights
     compile: bool = False  # torch.compile each path model (compiled once, shared by every path of the rank)
     offload_inactive: bool = False  # keep the AdamW states of paths not training right now in (pinned) CPU memory
-    driver: str = "torchrun"  # torchrun (lock-step rounds, dipaco.train.loop) | ray (async task queue, dipaco.train.ray_driver)
+    # torchrun: lock-step rounds (dipaco.train.rounds) | ray: the asynchronous task queue (dipaco.train.tasks)
+    driver: Literal["torchrun", "ray"] = "torchrun"
     dynamic_local_steps: bool = False  # ray: each task takes floor(v / v_max * inner_steps) steps, v = its worker's tokens/s
 
 
@@ -195,18 +197,19 @@ class RouteConfig:
 
     # lm_prefix (the pretrained model's prefix states) | tfidf_svd (TF-IDF + SVD of the prefix) | encoder |
     # doc_topics (topics of the whole training documents, read from the prefix by a naive Bayes word model)
-    featurizer: str = "lm_prefix"
+    featurizer: Literal["lm_prefix", "tfidf_svd", "encoder", "doc_topics"] = "lm_prefix"
     layers: List[int] = field(default_factory=lambda: [-1])  # lm_prefix/encoder: hidden states pooled (0 = embeddings)
     skip_tokens: int = 0  # lm_prefix/encoder: leave each document's first tokens out of the mean
-    transform: str = "none"  # none | center_l2 | pca_l2 | whiten_l2: fitted on the train features, kept by the router
+    # fitted on the train features, kept by the router
+    transform: Literal["none", "center_l2", "pca_l2", "whiten_l2"] = "none"
     transform_components: Optional[int] = None  # pca_l2/whiten_l2: principal axes kept (null = all)
     encoder: Optional[str] = None  # featurizer=encoder: a Hugging Face encoder's hub name or local directory
     encoder_max_tokens: int = 128  # featurizer=encoder: the encoder's tokens per routing context
-    method: str = "kmeans"  # kmeans (P clusters) | product (one k-means per grid level)
+    method: Literal["kmeans", "product"] = "kmeans"  # kmeans: P clusters | product: one k-means per grid level
     # kmeans on a grid: which cluster becomes which path (routing.arrange). similar: clusters with alike token
     # distributions on paths that share modules | none: k-means' own numbering | dissimilar: the worst (a control)
-    arrange: str = "none"
-    metric: str = "euclidean"  # euclidean | cosine
+    arrange: Literal["none", "similar", "dissimilar"] = "none"
+    metric: Literal["euclidean", "cosine"] = "euclidean"
     balance_slack: Optional[float] = 0.1  # shards hold at most ceil(N/P * (1 + slack)) docs; null = unbalanced
     min_shard_fraction: float = 0.0  # with a slack: shards hold at least floor(N/P * this) docs
     n_init: int = 3
@@ -216,9 +219,9 @@ class RouteConfig:
     topics: int = 0  # doc_topics: topics found in the whole documents (the features' width); 0 = one per path
     topic_smoothing: float = 0.1  # doc_topics: additive smoothing of the word model's counts (> 0)
     batch_size: int = 64  # featurizer batch
-    precision: str = "auto"  # the featurizer's forward pass: auto | fp32 | bf16 | fp16
+    precision: PrecisionName = "auto"  # the featurizer's forward pass
     reroute_holdout: float = 0.05  # `dipaco reroute`: fraction of train docs scored by every path
-    reroute_target: str = "uniform"  # uniform | current: shard sizes the re-routed classifier aims for
+    reroute_target: Literal["uniform", "current"] = "uniform"  # shard sizes the re-routed classifier aims for
     # EM-style re-sharding in `dipaco train`: after each of these rounds, re-route every document on the
     # paths' losses (as `dipaco reroute`) and continue on the new shards; [] = off (dipaco.train.resharding)
     em_rounds: List[int] = field(default_factory=list)
@@ -226,11 +229,11 @@ class RouteConfig:
 
 @dataclass
 class DistConfig:
-    """Multi-worker training under torchrun (ignored by a single process): see dipaco.distributed, dipaco.comm."""
+    """Multi-worker training under torchrun (ignored by a single process): see dipaco.comm."""
 
-    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, else gloo
     timeout_s: float = 1800.0  # a collective waiting longer fails clearly (> the slowest rank's lag)
-    comm_dtype: str = "fp32"  # outer-gradient payload: fp32 | bf16 | fp16 | int8 | int4 | fp4 (E2M1)
+    comm_dtype: CommDtype = "fp32"  # outer-gradient payload; fp4 is E2M1
     chunk_size: int = 1024  # int8, int4, fp4: elements per absmax scale (even for the 4-bit codecs)
     adaptive: bool = False  # per-module codec from its outer-gradient statistics (dipaco.comm.adaptive)
     adaptive_tolerance: float = 0.12  # adaptive: the cheapest codec whose relative error is at most this
@@ -241,14 +244,15 @@ class DistConfig:
 
 @dataclass
 class RayConfig:
-    """The asynchronous driver (train.driver=ray, dipaco.train.ray_driver): path tasks on Ray workers,
+    """The asynchronous task queue (train.driver=ray, dipaco.train.tasks): path tasks on Ray workers,
     one outer executor (a Ray actor) per module."""
 
     address: Optional[str] = None  # null: start an embedded local Ray; "auto" or host:port: join a running cluster
     num_cpus: Optional[int] = None  # CPUs of the embedded Ray (null: all of them); ignored with an address
     num_workers: Optional[int] = None  # path workers (null: len(simulate_speeds), else the number of paths)
     simulate_speeds: Optional[List[float]] = None  # per worker, in (0, 1]: a worker at 0.5 sleeps as long as it computes
-    schedule: str = "async"  # async: a path's next task starts once its modules took its update | rounds: lock-step
+    # async: a path's next task starts once its modules took its update | rounds: lock-step
+    schedule: Literal["async", "rounds"] = "async"
     max_staleness: Optional[int] = None  # bound on updates a module takes while a task computes (null: unbounded)
     task_retries: int = 3  # re-queues of one task after its worker died, before the run fails
     checkpoint_every: Optional[int] = None  # completed tasks between run checkpoints (null: the number of paths)
@@ -261,7 +265,7 @@ class EvalConfig:
     batch_size: int = 16
     max_docs: Optional[int] = None  # evaluate on the first N validation docs only
     early_stopping: bool = False  # evaluate each path's best (early-stopped) parameters
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    precision: PrecisionName = "auto"
 
 
 @dataclass
@@ -280,291 +284,14 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-_CHOICES = {
-    "data.empty_docs": ("error", "skip"),
-    "topology.embedding": (None, "shared", "path"),
-    "topology.head": (None, "shared", "path"),
-    "outer.weighting": ("tokens", "uniform"),
-    "outer.rescale": ("none", "sqrt_paths", "inv_sqrt_paths"),
-    "train.driver": ("torchrun", "ray"),
-    "ray.schedule": ("async", "rounds"),
-    "train.init": ("pretrained", "random"),
-    "train.sharding": ("iid", "column", "kmeans"),
-    "dist.backend": ("auto", "gloo", "nccl"),
-    "dist.comm_dtype": ("fp32", "bf16", "fp16", "int8", "int4", "fp4"),
-    "outer.streaming.pattern": ("strided", "sequential", "balanced"),
-    "route.featurizer": ("lm_prefix", "tfidf_svd", "encoder", "doc_topics"),
-    "route.transform": ("none", "center_l2", "pca_l2", "whiten_l2"),
-    "route.method": ("kmeans", "product"),
-    "route.arrange": ("none", "similar", "dissimilar"),
-    "route.metric": ("euclidean", "cosine"),
-    "route.reroute_target": ("uniform", "current"),
-    "model.attention": ("sdpa", "eager"),
-    "train.precision": PRECISIONS,
-    "pretrain.precision": PRECISIONS,
-    "eval.precision": PRECISIONS,
-    "route.precision": PRECISIONS,
-}
-
-_POSITIVE = (
-    "data.seq_len", "tokenizer.vocab_size", "model.num_layers", "model.hidden_size",
-    "model.intermediate_size", "model.num_heads", "topology.replicas", "train.rounds",
-    "train.inner_steps", "train.keep_checkpoints", "train.log_every", "train.optim.batch_size",
-    "pretrain.optim.batch_size", "eval.batch_size", "route.n_init", "route.max_iter", "route.topk",
-    "route.svd_components", "route.batch_size", "route.encoder_max_tokens", "dist.timeout_s", "dist.chunk_size",
-    "ray.executor_checkpoint_every",
-)
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 
 
-def _get(cfg: Config, dotted: str) -> Any:
-    value: Any = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def validate(cfg: Config) -> Config:
-    """Checks the rules a type annotation cannot; raises ConfigError naming the key."""
-    from dipaco.sync import ASYNC_SYNCS, SYNCS  # the registry imports this module
-
-    if cfg.outer.sync not in SYNCS and cfg.outer.sync not in ASYNC_SYNCS:
-        raise ConfigError(f"outer.sync: {cfg.outer.sync!r} is not one of {', '.join([*SYNCS, *ASYNC_SYNCS])}")
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {', '.join('null' if c is None else c for c in choices)}")
-    for key in _POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)}")
-    if not 0.0 < cfg.data.validation_fraction < 1.0:
-        raise ConfigError(f"data.validation_fraction: must be in (0, 1), got {cfg.data.validation_fraction}")
-    if not 0 <= cfg.data.prefix_tokens < cfg.data.seq_len:
-        raise ConfigError(
-            f"data.prefix_tokens: must be in [0, data.seq_len={cfg.data.seq_len}), got {cfg.data.prefix_tokens}"
-        )
-    if cfg.model.hidden_size % cfg.model.num_heads:
-        raise ConfigError(
-            f"model.hidden_size: {cfg.model.hidden_size} is not divisible by model.num_heads={cfg.model.num_heads}"
-        )
-    if cfg.route.balance_slack is not None and cfg.route.balance_slack < 0:
-        raise ConfigError(f"route.balance_slack: must be >= 0 or null, got {cfg.route.balance_slack}")
-    if not 0.0 <= cfg.route.min_shard_fraction <= 1.0:
-        raise ConfigError(f"route.min_shard_fraction: must be in [0, 1], got {cfg.route.min_shard_fraction}")
-    _validate_route_features(cfg)
-    if not 0.0 < cfg.route.reroute_holdout < 1.0:
-        raise ConfigError(f"route.reroute_holdout: must be in (0, 1), got {cfg.route.reroute_holdout}")
-    _validate_em(cfg)
-    if not 0.0 <= cfg.outer.drop_prob < 1.0:
-        raise ConfigError(f"outer.drop_prob: must be in [0, 1), got {cfg.outer.drop_prob}")
-    if not 0.0 <= cfg.train.early_stopping_holdout < 1.0:
-        raise ConfigError(f"train.early_stopping_holdout: must be in [0, 1), got {cfg.train.early_stopping_holdout}")
-    if cfg.pretrain.steps < 0:
-        raise ConfigError(f"pretrain.steps: must be >= 0, got {cfg.pretrain.steps}")
-    name = cfg.train.name
-    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
-        raise ConfigError(
-            f"train.name: must be a plain directory name (no '/', not '.' or '..'; it names "
-            f"<run.dir>/train/<name>), got {name!r}"
-        )
-    _validate_optimizers(cfg)
-    _validate_comm(cfg)
-    _validate_driver(cfg)
-    if cfg.model.num_kv_heads is not None and (
-        cfg.model.num_kv_heads <= 0 or cfg.model.num_heads % cfg.model.num_kv_heads
-    ):
-        raise ConfigError(
-            f"model.num_kv_heads: must be > 0 and divide model.num_heads={cfg.model.num_heads}, "
-            f"got {cfg.model.num_kv_heads}"
-        )
-    return cfg
-
-
-def _validate_route_features(cfg: Config) -> None:
-    route = cfg.route
-    if not route.layers:
-        raise ConfigError("route.layers: must name at least one hidden state, e.g. [-1]")
-    if route.skip_tokens < 0 or (route.featurizer == "lm_prefix" and route.skip_tokens >= max(cfg.data.prefix_tokens, 1)):
-        raise ConfigError(f"route.skip_tokens: must be in [0, data.prefix_tokens={cfg.data.prefix_tokens}), "
-                          f"got {route.skip_tokens}")
-    if route.transform_components is not None and route.transform_components <= 0:
-        raise ConfigError(f"route.transform_components: must be > 0 or null, got {route.transform_components}")
-    if route.topics < 0 or route.topics == 1:
-        raise ConfigError(f"route.topics: must be 0 (one topic per path) or >= 2, got {route.topics}")
-    if route.topic_smoothing <= 0:
-        raise ConfigError(f"route.topic_smoothing: must be > 0, got {route.topic_smoothing}")
-    if route.arrange != "none" and route.method != "kmeans":
-        raise ConfigError(f"route.arrange={route.arrange}: needs route.method=kmeans (a product router's path is "
-                          f"its per-level clusters; there is no numbering to choose)")
-    if route.featurizer == "encoder" and not route.encoder:
-        raise ConfigError("route.encoder: route.featurizer=encoder needs a Hugging Face encoder name or local directory")
-
-
-def _validate_em(cfg: Config) -> None:
-    """route.em_rounds: re-routing points inside the run, of routed shards, between lock-step rounds."""
-    points = list(cfg.route.em_rounds)
-    if not points:
-        return
-    key, rounds = "route.em_rounds", cfg.train.rounds
-    outside = [r for r in points if not 0 < r < rounds]
-    if outside:
-        raise ConfigError(f"{key}: rounds after which to re-route must be in [1, train.rounds={rounds}) (the paths "
-                          f"must train on the new shards afterwards), got {outside}")
-    if points != sorted(set(points)):
-        raise ConfigError(f"{key}: must be strictly increasing (each round once), got {points}")
-    if cfg.train.sharding != "kmeans":
-        raise ConfigError(f"{key}: re-routing re-shards routed data; needs train.sharding=kmeans (and `dipaco route` "
-                          f"first), got train.sharding={cfg.train.sharding}")
-    if cfg.train.driver != "torchrun":
-        raise ConfigError(f"{key}: needs train.driver=torchrun (re-routing happens between lock-step rounds), "
-                          f"got train.driver={cfg.train.driver}")
-    if cfg.train.early_stopping_holdout > 0:
-        raise ConfigError(f"{key}: cannot be combined with train.early_stopping_holdout (each path's held-out "
-                          f"documents, which early stopping compares across rounds, change at every re-routing)")
-    from dipaco.model.topology import topology_from_config  # imports only dipaco.errors
-
-    if topology_from_config(cfg.topology, cfg.model.num_layers).num_paths == 1:
-        raise ConfigError(f"{key}: the topology has one path, so there is nothing to re-route documents between")
-
-
-def _check_range(key: str, value: float, low: float, high: float, *, high_open: bool = True) -> None:
-    """``value`` must be a finite number in [low, high) (or [low, high] with ``high_open=False``)."""
-    ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
-    if not ok:
-        bound = ")" if high_open else "]"
-        where = f">= {low}" if math.isinf(high) else f"in [{low}, {high}{bound}"
-        raise ConfigError(f"{key}: must be a finite number {where}, got {value}")
-
-
-def _validate_optimizers(cfg: Config) -> None:
-    """Every optimizer setting: the inner AdamW of pretraining and training, and the outer SGD."""
-    inf = math.inf
-    for section in ("pretrain.optim", "train.optim"):
-        optim: OptimConfig = _get(cfg, section)
-        _check_range(f"{section}.lr", optim.lr, 0.0, inf)
-        _check_range(f"{section}.beta1", optim.beta1, 0.0, 1.0)
-        _check_range(f"{section}.beta2", optim.beta2, 0.0, 1.0)
-        _check_range(f"{section}.weight_decay", optim.weight_decay, 0.0, inf)
-        _check_range(f"{section}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0, high_open=False)
-        _check_range(f"{section}.grad_clip", optim.grad_clip, 0.0, inf)
-        if not (math.isfinite(optim.eps) and optim.eps > 0):
-            raise ConfigError(f"{section}.eps: must be a finite number > 0, got {optim.eps}")
-        if optim.warmup_steps < 0:
-            raise ConfigError(f"{section}.warmup_steps: must be >= 0, got {optim.warmup_steps}")
-    _check_range("outer.lr", cfg.outer.lr, 0.0, inf)
-    _check_range("outer.momentum", cfg.outer.momentum, 0.0, inf)
-    if not (math.isfinite(cfg.outer.embedding_head_lr_scale) and cfg.outer.embedding_head_lr_scale > 0):
-        raise ConfigError(f"outer.embedding_head_lr_scale: must be a finite number > 0, "
-                          f"got {cfg.outer.embedding_head_lr_scale}")
-
-
-def _validate_comm(cfg: Config) -> None:
-    """Codecs and the overlapping syncs; checks that need the topology live in the sync classes."""
-    dist, stream = cfg.dist, cfg.outer.streaming
-    if dist.comm_dtype in ("int4", "fp4") and dist.chunk_size % 2:
-        raise ConfigError(f"dist.chunk_size: must be even for dist.comm_dtype={dist.comm_dtype} "
-                          f"(two values per byte), got {dist.chunk_size}")
-    if dist.adaptive:
-        if dist.comm_dtype in ("fp32",):
-            raise ConfigError("dist.adaptive: needs a lossy dist.comm_dtype (bf16, fp16, int8, int4, fp4) for "
-                              "the first sync of each module, before it has statistics; got fp32")
-        if dist.chunk_size % 2:
-            raise ConfigError(f"dist.chunk_size: must be even with dist.adaptive=true (its 4-bit candidates), "
-                              f"got {dist.chunk_size}")
-    _check_range("dist.adaptive_tolerance", dist.adaptive_tolerance, 0.0, math.inf)
-    if dist.adaptive_sample_chunks < 0:
-        raise ConfigError(f"dist.adaptive_sample_chunks: must be >= 0 (0 = every chunk), got {dist.adaptive_sample_chunks}")
-    if cfg.outer.delayed.delay < 0:
-        raise ConfigError(f"outer.delayed.delay: must be >= 0, got {cfg.outer.delayed.delay}")
-    if cfg.outer.delayed.lr is not None:
-        _check_range("outer.delayed.lr", cfg.outer.delayed.lr, 0.0, math.inf)
-    if cfg.outer.delayed.momentum is not None:
-        _check_range("outer.delayed.momentum", cfg.outer.delayed.momentum, 0.0, 1.0)
-    if cfg.outer.delayed.eager and cfg.outer.delayed.delay != 1:
-        raise ConfigError(f"outer.delayed.eager: needs outer.delayed.delay=1 (a path's own delta is kept while "
-                          f"exactly one exchange is in flight), got delay={cfg.outer.delayed.delay}")
-    fragment_blocks(stream.fragment)
-    if stream.num_fragments is not None and stream.num_fragments < 1:
-        raise ConfigError(f"outer.streaming.num_fragments: must be >= 1 or null, got {stream.num_fragments}")
-    if stream.overlap_steps < 0:
-        raise ConfigError(f"outer.streaming.overlap_steps: must be >= 0, got {stream.overlap_steps}")
-    _check_range("outer.streaming.mix_alpha", stream.mix_alpha, 0.0, 1.0)
-    if cfg.outer.sync == "streaming" and stream.num_fragments is not None:
-        check_streaming_schedule(cfg, stream.num_fragments)
-
-
-def fragment_blocks(fragment: str) -> int | None:
-    """K of ``outer.streaming.fragment=blocks:K`` (None for ``level`` and ``module``); checks the
-    syntax. Whether K fits the topology (at most a module's blocks) is checked by the sync."""
-    if fragment in ("level", "module"):
-        return None
-    match = re.fullmatch(r"blocks:([0-9]+)", fragment)
-    if match and int(match.group(1)) >= 1:
-        return int(match.group(1))
-    raise ConfigError(f"outer.streaming.fragment: {fragment!r} is not one of level, module, blocks:K "
-                      f"(K >= 1 decoder blocks, e.g. blocks:1)")
-
-
-def check_streaming_schedule(cfg: Config, fragments: int) -> None:
-    """F must divide H, and tau < H / F (each fragment lands before the next one leaves)."""
-    h, tau = cfg.train.inner_steps, cfg.outer.streaming.overlap_steps
-    if h % fragments:
-        raise ConfigError(f"train.inner_steps: {h} is not a multiple of outer.streaming.num_fragments={fragments} "
-                          f"(fragment f syncs at offset f * inner_steps / F)")
-    if tau >= h // fragments:
-        raise ConfigError(f"outer.streaming.overlap_steps: tau={tau} must be < train.inner_steps / "
-                          f"outer.streaming.num_fragments = {h}/{fragments} = {h // fragments}")
-
-
-def _validate_driver(cfg: Config) -> None:
-    """train.driver, outer.sync and the ray.* keys fit together (the topology-dependent staleness
-    bound is checked by the Ray driver, which builds the topology)."""
-    from dipaco.sync import ASYNC_SYNCS
-
-    is_async = cfg.outer.sync in ASYNC_SYNCS
-    if cfg.train.driver == "ray" and not is_async:
-        raise ConfigError(f"train.driver: ray runs outer.sync={', '.join(ASYNC_SYNCS)} "
-                          f"(ray.schedule=rounds for lock-step rounds), got outer.sync={cfg.outer.sync!r}")
-    if is_async and cfg.train.driver != "ray":
-        raise ConfigError(f"outer.sync: {cfg.outer.sync} has no rounds to run under torchrun; set train.driver=ray")
-    if cfg.outer.nesterov_delay is not None and cfg.outer.nesterov_delay < 1:
-        raise ConfigError(f"outer.nesterov_delay: must be >= 1 or null (the paths through each module), "
-                          f"got {cfg.outer.nesterov_delay}")
-    ray = cfg.ray
-    if ray.num_cpus is not None and ray.num_cpus <= 0:
-        raise ConfigError(f"ray.num_cpus: must be > 0 or null, got {ray.num_cpus}")
-    if ray.num_workers is not None and ray.num_workers <= 0:
-        raise ConfigError(f"ray.num_workers: must be > 0 or null, got {ray.num_workers}")
-    if ray.simulate_speeds is not None:
-        if not ray.simulate_speeds:
-            raise ConfigError("ray.simulate_speeds: must list one speed per worker, or be null")
-        for i, v in enumerate(ray.simulate_speeds):
-            if not (math.isfinite(v) and 0 < v <= 1):
-                raise ConfigError(f"ray.simulate_speeds[{i}]: must be in (0, 1] (1 = full speed), got {v}")
-        if ray.num_workers is not None and ray.num_workers != len(ray.simulate_speeds):
-            raise ConfigError(f"ray.simulate_speeds: {len(ray.simulate_speeds)} speeds for "
-                              f"ray.num_workers={ray.num_workers} workers")
-    if ray.max_staleness is not None and ray.max_staleness < 0:
-        raise ConfigError(f"ray.max_staleness: must be >= 0 or null, got {ray.max_staleness}")
-    if ray.executors is not None and ray.executors <= 0:
-        raise ConfigError(f"ray.executors: must be > 0 or null (one per module), got {ray.executors}")
-    if ray.task_retries < 0:
-        raise ConfigError(f"ray.task_retries: must be >= 0, got {ray.task_retries}")
-    if ray.checkpoint_every is not None and ray.checkpoint_every <= 0:
-        raise ConfigError(f"ray.checkpoint_every: must be > 0 or null, got {ray.checkpoint_every}")
-    if cfg.train.dynamic_local_steps and cfg.train.driver != "ray":
-        raise ConfigError("train.dynamic_local_steps: needs train.driver=ray (lock-step rounds give every path "
-                          "train.inner_steps)")
-    if cfg.train.driver == "ray":
-        unsupported = {"train.early_stopping_holdout": cfg.train.early_stopping_holdout > 0,
-                       "outer.drop_prob": cfg.outer.drop_prob > 0,
-                       "dist.comm_dtype": cfg.dist.comm_dtype != "fp32", "outer.nesterov": not cfg.outer.nesterov}
-        for key, used in unsupported.items():
-            if used:
-                raise ConfigError(f"{key}: {_get(cfg, key)!r} is not supported by train.driver=ray "
-                                  f"(async_nesterov sends fp32 deltas to Nesterov executors); use its default")
-
-
-def _merge(base: Any, path: str | Path | None, overrides: list[str] | None) -> Config:
-    """base <- YAML file <- dotlist overrides, converted back to dataclasses and validated."""
+def merge_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                 base: Any = Config) -> Config:
+    """Schema (or ``base``) <- YAML file <- dotlist overrides. Unknown keys, wrong types and values
+    outside a ``Literal`` raise :class:`ConfigError` naming the full key; values are not checked
+    further here (:func:`dipaco.run.load_config` does that)."""
     try:
         merged = OmegaConf.structured(base)
         if path is not None:
@@ -578,44 +305,62 @@ def _merge(base: Any, path: str | Path | None, overrides: list[str] | None) -> C
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        where = f" (in {path})" if path else ""
-        msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
-        raise ConfigError(f"{key or 'config'}: {msg}{where}") from None
-    return validate(cfg)  # type: ignore[arg-type]
+        raise ConfigError(_omegaconf_message(exc, path)) from None
+    return cfg  # type: ignore[return-value]
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Schema defaults <- YAML file <- dotlist overrides, then validated."""
-    return _merge(Config, path, overrides)
+def _omegaconf_message(exc: OmegaConfBaseException, path: str | Path | None) -> str:
+    key = getattr(exc, "full_key", None) or "config"
+    where = f" (in {path})" if path else ""
+    msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+    choices = _literal_choices(msg)
+    if choices is not None:  # "Invalid value 'x', expected one of ['a', 'b']" -> "'x' is not one of a, b"
+        value, options = choices
+        nullable = _accepts_none(key)
+        msg = f"{value} is not one of {', '.join((['null'] if nullable else []) + options)}"
+    return f"{key}: {msg}{where}"
 
 
-def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """A copy of ``cfg`` with dotlist overrides applied and validated (for scripts and tests)."""
-    return _merge(cfg, None, overrides)
+def _literal_choices(msg: str) -> tuple[str, list[str]] | None:
+    prefix, marker = "Invalid value ", ", expected one of ["
+    if not msg.startswith(prefix) or marker not in msg:
+        return None
+    value, options = msg[len(prefix):].split(marker, 1)
+    return value, [o.strip().strip("'\"") for o in options.rstrip("]").split(",") if o.strip()]
 
 
-def to_yaml(cfg: Config) -> str:
+def _accepts_none(dotted: str) -> bool:
+    """Whether the schema key ``dotted`` (e.g. ``topology.embedding``) is Optional."""
+    owner: Any = Config
+    hint: Any = None
+    for part in dotted.split("."):
+        hints = get_type_hints(owner) if isinstance(owner, type) else {}
+        if part not in hints:
+            return False
+        hint = hints[part]
+        owner = next((a for a in get_args(hint) if isinstance(a, type)), hint)
+    return type(None) in get_args(hint)
+
+
+def to_yaml(cfg: Any) -> str:
+    """A config (or one of its sections) as YAML."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
+def save_config(cfg: Any, path: str | Path) -> None:
     """Writes the resolved config; every run directory gets one."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(to_yaml(cfg))
 
 
-def section_hash(cfg: Config, *sections: str) -> str:
-    """A short stable hash of some config sections, to detect runs that do not match their inputs."""
-    payload = json.dumps({s: asdict(_get(cfg, s)) for s in sections}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"train.rounds": 4, ...}`` from a config (or section) as nested dicts or dataclasses."""
+    if hasattr(tree, "__dataclass_fields__"):
+        tree = asdict(tree)
     if isinstance(tree, dict):
         out: dict[str, Any] = {}
         for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: tree}
 
@@ -653,9 +398,17 @@ def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTAB
     itself with route.em_rounds)."""
     if keep is None:
         keep = RESUME_FIXED + (RESUME_FIXED_EM if old.route.em_rounds or new.route.em_rounds else ())
-    a, b = (_flatten(asdict(_with_resolved_parts(c))) for c in (old, new))
+    a, b = (flatten(_with_resolved_parts(c)) for c in (old, new))
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k) and (k in keep or not k.startswith(ignore))
     ]
+
+
+def check_resume(saved: Path, cfg: Config) -> None:
+    """Refuses to resume a run whose saved config (``saved``) differs from ``cfg`` in a key that
+    changes what the run computes (:func:`config_diff`)."""
+    diff = config_diff(merge_config(saved), cfg)
+    if diff:
+        raise ConfigError(f"cannot resume {saved.parent}: the config changed ({'; '.join(diff)})")

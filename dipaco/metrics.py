@@ -38,6 +38,7 @@ class MetricsLogger:
             self._log_scalars(event, step, values)
 
     def _log_scalars(self, prefix: str, step: int, values: dict[str, Any]) -> None:
+        assert self._tb is not None
         suffix = f"/path{values['path']}" if "path" in values else ""
         for key, value in values.items():
             if isinstance(value, dict):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dipaco.config import PRECISIONS
 from dipaco.errors import ConfigError
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -6,13 +6,16 @@ import os
 import random
 import signal
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 import torch
 
+from dipaco.config import RunConfig
 from dipaco.errors import ConfigError
+
+SEED_LIMIT = 2**32  # numpy's generator takes seeds in [0, 2**32)
 
 
 def seed_everything(seed: int, device: torch.device | str = "cpu", deterministic: bool | None = None) -> None:
@@ -45,10 +48,22 @@ def configure_backends(device: torch.device, deterministic: bool | None = None) 
     return deterministic
 
 
+def check_run(run: RunConfig) -> None:
+    """The ``run`` section: a seed every generator takes, and a device this machine has."""
+    if not 0 <= run.seed < SEED_LIMIT:
+        raise ConfigError(f"run.seed: must be in [0, 2**32), got {run.seed}")
+    resolve_device(run.device)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"run.device: {name!r} is not auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"run.device: {name!r} is not auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"run.device: {name!r} requested but CUDA is not available")
     return device
@@ -57,7 +72,7 @@ def resolve_device(name: str) -> torch.device:
 def rng_state() -> dict:
     """torch's global RNG state. Training draws from no other global generator (numpy and
     Python's are only seeded), and data order comes from per-shard generators in the sampler."""
-    state = {"torch": torch.get_rng_state()}
+    state: dict = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

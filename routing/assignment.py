@@ -18,7 +18,7 @@ CPU, where per-call overhead is far below torch's.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -162,7 +162,7 @@ def _push_along(
             chosen.append((members[order], moves[order], a, b))
     limit = min([limit] + [c.size for _, c, _, _ in chosen])
     marginal = sum(c[:limit] for _, c, _, _ in chosen)
-    units = max(1, int((marginal < -tol).sum()))
+    units = max(1, int(np.sum(marginal < -tol)))
     for docs, _, a, b in chosen:
         labels[docs[:units]] = b
         counts[a] -= units
@@ -225,11 +225,11 @@ def balanced_assign_costs(
     Runs in numpy on the CPU, in float64: the work is many small steps, where torch's per-call
     and thread-pool overhead would dominate, and small cost differences decide the moves.
     """
-    c = torch.as_tensor(cost).detach().cpu().double()
-    if c.dim() != 2:
-        raise ValueError(f"cost must be 2-D (N, k), got shape {tuple(c.shape)}")
-    check_finite(c, "cost")
-    c = c.numpy()
+    t = torch.as_tensor(cost).detach().cpu().double()
+    if t.dim() != 2:
+        raise ValueError(f"cost must be 2-D (N, k), got shape {tuple(t.shape)}")
+    check_finite(t, "cost")
+    c = t.numpy()
     c = c - c.min(axis=1, keepdims=True)  # same optimum; makes the tolerance scale-free
     n, k = c.shape
     cap_np = np.broadcast_to(np.asarray(cap, dtype=np.int64), (k,)).copy()

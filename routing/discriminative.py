@@ -19,7 +19,7 @@ The result plugs into `routing.router.Router(kind="linear", weight=..., bias=...
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -26,8 +26,9 @@ import functools
 import inspect
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -244,7 +245,9 @@ def word_counts(texts: Sequence[str], index: dict[str, int], token_pattern: str 
     from scipy import sparse
 
     pattern = re.compile(token_pattern)
-    indptr, indices, counts = [0], [], []
+    indptr: list[int] = [0]
+    indices: list[int] = []
+    counts: list[int] = []
     for text in texts:
         text = text.lower() if lowercase else text
         c = Counter(index[t] for t in pattern.findall(text) if t in index)
@@ -335,7 +338,7 @@ class TfidfSvd:
         return {"idf": self.idf, "components": self.components}
 
     @classmethod
-    def from_parts(cls, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> "TfidfSvd":
+    def from_parts(cls, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> TfidfSvd:
         return cls(
             vocabulary=list(state["vocabulary"]),
             idf=np.asarray(arrays["idf"]),
@@ -461,7 +464,7 @@ class DocTopics:
         return {"log_prior": self.log_prior, "log_word_probs": self.log_word_probs}
 
     @classmethod
-    def from_parts(cls, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> "DocTopics":
+    def from_parts(cls, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> DocTopics:
         return cls(vocabulary=list(state["vocabulary"]), log_prior=np.asarray(arrays["log_prior"]),
                    log_word_probs=np.asarray(arrays["log_word_probs"]),
                    token_pattern=state.get("token_pattern", DEFAULT_TOKEN_PATTERN),
@@ -547,4 +550,4 @@ def doc_topics_features(
 
 
 # featurizer kind -> the fitted text model a router keeps for it
-TEXT_MODELS: dict[str, type] = {"tfidf_svd": TfidfSvd, "doc_topics": DocTopics}
+TEXT_MODELS: dict[str, type[TfidfSvd] | type[DocTopics]] = {"tfidf_svd": TfidfSvd, "doc_topics": DocTopics}

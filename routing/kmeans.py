@@ -19,8 +19,9 @@ centroids are L2-normalised and the same squared distance is used (it equals 2 -
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +153,7 @@ def _lloyd(
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     prev = math.inf
     it = 0
-    for it in range(1, max_iter + 1):
+    for _ in range(1, max_iter + 1):
         labels, dists = nearest(x, centers, x_sq)
         inertia = float(dists.sum(dtype=torch.float64))
         centers = _update_centers(x, labels, dists, centers.shape[0], cosine)
@@ -179,7 +180,7 @@ def _minibatch(
     counts = torch.zeros(k, dtype=x.dtype, device=x.device)
     prev = math.inf
     epoch = 0
-    for epoch in range(1, max_iter + 1):
+    for _ in range(1, max_iter + 1):
         perm = torch.randperm(n, generator=gen, device=gen.device).to(x.device)
         total = 0.0
         for s in range(0, n, batch_size):
@@ -310,7 +311,7 @@ def balanced_kmeans(
     labels = balanced_assign(x, centers, slack, metric, min_fraction).to(x.device)
     inertia = float(((x - centers[labels]) ** 2).sum(dtype=torch.float64))
     it = 0
-    for it in range(1, n_iter + 1):
+    for _ in range(1, n_iter + 1):
         dists = ((x - centers[labels]) ** 2).sum(1)
         centers = _update_centers(x, labels, dists, k, metric == "cosine")
         new = balanced_assign(x, centers, slack, metric, min_fraction).to(x.device)

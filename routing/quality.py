@@ -8,7 +8,8 @@ reported as None, with the empty paths listed, so `json.dumps` never writes `Inf
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ def _shard_stats(sizes: np.ndarray, prefix: str) -> dict[str, Any]:
     }
 
 
-def purity(assign: Sequence[int] | np.ndarray, labels: Sequence[Any]) -> float:
+def purity(assign: Sequence[int] | np.ndarray, labels: Sequence[Any] | np.ndarray) -> float:
     """Fraction of documents whose path's majority label is their own label."""
     from sklearn.metrics.cluster import contingency_matrix
 

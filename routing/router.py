@@ -29,9 +29,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -157,7 +158,7 @@ class Router:
                 f"product router levels {self.radices} do not match the run's levels {list(radices)}"
             )
 
-    def renumbered(self, perm: Sequence[int], **meta: Any) -> "Router":
+    def renumbered(self, perm: Sequence[int], **meta: Any) -> Router:
         """The same router with cluster c routed to path ``perm[c]`` (see routing.arrange); ``meta`` is
         added to its provenance. Only a plain k-means router's numbering is free: a product router's
         path is its per-level digits, and a classifier's classes are the paths it was trained on."""
@@ -308,7 +309,7 @@ class Router:
         return d
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "Router":
+    def load(cls, directory: str | os.PathLike) -> Router:
         """Read a router saved by `save`; RouterFileError says what is missing or wrong."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -406,15 +407,15 @@ def fit_router(
     radices = [int(r) for r in radices]
     if featurizer is None:
         featurizer = text_model.spec() if text_model is not None else {}
-    common = dict(featurizer=featurizer, text_model=text_model, balance_slack=slack, topology=topology,
-                  balance_min_fraction=min_fraction, transform=transform)
+    common: dict[str, Any] = dict(featurizer=featurizer, text_model=text_model, balance_slack=slack, topology=topology,
+                                  balance_min_fraction=min_fraction, transform=transform)
     raw = features
     if transform is not None:
         features = transform(features)
     if len(radices) == 1:
         if slack is None:
             res = kmeans(features, radices[0], metric=metric, seed=seed, **kmeans_kwargs)
-            meta = {"inertia": res.inertia, "n_iter": res.n_iter}
+            meta: dict[str, Any] = {"inertia": res.inertia, "n_iter": res.n_iter}
         else:
             res = balanced_kmeans(features, radices[0], slack, metric=metric, min_fraction=min_fraction, seed=seed,
                                   **kmeans_kwargs)

@@ -71,7 +71,7 @@ class FeatureTransform:
         return F.normalize(z, dim=1)
 
     @classmethod
-    def fit(cls, features: Features, kind: str = "whiten_l2", components: int | None = None) -> "FeatureTransform":
+    def fit(cls, features: Features, kind: str = "whiten_l2", components: int | None = None) -> FeatureTransform:
         """Fit on the training features. ``components`` keeps the top-r principal axes (None: all
         whose eigenvalue is above a numerical floor)."""
         if kind not in KINDS:
@@ -107,5 +107,5 @@ class FeatureTransform:
         return out
 
     @classmethod
-    def from_parts(cls, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> "FeatureTransform":
+    def from_parts(cls, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> FeatureTransform:
         return cls(state["kind"], tensors["mean"], tensors.get("projection"))

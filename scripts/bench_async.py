@@ -38,15 +38,17 @@ sys.path.insert(0, str(REPO))
 
 from dipaco.atomic import write_text  # noqa: E402
 from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
-from dipaco.config import Config, apply_overrides, load_config  # noqa: E402
-from dipaco.data.prepare import prepare  # noqa: E402
-from dipaco.eval.evaluate import evaluate_experiment  # noqa: E402
+from dipaco.config import Config  # noqa: E402
 from dipaco.metrics import echo, read_metrics  # noqa: E402
 from dipaco.model.topology import topology_from_config  # noqa: E402
+from dipaco.run import (  # noqa: E402
+    Run,  # noqa: E402
+    apply_overrides,
+    load_config,
+)
 from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
 from dipaco.sync.async_nesterov import staleness_summary  # noqa: E402
-from dipaco.train.pretrain import pretrain  # noqa: E402
-from dipaco.train.ray_driver import count_applied, executor_log_files, train_ray  # noqa: E402
+from dipaco.train.task_actors import count_applied, executor_log_files  # noqa: E402
 
 SPEEDS = [1.0, 1.0, 0.5, 0.25]
 BASE = [
@@ -70,8 +72,8 @@ def prepared(out: Path, args) -> Config:
     cfg = load_config(None, [*BASE, f"run.dir={out / 'run'}", f"train.rounds={args.rounds}",
                              f"train.inner_steps={args.inner_steps}", f"eval.max_docs={args.eval_docs}", *ASYNC])
     if not (out / "run" / "pretrain" / "config.json").is_file():
-        prepare(cfg)
-        pretrain(cfg)
+        Run(cfg).prepare()
+        Run(cfg).pretrain()
     return cfg
 
 
@@ -81,7 +83,7 @@ def curve(cfg: Config, exp_dir: Path, per_round: int) -> list[dict]:
     points = []
     for ckpt in CheckpointManager(exp_dir / "checkpoints").checkpoints():
         tasks = int(ckpt.name.split("_")[1])
-        report = evaluate_experiment(cfg, checkpoint=str(ckpt))
+        report = Run(cfg).evaluate(checkpoint=str(ckpt))
         points.append({"tasks": tasks, "inner_steps": done[tasks], "updates": done[tasks] / per_round,
                        "ppl": report["overall"]["ppl"]})
     return points
@@ -91,7 +93,7 @@ def run_variant(cfg: Config, name: str, overrides: list[str], per_round: int, on
     vcfg = apply_overrides(cfg, [f"train.name={name}", *overrides])
     exp_dir = Path(vcfg.run.dir) / "train" / name
     shutil.rmtree(exp_dir, ignore_errors=True)
-    train_ray(vcfg, on_start=on_start)
+    Run(vcfg).train(on_start=on_start)
     summary = read_metrics(exp_dir / "metrics.jsonl", "async")[-1]
     tasks = read_metrics(exp_dir / "metrics.jsonl", "task")
     points = curve(vcfg, exp_dir, per_round)

@@ -59,8 +59,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dipaco.config import load_config, save_config  # noqa: E402
+from dipaco.config import save_config  # noqa: E402
 from dipaco.metrics import read_metrics  # noqa: E402
+from dipaco.run import load_config  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -235,8 +236,7 @@ def wait_share(exp_dir: Path) -> dict:
 
 
 def sync_table(args, cfg, cfg_file: Path, work: Path) -> dict:
-    from dipaco.config import apply_overrides
-    from dipaco.eval.evaluate import evaluate_experiment
+    from dipaco.run import Run, apply_overrides
 
     names = {"all": list(ROWS), "default": list(DEFAULT_ROWS)}.get(args.rows) or args.rows.split(",")
     unknown = [n for n in names if n.split("@")[0] not in ROWS]
@@ -257,7 +257,7 @@ def sync_table(args, cfg, cfg_file: Path, work: Path) -> dict:
                "ddp_bytes_per_rank_round": statistics.mean(r["ddp_bytes"] for r in comm),
                "peak_sync_bytes": max(r["peak_sync_bytes"] for r in comm),
                "ddp_peak_sync_bytes": comm[0]["ddp_peak_sync_bytes"], "loopback": wait_share(exp_dir)}
-        row["val_ppl"] = evaluate_experiment(apply_overrides(cfg, [f"train.name={exp_name}", *overrides]))["overall"]["ppl"]
+        row["val_ppl"] = Run(apply_overrides(cfg, [f"train.name={exp_name}", *overrides])).evaluate()["overall"]["ppl"]
         if args.rate:
             limited = f"{exp_name}_limited"
             shutil.rmtree(work / "run" / "train" / limited, ignore_errors=True)
@@ -292,11 +292,10 @@ def main() -> None:
         write_corpus(Path(args.data), corpus, args.docs_per_source)
     cfg = load_config(None, base_overrides(args, work, corpus))
     if not (work / "run" / "pretrain" / "config.json").is_file():
-        from dipaco.data.prepare import prepare
-        from dipaco.train.pretrain import pretrain
+        from dipaco.run import Run
 
-        prepare(cfg)
-        pretrain(cfg)
+        Run(cfg).prepare()
+        Run(cfg).pretrain()
     cfg_file = work / "bench.yaml"
     save_config(cfg, cfg_file)
     import torch
@@ -310,7 +309,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         return
 
-    from dipaco.eval.evaluate import evaluate_experiment
+    from dipaco.run import Run
 
     results = {}
     for dtype in args.dtypes.split(","):
@@ -320,7 +319,7 @@ def main() -> None:
         wall = run_job(cfg_file, args.nproc, name, [f"dist.comm_dtype={dtype}"])
         row = summarize(exp_dir, args.inner_steps)
         run_cfg = replace(cfg, train=replace(cfg.train, name=name), dist=replace(cfg.dist, comm_dtype=dtype))
-        row["val_ppl"] = evaluate_experiment(run_cfg)["overall"]["ppl"]
+        row["val_ppl"] = Run(run_cfg).evaluate()["overall"]["ppl"]
         row["job_wall_seconds"] = wall
         results[dtype] = row
 

@@ -67,21 +67,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from omegaconf import OmegaConf  # noqa: E402
+
 from dipaco.atomic import write_text  # noqa: E402
 from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
-from dipaco.config import Config, apply_overrides, config_diff, load_config  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from dipaco.config import Config, config_diff  # noqa: E402
 from dipaco.data.corpus import strip_header  # noqa: E402
-from dipaco.eval.evaluate import evaluate_experiment, evaluate_pretrained  # noqa: E402
 from dipaco.metrics import echo  # noqa: E402
-from dipaco.data.prepare import load_prepared, prepare  # noqa: E402
 from dipaco.route.shards import assign_paths  # noqa: E402
-from routing.quality import routing_report  # noqa: E402
-from dipaco.train.pretrain import pretrain  # noqa: E402
-from dipaco.route.assign import route  # noqa: E402
+from dipaco.run import (  # noqa: E402
+    Run,  # noqa: E402
+    apply_overrides,
+    load_config,
+)
 from dipaco.run_dir import RunDir  # noqa: E402
 from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
-from dipaco.train.loop import train  # noqa: E402
+from routing.quality import routing_report  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 SOURCES = ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz")
@@ -113,6 +114,16 @@ PATH_EMBEDDING = ["topology.embedding=path", "topology.head=path"]  # the *_path
 
 
 EM_REROUTES = 3  # re-routings of the EM row: after rounds R/4, R/2, 3R/4 (every round when R = 4)
+
+
+
+def prepare(cfg: Config) -> dict:
+    """`dipaco prepare` (a name the tests replace to prove a row or corpus is refused before any work)."""
+    return Run(cfg).prepare()
+
+
+def pretrain(cfg: Config) -> None:
+    Run(cfg).pretrain()
 
 
 def rows(small: int, large: int, include_large: bool, num_layers: int) -> list[Row]:
@@ -322,8 +333,8 @@ def variant_run(base: Config, variant: str | None, out_dir: Path, private: str |
         new_run_dir(base, run_dir, ("data", "tokenizer", "pretrain"))
         preset, method, settings = ROUTINGS[variant]
         settings = improved_featurizer() if settings is None else settings
-        route(apply_overrides(base, [f"run.dir={run_dir}", f"topology.preset={preset}",
-                                     "train.sharding=kmeans", f"route.method={method}", *settings]))
+        Run(apply_overrides(base, [f"run.dir={run_dir}", f"topology.preset={preset}",
+                                     "train.sharding=kmeans", f"route.method={method}", *settings])).route()
     if private is not None:
         shared, run_dir = run_dir, out_dir / f"run_{variant}_{private}"
         if not (keep and CheckpointManager(RunDir(str(run_dir)).experiment(private) / "checkpoints").latest()):
@@ -341,7 +352,7 @@ def architecture_run(base: Config, name: str, model_overrides: list[str], out_di
     if not (run_dir / "pretrain" / "config.json").is_file():
         new_run_dir(base, run_dir, ("data", "tokenizer"))
         pretrain(cfg)
-    return cfg, evaluate_pretrained(cfg)["overall"]["ppl"]
+    return cfg, Run(cfg).evaluate_pretrained()["overall"]["ppl"]
 
 
 def curve_rounds(last: int) -> list[int]:
@@ -365,9 +376,9 @@ def train_row(row: Row, cfg: Config, resume: bool) -> tuple:
     latest = CheckpointManager(exp_dir / "checkpoints").latest()
     if resume and latest is not None:
         echo(f"[bench] {row.name}: continuing from {latest.name}")
-        return train(cfg, resume=True), True
+        return Run(cfg).train(resume=True), True
     shutil.rmtree(exp_dir, ignore_errors=True)
-    return train(cfg), False
+    return Run(cfg).train(), False
 
 
 def row_overrides(row: Row, base: Config) -> list[str]:
@@ -386,7 +397,7 @@ def routing_quality(cfg: Config, num_paths: int) -> dict:
     """NMI and purity of the training shards the row used (each document's own path) against the labels."""
     if num_paths == 1:
         return {"nmi": None, "purity": None}
-    prepared = load_prepared(cfg, routed=cfg.train.sharding == "kmeans")
+    prepared = Run(cfg).prepared(routed=cfg.train.sharding == "kmeans")
     if "label" not in prepared.train.column_names:
         return {"nmi": None, "purity": None}
     paths = assign_paths(prepared.train, num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
@@ -408,12 +419,12 @@ def run_row(row: Row, base: Config, out_dir: Path, resume: bool = False) -> dict
     tokens_per_round = exp.topology.num_paths * cfg.train.inner_steps * cfg.train.optim.batch_size * cfg.data.seq_len
     checkpoints = {int(c.name.split("_")[-1]): c for c in CheckpointManager(exp.dir / "checkpoints").checkpoints()}
     for rnd in curve_rounds(max(checkpoints)):
-        report = evaluate_experiment(cfg, checkpoint=str(checkpoints[rnd]))
+        report = Run(cfg).evaluate(checkpoint=str(checkpoints[rnd]))
         curve.append({"round": rnd, "tokens": rnd * tokens_per_round, "ppl": report["overall"]["ppl"]})
     final_ppl, best_rounds = curve[-1]["ppl"], None
     if row.early_stopping:
         # The curve shows each round's parameters; the row's result is each path's best round.
-        report = evaluate_experiment(apply_overrides(cfg, ["eval.early_stopping=true"]))
+        report = Run(apply_overrides(cfg, ["eval.early_stopping=true"])).evaluate()
         final_ppl = report["overall"]["ppl"]
         best_rounds = [json.loads(f.read_text())["round"] for f in sorted((exp.dir / "early_stopping").glob("path_*.json"))]
     return {
@@ -716,7 +727,7 @@ def main() -> None:
     if not (Path(base.run.dir) / "pretrain" / "config.json").is_file():
         prepare(base)
         pretrain(base)
-    init = evaluate_pretrained(base)
+    init = Run(base).evaluate_pretrained()
 
     by_name = finished_rows(out_dir / "results.json", base) if args.resume else {}
     if not args.resume and (out_dir / "results.json").is_file():

@@ -36,8 +36,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,10 +56,10 @@ from routing.featurize import (  # noqa: E402
     tfidf_svd_features,
     tokenize_prefixes,
 )
-from routing.transform import FeatureTransform  # noqa: E402
 from routing.kmeans import kmeans  # noqa: E402
 from routing.quality import routing_report  # noqa: E402
 from routing.router import fit_router  # noqa: E402
+from routing.transform import FeatureTransform  # noqa: E402
 
 SUMMARY_COLS = ["router", "slack", "seeds", "mean_train_nmi", "min_train_nmi", "max_train_nmi",
                 "mean_test_nmi", "min_test_nmi", "max_test_nmi"]

@@ -76,21 +76,17 @@ def parse_args() -> argparse.Namespace:
 
 def build_run(run_dir: Path) -> Path:
     """prepare -> pretrain -> route -> train (1 round of 5 steps) on the demo config."""
-    from dipaco.config import load_config
-    from dipaco.eval.evaluate import evaluate_experiment
-    from dipaco.data.prepare import prepare
-    from dipaco.train.pretrain import pretrain
-    from dipaco.route.assign import route
+    from dipaco.run import Run, load_config
     from dipaco.runtime import quiet_library_progress_bars
-    from dipaco.train.loop import train
 
     quiet_library_progress_bars()
     cfg = load_config(REPO / "configs" / "demo.yaml", [
         f"run.dir={run_dir}", "run.progress=false", "pretrain.steps=30", "train.rounds=1", "train.inner_steps=5",
     ])
-    for job in (prepare, pretrain, route, train, evaluate_experiment):
+    run = Run(cfg)
+    for job in (run.prepare, run.pretrain, run.route, run.train, run.evaluate):
         start = time.perf_counter()
-        job(cfg)
+        job()
         print(f"[bench] {job.__name__}: {time.perf_counter() - start:.1f}s", flush=True)
     return Path(cfg.run.dir)
 
@@ -102,9 +98,9 @@ def percentiles(ms: list[float]) -> dict:
 
 
 def prompts_from_run(pipe, n: int, n_tokens: int) -> list[str]:
-    from dipaco.data.prepare import load_prepared
+    from dipaco.run import Run
 
-    val = load_prepared(pipe.cfg).validation
+    val = Run(pipe.cfg).prepared().validation
     ids = [d[:n_tokens] for d in val["input_ids"] if len(d) >= n_tokens]
     return [pipe.decode(d) for d in ids[:n]]
 
@@ -408,7 +404,8 @@ def bench_abuse(run: Path, experiment: str | None, prompts: list[str], clients: 
         counts.update(c)
     n = sum(counts.values()) + sum(dropped.values())
     out = {
-        "invalid_requests": invalid, "clients": clients, "seconds": seconds, "wall_s": wall, "requests": n, "requests_per_s": n / wall,
+        "invalid_requests": invalid, "clients": clients, "seconds": seconds, "wall_s": wall, "requests": n,
+        "requests_per_s": n / wall,
         "caps": {k: caps.get(k) for k in ("seq_len", "max_prompt_tokens", "max_prompt_chars",
                                           "max_new_tokens_cap", "max_body_bytes", "routing_prefix_tokens")},
         "status_counts": {str(k): v for k, v in sorted(counts.items())},

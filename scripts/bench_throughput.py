@@ -4,7 +4,7 @@ Both sides run in this process on the same architecture, batch and sequence leng
 timed blocks (A B, B A, A B ...) so that load from other processes hits both alike; the figure is
 the median over blocks.
 
-* **ours**: ``dipaco.train.inner.InnerLoop`` on a path composed from a ``ModuleBank`` (2x2 grid), fed
+* **ours**: ``dipaco.paths.inner.InnerLoop`` on a path composed from a ``ModuleBank`` (2x2 grid), fed
   by a ``ShardSampler`` and stepping its LR schedule, exactly as ``dipaco train`` runs it, with
   ``train.precision`` / ``train.compile`` as given.
 * **best hand-written**: what a GPU user writes in 30 lines: a ``LlamaForCausalLM`` with SDPA
@@ -40,19 +40,23 @@ from transformers import LlamaForCausalLM
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
+from dipaco.checkpoint.state import TrainingState  # noqa: E402
+from dipaco.checkpoint.store import (
+    CheckpointManager,  # noqa: E402
+    write_snapshot,  # noqa: E402
+)
 from dipaco.comm.world import World  # noqa: E402
-from dipaco.config import Config, ModelConfig, OptimConfig, apply_overrides  # noqa: E402
+from dipaco.config import Config, ModelConfig, OptimConfig, to_yaml  # noqa: E402
 from dipaco.model.bank import ModuleBank  # noqa: E402
 from dipaco.model.llama import build_model, llama_config  # noqa: E402
 from dipaco.model.topology import topology_from_config  # noqa: E402
+from dipaco.paths.inner import InnerLoop, InnerOptions, build_adamw  # noqa: E402
+from dipaco.paths.sampler import ShardSampler  # noqa: E402
 from dipaco.precision import Precision, resolve_precision  # noqa: E402
+from dipaco.run import apply_overrides  # noqa: E402
 from dipaco.runtime import configure_backends  # noqa: E402
 from dipaco.sync import SyncContext, build_sync  # noqa: E402
-from dipaco.train.experiment import Experiment, write_checkpoint  # noqa: E402
-from dipaco.train.inner import InnerLoop, InnerOptions, build_adamw  # noqa: E402
-from dipaco.train.loop import run_round  # noqa: E402
-from dipaco.train.sampler import ShardSampler  # noqa: E402
+from dipaco.train.rounds import RoundScheduler  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -234,17 +238,20 @@ def bench_round(size: Size, args, device: torch.device, precision: Precision) ->
                           cfg.train.optim, steps, device, options) for p in range(topology.num_paths)}
     weights = {p: 1.0 / topology.num_paths for p in loops}
     by_rank = [tuple(loops)]
+    sync_ = build_sync(SyncContext(cfg.outer, cfg.dist, cfg.train.inner_steps, cfg.train.rounds, cfg.run.seed,
+                                   topology, bank, weights, by_rank, world))
+    scheduler = RoundScheduler(sync_, loops, bank, topology, world, cfg.train.rounds, cfg.train.inner_steps,
+                               progress=False)
+    state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held), loops, sync_, scheduler, 0, by_rank)
     with tempfile.TemporaryDirectory() as tmp:
-        exp = Experiment(cfg=cfg, dir=Path(tmp), topology=topology, bank=bank,
-                         sync=build_sync(SyncContext(cfg, topology, bank, weights, by_rank, world)), loops=loops,
-                         weights=weights, checkpoints=CheckpointManager(Path(tmp) / "checkpoints", keep=1),
-                         world=world, by_rank=by_rank)
+        checkpoints = CheckpointManager(Path(tmp) / "checkpoints", keep=1)
         rounds = []
         for r in range(cfg.train.rounds):
             start = time.perf_counter()
-            report = run_round(exp, r)
+            report = scheduler.run_round(r)
             sync(device)
-            ckpt_s = timed(device, lambda: exp.checkpoints.save(r + 1, lambda d: write_checkpoint(exp, d, r + 1, [report]), world))
+            ckpt_s = timed(device, lambda: checkpoints.save(
+                r + 1, lambda d: write_snapshot(d, 0, state.snapshot(r + 1, [report], {}, to_yaml(cfg)), r + 1), world))
             total = time.perf_counter() - start
             inner = sum(rec["tokens"] / rec["tokens_per_s"] for rec in report["paths"])
             outer = report["comm"]["outer_seconds"]

@@ -9,7 +9,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from e2e_guard import (  # noqa: F401  (pytest finds hooks by name in this module)
     pytest_collection_modifyitems,
     pytest_collectreport,

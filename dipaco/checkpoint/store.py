@@ -1,45 +1,52 @@
-"""Atomic, verifiable checkpoints: one directory per completed round.
+"""Atomic, verifiable checkpoints in one format: one directory per checkpoint index.
 
-Layout of ``checkpoints/round_000004/``::
+Layout of ``checkpoints/round_000004/`` (the index counts completed rounds under the round scheduler,
+completed tasks under the task scheduler)::
 
     bank.safetensors            every module, as "<part>.<index>/<llama parameter name>"
-    outer.safetensors           one Nesterov momentum buffer per module, by module name
-    trainer_state.pt            round index and RNG states
-    paths/path_007/model.safetensors   the path's parameters after the round's outer sync
+    outer.safetensors           the outer optimizer: one Nesterov momentum buffer per module, by module name
+    <part>.safetensors          the other parts the sync algorithm keeps (error-feedback residuals,
+                                exchanges in flight, an executor's pending changes, ...)
+    trainer_state.pt            the index, the RNG states, the placement and the scheduler's state
+    paths/path_007/model.safetensors   the path's parameters after the outer step
     paths/path_007/inner.pt            its AdamW state, LR schedule and data cursor
     config.yaml                 the resolved config of the run
     MANIFEST.json               sha256 and size of every file above; written last
+
+This module is the only one that knows these file names: components hand their state over as a
+:class:`Snapshot` (parts of named tensors, each path's state, the trainer's state) and read it back
+through a :class:`SavedCheckpoint`. The stateful components of a training run and how they fill a
+snapshot are :class:`dipaco.checkpoint.state.TrainingState`.
 
 A checkpoint is written into a temporary sibling directory and renamed into place only when
 complete, so a crash mid-write never leaves a half checkpoint under a real name. Loading checks
 every file against the manifest, so a truncated or corrupted file is named in a clear error and
 older checkpoints stay usable. ``.pt`` files are read with ``torch.load(weights_only=True)``.
 
-Several writers (the ranks of a distributed run, see :mod:`dipaco.distributed`) share one
-temporary directory: rank 0 creates it; every rank writes its own files (its paths, and the state
-of the modules it is the lowest holder of), hashes and fsyncs them; the manifests are gathered to
-rank 0, which writes ``MANIFEST.json`` and renames the directory. Rank 0's files keep the names
-above, rank r > 0 writes under ``ranks/rank_RRR/``; a single process therefore writes exactly the
-layout above. The outer sync (:mod:`dipaco.sync`) names its own state files: ``outer.safetensors``
-(momentum) and ``comm.safetensors`` (error-feedback residuals, per rank; only when used).
+Several writers (the ranks of a distributed run, see :mod:`dipaco.comm.world`) share one temporary
+directory: rank 0 creates it; every rank writes its own files (its paths, and the state of the
+modules it is the lowest holder of), hashes and fsyncs them; the manifests are gathered to rank 0,
+which writes ``MANIFEST.json`` and renames the directory. Rank 0's files keep the names above, rank
+r > 0 writes under ``ranks/rank_RRR/``; a single process therefore writes exactly the layout above.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from dipaco.errors import CheckpointError
+from dipaco.tensor_io import load_state, load_tensors, save_state, save_tensors
 
 MANIFEST = "MANIFEST.json"
 _ROUND_DIR = re.compile(r"^round_(\d{6})$")
@@ -67,11 +74,15 @@ def _fsync(path: Path) -> None:
 
 
 class Writers(Protocol):
-    """The writers of one checkpoint (``dipaco.distributed.World`` implements it)."""
+    """The writers of one checkpoint (:class:`dipaco.comm.world.World` implements it)."""
 
-    rank: int
-    size: int
     token: str  # the same on every writer: names the shared temporary directory
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
 
     def barrier(self, what: str) -> None: ...
 
@@ -174,9 +185,10 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-# Files a checkpoint's readers need whatever the run (the writer of rank 0 always writes them);
-# outer.safetensors is the outer sync's state file (dipaco.sync.diloco.MOMENTUM_FILE).
-REQUIRED = ("bank.safetensors", "outer.safetensors", "trainer_state.pt", "config.yaml")
+BANK, OUTER = "bank", "outer"  # the parts every training checkpoint has: the modules, the outer optimizer
+TRAINER_STATE, CONFIG = "trainer_state.pt", "config.yaml"
+# Files a checkpoint's readers need whatever the run (the writer of rank 0 always writes them).
+REQUIRED = (f"{BANK}.safetensors", f"{OUTER}.safetensors", TRAINER_STATE, CONFIG)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -260,76 +272,17 @@ def resolve_checkpoint(
     return ckpt
 
 
-# --- tensor files ---------------------------------------------------------------------------------
-_IO_FAILURE = re.compile(r"unexpected pos|PytorchStreamWriter|IoError|No space left|os error", re.IGNORECASE)
+# --- the training state of a checkpoint -------------------------------------------------------------
+def part_file(part: str) -> str:
+    return f"{part}.safetensors"
 
 
-def _write_failed(path: Path, exc: Exception) -> Exception:
-    """An OSError naming ``path`` for a writer that reports a failed write in its own exception type
-    (``torch.save`` on a full disk raises a RuntimeError about stream positions, safetensors its own
-    error wrapping the IO error); any other exception is returned unchanged."""
-    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if not _IO_FAILURE.search(str(exc)):
-        return exc
-    return OSError(errno.EIO, f"write failed ({message}); is the disk full?", str(path))
-
-
-def _write(path: Path, write: Callable[[], None]) -> None:
-    """Runs ``write`` for ``path``; an I/O failure reported in a library's own error type becomes an OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        write()
-    except OSError:
-        raise
-    except Exception as exc:
-        failed = _write_failed(path, exc)
-        if failed is exc:
-            raise
-        raise failed from exc
-
-
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    _write(path, lambda: save_file(tensors, str(path), metadata=metadata))
-
-
-def load_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path), device=str(device))
-    except Exception as exc:  # safetensors raises its own error types for bad headers
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
-
-
-@torch.no_grad()
-def load_model_params(model, file: Path):
-    """Copies a file of ``model``'s named parameters into it, in place; refuses one whose names differ."""
-    params = load_tensors(file)
-    named = dict(model.named_parameters())
-    if set(params) != set(named):
-        raise CheckpointError(f"{file}: model parameters do not match the path model")
-    for name, value in params.items():
-        named[name].copy_(value)
-    return model
-
-
-def save_state(obj: dict, path: Path) -> None:
-    _write(path, lambda: torch.save(obj, path))
-
-
-def load_state(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: not a readable state file ({exc})") from None
-
-
-# --- the training state of a round ----------------------------------------------------------------
 def path_dir(root: Path, path: int) -> Path:
     return root / "paths" / f"path_{path:03d}"
 
 
 def rank_dir(root: Path, rank: int) -> Path:
-    """Where a writer puts its module and trainer state: the checkpoint itself for rank 0."""
+    """Where a writer puts its parts and trainer state: the checkpoint itself for rank 0."""
     return root if rank == 0 else root / "ranks" / f"rank_{rank:03d}"
 
 
@@ -362,63 +315,69 @@ def load_selected(
 def load_bank_state(root: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Every module of a checkpoint's bank, whichever writer saved it."""
     out: dict[str, torch.Tensor] = {}
-    for path in rank_files(root, "bank.safetensors").values():
+    for path in rank_files(root, part_file(BANK)).values():
         out.update(load_tensors(path, device))
     return out
 
 
-def write_training_state(
-    root: Path,
-    round_index: int,
-    bank,
-    loops: dict,
-    rng: dict,
-    config_yaml: str,
-    *,
-    rank: int = 0,
-    modules: set[str] | None = None,
-    sync_state: dict[str, dict[str, torch.Tensor]] | None = None,
-    extra: dict | None = None,
-) -> list[Path]:
-    """Fills one writer's part of a checkpoint directory; returns the files it wrote.
+@dataclass
+class Snapshot:
+    """One writer's share of a checkpoint, as the components hand it over."""
 
-    ``loops`` maps path id -> InnerLoop (this writer's paths); ``modules`` names the modules whose
-    bank rows it saves (default: every module the bank holds); ``sync_state`` is the outer sync's
-    share (file stem -> tensors, see :meth:`dipaco.sync.OuterSync.state_dict`); ``extra`` goes into
-    its ``trainer_state.pt``.
-    """
-    meta = {"round": str(round_index)}
+    parts: dict[str, dict[str, torch.Tensor]]  # part -> named tensors: bank, outer and the sync's parts
+    state: dict  # trainer_state.pt: the index, RNG, placement, the scheduler's state
+    paths: dict[int, tuple[Mapping[str, torch.Tensor], dict]] = field(default_factory=dict)  # path -> (params, inner)
+    config_yaml: str | None = None  # the resolved config (the writer of rank 0)
+
+
+def write_snapshot(root: Path, rank: int, snapshot: Snapshot, index: int) -> list[Path]:
+    """Fills one writer's share of a checkpoint directory; returns the files it wrote."""
+    meta = {"round": str(index)}
     own = rank_dir(root, rank)
-    written = [own / "bank.safetensors"]
-    bank_state = {k: v for k, v in bank.state_dict().items() if modules is None or k.split("/", 1)[0] in modules}
-    save_tensors(bank_state, written[0], metadata=meta)
-    for stem, tensors in (sync_state or {}).items():
-        written.append(own / f"{stem}.safetensors")
+    written = []
+    for part, tensors in snapshot.parts.items():
+        written.append(own / part_file(part))
         save_tensors(tensors, written[-1], metadata=meta)
-    for path, loop in loops.items():
-        params = {n: p for n, p in loop.model.named_parameters()}
+    for path, (params, inner) in snapshot.paths.items():
         save_tensors(params, path_dir(root, path) / "model.safetensors", metadata=meta)
-        save_state(loop.state_dict(), path_dir(root, path) / "inner.pt")
+        save_state(inner, path_dir(root, path) / "inner.pt")
         written += [path_dir(root, path) / "model.safetensors", path_dir(root, path) / "inner.pt"]
-    save_state({"round": round_index, "rng": rng, **(extra or {})}, own / "trainer_state.pt")
-    written.append(own / "trainer_state.pt")
-    if rank == 0:
-        (root / "config.yaml").write_text(config_yaml)
-        written.append(root / "config.yaml")
+    save_state(snapshot.state, own / TRAINER_STATE)
+    written.append(own / TRAINER_STATE)
+    if snapshot.config_yaml is not None:
+        (root / CONFIG).write_text(snapshot.config_yaml)
+        written.append(root / CONFIG)
     return written
 
 
-@torch.no_grad()
-def read_training_state(root: Path, bank, loops: dict, rank: int = 0) -> dict:
-    """Restores the held modules and every path of ``loops``; returns the trainer state.
+class SavedCheckpoint:
+    """A verified checkpoint as one rank reads it back (the sync's :class:`~dipaco.sync.base.SavedState`).
 
-    Reads only what the caller holds, from whichever writer saved it; the trainer state is the
-    rank's own when it wrote one, else rank 0's.
-    """
-    wanted = set(bank.state_dict())
-    bank.load_state_dict(load_selected(rank_files(root, "bank.safetensors").values(), wanted, bank.device))
-    for path, loop in loops.items():
-        load_model_params(loop.model, path_dir(root, path) / "model.safetensors")
-        loop.load_state_dict(load_state(path_dir(root, path) / "inner.pt"))
-    own = rank_dir(root, rank) / "trainer_state.pt"
-    return load_state(own if own.is_file() else root / "trainer_state.pt")
+    ``same_placement``: whether the ranks train the same paths as when it was written."""
+
+    def __init__(self, root: Path, rank: int = 0, device: torch.device | str = "cpu",
+                 same_placement: bool = True) -> None:
+        self.root, self.rank, self.device = Path(root), rank, torch.device(device)
+        self.same_placement = same_placement
+
+    def replicated(self, part: str, names: set[str]) -> dict[str, torch.Tensor]:
+        """Tensors every holder has identical copies of (the bank, momentum), from whichever rank wrote them."""
+        return load_selected(rank_files(self.root, part_file(part)).values(), names, self.device)
+
+    def per_rank(self, part: str) -> dict[int, dict[str, torch.Tensor]]:
+        """Every rank's own ``part`` (rank -> tensors), for state that is private to a rank."""
+        return {r: load_tensors(path, self.device) for r, path in rank_files(self.root, part_file(part)).items()}
+
+    def path(self, path: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """A path's saved parameters and inner-loop state."""
+        directory = path_dir(self.root, path)
+        return load_tensors(directory / "model.safetensors"), load_state(directory / "inner.pt")
+
+    def state(self) -> dict:
+        """The trainer state this rank wrote, else rank 0's."""
+        own = rank_dir(self.root, self.rank) / TRAINER_STATE
+        return load_state(own if own.is_file() else self.root / TRAINER_STATE)
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG

@@ -1,1 +1,3 @@
-"""Communication that knows no algorithm: the world of ranks, process groups per module holder set, codecs, the reduce transport (start/wait), error feedback, byte accounting."""
+"""Communication that knows no algorithm: the ranks (world), which rank trains which paths (placement),
+process groups per set of module holders, codecs, the reduce transport (start/wait), error feedback and byte
+accounting."""

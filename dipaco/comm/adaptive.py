@@ -25,7 +25,7 @@ residual carries over a change of codec.
 
 from __future__ import annotations
 
-from typing import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +73,9 @@ def choose(codecs: Sequence[Codec], values: torch.Tensor, tolerance: float, chun
 
 
 class _AdaptiveReduction:
-    def __init__(self, handles: list, owner: "AdaptiveCodecs") -> None:
-        self.handles, self.owner, self.done = handles, owner, None
+    def __init__(self, handles: list, owner: AdaptiveCodecs) -> None:
+        self.handles, self.owner = handles, owner
+        self.done: Reduced | None = None
 
     def wait(self) -> Reduced:
         if self.done is None:

@@ -12,7 +12,7 @@ a sync that applies nothing for a module (no rank contributed) keeps its old res
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
@@ -22,8 +22,9 @@ from dipaco.errors import CheckpointError
 
 
 class _FeedbackReduction:
-    def __init__(self, inner: Reduction, feedback: "ErrorFeedback") -> None:
-        self.inner, self.feedback, self.done = inner, feedback, None
+    def __init__(self, inner: Reduction, feedback: ErrorFeedback) -> None:
+        self.inner, self.feedback = inner, feedback
+        self.done: Reduced | None = None
 
     def wait(self) -> Reduced:
         if self.done is None:

@@ -37,9 +37,9 @@ completes them, so a caller can overlap communication with computation.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Collection, Mapping
 
 import torch
 import torch.distributed as dist
@@ -111,7 +111,7 @@ class _Layout:
     meta_bytes: int
 
     @classmethod
-    def build(cls, numels: tuple[int, ...], codec: Codec, meta_width: int) -> "_Layout":
+    def build(cls, numels: tuple[int, ...], codec: Codec, meta_width: int) -> _Layout:
         meta_bytes = offset = 4 * meta_width * len(numels)
         scales = []
         for n in numels:

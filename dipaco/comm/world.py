@@ -1,7 +1,7 @@
 """The ranks of a job: the torchrun environment, the process group and the world-wide collectives.
 
 DiPaCo (Douillard et al., arXiv 2403.10616, section 2.3 and 5) trains every path on its own worker.
-Here a *rank* of a ``torchrun`` job trains a fixed set of paths (:mod:`dipaco.train.placement`), and the
+Here a *rank* of a ``torchrun`` job trains a fixed set of paths (:mod:`dipaco.comm.placement`), and the
 sync algorithm (:mod:`dipaco.sync`) exchanges module updates among the ranks that hold them
 through :mod:`dipaco.comm.reduce`.
 
@@ -9,7 +9,7 @@ A single process is the world_size=1 case: :func:`init_world` then creates no pr
 every :class:`World` collective is a local no-op, so ``dipaco train`` runs the same code either way.
 
 Everything that could make ranks disagree is checked before the first collective that could hang:
-more ranks than paths (:func:`dipaco.train.placement.check_world_size`, no communication needed), then a
+more ranks than paths (:func:`dipaco.comm.placement.check_world_size`, no communication needed), then a
 different config or command line on some rank (:func:`check_same_config`, one all-gather); errors
 that happen on one rank while setting up are shared with :meth:`World.agree`, so every rank exits
 with the same clear message instead of waiting for a peer that has already given up.
@@ -17,21 +17,45 @@ with the same clear message instead of waiting for a peer that has already given
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dipaco.config import Config, DistConfig
-from dipaco.errors import CheckpointError, ConfigError, DataError, DistributedError
+from dipaco.config import DistConfig
+from dipaco.errors import CheckpointError, ConfigError, DataError, DistributedError, check_range
+from dipaco.runtime import resolve_device
 
 # Config keys that may differ between ranks without changing what any rank computes.
 RANK_LOCAL_KEYS = ("run.progress",)
+
+
+def check_dist(dist: DistConfig) -> None:
+    """The ``dist`` section: a timeout, and codec settings the transport can use."""
+    if not (math.isfinite(dist.timeout_s) and dist.timeout_s > 0):
+        raise ConfigError(f"dist.timeout_s: must be a finite number > 0, got {dist.timeout_s}")
+    if dist.chunk_size <= 0:
+        raise ConfigError(f"dist.chunk_size: must be > 0, got {dist.chunk_size}")
+    if dist.comm_dtype in ("int4", "fp4") and dist.chunk_size % 2:
+        raise ConfigError(f"dist.chunk_size: must be even for dist.comm_dtype={dist.comm_dtype} "
+                          f"(two values per byte), got {dist.chunk_size}")
+    if dist.adaptive:
+        if dist.comm_dtype == "fp32":
+            raise ConfigError("dist.adaptive: needs a lossy dist.comm_dtype (bf16, fp16, int8, int4, fp4) for "
+                              "the first sync of each module, before it has statistics; got fp32")
+        if dist.chunk_size % 2:
+            raise ConfigError(f"dist.chunk_size: must be even with dist.adaptive=true (its 4-bit candidates), "
+                              f"got {dist.chunk_size}")
+    check_range("dist.adaptive_tolerance", dist.adaptive_tolerance, 0.0, math.inf)
+    if dist.adaptive_sample_chunks < 0:
+        raise ConfigError(f"dist.adaptive_sample_chunks: must be >= 0 (0 = every chunk), got {dist.adaptive_sample_chunks}")
 
 
 @dataclass(frozen=True)
@@ -65,8 +89,6 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 def rank_device(name: str, env: DistEnv) -> torch.device:
     """``run.device`` for this rank: ``auto``/``cuda`` mean this rank's GPU (LOCAL_RANK) under torchrun."""
-    from dipaco.runtime import resolve_device
-
     device = resolve_device(name)
     if env.distributed and device.type == "cuda" and device.index is None:
         if env.local_rank >= torch.cuda.device_count():
@@ -195,18 +217,14 @@ def init_world(cfg: DistConfig, env: DistEnv, device: torch.device) -> World:
     return world
 
 
-def _flat(cfg: Config) -> dict[str, Any]:
-    from dipaco.config import _flatten
-
-    return {k: v for k, v in _flatten(asdict(cfg)).items() if not k.startswith(RANK_LOCAL_KEYS)}
-
-
-def check_same_config(world: World, cfg: Config, args: Mapping[str, Any]) -> None:
+def check_same_config(world: World, config: Mapping[str, Any], args: Mapping[str, Any]) -> None:
     """All ranks must run the same config and command line; the error names the differing keys.
+    ``config``: the resolved config, flattened (``{"train.rounds": 4, ...}``).
 
     Also agrees on ``world.token`` (rank 0's pid), used to name the shared temporary checkpoint dir.
     """
-    mine = {"config": _flat(cfg), "args": dict(args), "pid": os.getpid(), "host": socket.gethostname()}
+    flat = {k: v for k, v in config.items() if not k.startswith(RANK_LOCAL_KEYS)}
+    mine = {"config": flat, "args": dict(args), "pid": os.getpid(), "host": socket.gethostname()}
     everyone = world.all_gather_object(mine, "config check")
     world.token = str(everyone[0]["pid"])
     ref = {**everyone[0]["config"], **{f"--{k}": v for k, v in everyone[0]["args"].items()}}

@@ -1,1 +1,2 @@
-"""Corpus in, token ids out: loading (corpus), the BPE tokenizer, the train/validation split (prepare), packing, and id hashing."""
+"""Corpus in, token ids out: loading (corpus), the BPE tokenizer, the train/validation split (prepare),
+packing, and id hashing."""

@@ -96,7 +96,7 @@ class _Docs:
         )
 
     def to_dataset(self, rows: list[int]) -> datasets.Dataset:
-        columns = {"id": [self.ids[i] for i in rows], "text": [self.texts[i] for i in rows]}
+        columns: dict[str, list] = {"id": [self.ids[i] for i in rows], "text": [self.texts[i] for i in rows]}
         if self.labels is not None:
             columns["label"] = [self.labels[i] for i in rows]
         features = datasets.Features({name: datasets.Value("string") for name in columns})
@@ -255,7 +255,7 @@ def _collect_docs(raw: datasets.DatasetDict, spec: CorpusSpec) -> tuple[_Docs, s
     """Read id/text/label and any existing split out of the loaded splits; also say how the split is made."""
     presplit = _find_presplit(list(raw))
     if presplit is not None:
-        parts = [(raw[presplit[0]], "train"), (raw[presplit[1]], "validation")]
+        parts: list[tuple[datasets.Dataset, str | None]] = [(raw[presplit[0]], "train"), (raw[presplit[1]], "validation")]
         split_method, use_split_column = SPLIT_BY_SOURCE, False
     else:
         parts = [(raw[name], None) for name in raw]
@@ -293,7 +293,7 @@ def _append_columns(
         ids = _as_strings(ds, spec.id_field)
         if None in ids:
             raise DataError(f"{ids.count(None)} row(s) of {spec.source!r} have no {spec.id_field!r}")
-        docs.ids.extend(ids)
+        docs.ids.extend(str(i) for i in ids)
     else:
         start = len(docs.ids)  # row index across all loaded splits, so ids stay unique
         docs.ids.extend(str(start + i) for i in range(len(ds)))
@@ -453,7 +453,7 @@ def _single_format(files: list[Path]) -> str:
     unknown = [p for p in files if _format_of(p) is None]
     if unknown:
         raise DataError(f"cannot tell the format of {unknown[0]} from its extension; set data.format")
-    formats = sorted({_format_of(p) for p in files})
+    formats = sorted({str(_format_of(p)) for p in files})
     if len(formats) != 1:
         raise DataError(f"data files mix formats ({', '.join(formats)}); set data.format to choose one")
     return formats[0]

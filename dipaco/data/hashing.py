@@ -7,7 +7,7 @@ are independent of each other.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -30,7 +30,7 @@ IGNORE_INDEX = -100  # label of a position that is not scored (torch/HF cross-en
 # ----------------------------------------------------------------------------- training
 
 
-def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> torch.LongTensor:
+def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> torch.Tensor:
     """Concatenate docs with an EOS after each one and cut into rows: a (n_rows, seq_len) LongTensor."""
     if seq_len < 1:
         raise ConfigError(f"seq_len={seq_len} must be positive")
@@ -68,16 +68,16 @@ class EvalWindow:
 
     doc_index: int
     start: int
-    input_ids: torch.LongTensor  # (T,), T <= seq_len
-    labels: torch.LongTensor  # (T,), IGNORE_INDEX where not scored in this window
+    input_ids: torch.Tensor  # (T,), T <= seq_len
+    labels: torch.Tensor  # (T,), IGNORE_INDEX where not scored in this window
 
 
 @dataclass
 class EvalBatch:
-    input_ids: torch.LongTensor  # (B, T), right-padded with pad_id
-    attention_mask: torch.LongTensor  # (B, T), 0 on padding
-    labels: torch.LongTensor  # (B, T), IGNORE_INDEX where not scored and on padding
-    doc_index: torch.LongTensor  # (B,), the source document of each row
+    input_ids: torch.Tensor  # (B, T), right-padded with pad_id
+    attention_mask: torch.Tensor  # (B, T), 0 on padding
+    labels: torch.Tensor  # (B, T), IGNORE_INDEX where not scored and on padding
+    doc_index: torch.Tensor  # (B,), the source document of each row
 
 
 def count_scored_tokens(doc_len: int, prefix_tokens: int) -> int:

@@ -1,1 +1,1 @@
-"""Evaluation: per-document scoring after the routing prefix, per-path perplexity, test-time re-routing."""
+"""Evaluation: per-path perplexity after the routing prefix, and test-time re-routing."""

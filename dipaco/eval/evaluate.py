@@ -10,27 +10,63 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from transformers import PreTrainedModel
+import torch
+from transformers import LlamaConfig, PreTrainedModel
 
 from dipaco.atomic import write_text
-from dipaco.checkpoint.experiment import experiment_checkpoint
-from dipaco.config import Config
-from dipaco.data.prepare import Prepared, load_prepared
-from dipaco.eval.scoring import Scores, score_documents
+from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
+from dipaco.config import EvalConfig
+from dipaco.data.prepare import Prepared
+from dipaco.errors import ConfigError
 from dipaco.metrics import echo
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
+from dipaco.model.scoring import Scores, score_documents
+from dipaco.model.topology import Topology
+from dipaco.paths.early_stopping import load_best_path
 from dipaco.precision import resolve_precision
 from dipaco.route.shards import assign_paths
 from dipaco.run_dir import RunDir
-from dipaco.runtime import resolve_device
-from dipaco.train.early_stopping import load_best_path
-from dipaco.train.pretrain import load_pretrained, path_llama_config
 
 REPORT = "eval.json"
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """What evaluation reads: the experiment, how its documents are routed, and how they are scored."""
+
+    eval: EvalConfig
+    run_dir: Path
+    name: str  # the experiment: <run.dir>/train/<name>
+    sharding: str  # train.sharding: the rule that routes validation documents as it sharded the training ones
+    shard_column: str
+    seed: int
+    topology: Topology
+    llama: LlamaConfig
+    seq_len: int
+    prefix_tokens: int
+    device: torch.device
+    inner_steps: int  # train.inner_steps: a checkpoint's steps per path, for the report
+
+    @property
+    def routed(self) -> bool:
+        return self.sharding == "kmeans"
+
+    @property
+    def dir(self) -> Path:
+        return RunDir(self.run_dir).experiment(self.name)
+
+
+def check_eval(section: EvalConfig) -> None:
+    """The ``eval`` section."""
+    if section.batch_size <= 0:
+        raise ConfigError(f"eval.batch_size: must be > 0, got {section.batch_size}")
+    if section.max_docs is not None and section.max_docs <= 0:
+        raise ConfigError(f"eval.max_docs: must be > 0 or null, got {section.max_docs}")
 
 
 def _summary(scores: Scores, n_docs: int) -> dict:
@@ -42,51 +78,52 @@ def _summary(scores: Scores, n_docs: int) -> dict:
     }
 
 
-def validation_docs(cfg: Config, prepared: Prepared) -> tuple[list[list[int]], object]:
+def validation_docs(section: EvalConfig, prepared: Prepared) -> tuple[list[list[int]], object]:
     val = prepared.validation
-    if cfg.eval.max_docs is not None:
-        val = val.select(range(min(cfg.eval.max_docs, len(val))))
+    if section.max_docs is not None:
+        val = val.select(range(min(section.max_docs, len(val))))
     return val["input_ids"], val
 
 
-def load_eval_path(cfg: Config, exp_dir: Path, bank: ModuleBank, path: int, model: PreTrainedModel) -> PreTrainedModel:
+def load_eval_path(job: EvalJob, bank: ModuleBank, path: int, model: PreTrainedModel) -> PreTrainedModel:
     """Loads what evaluation scores for ``path`` into ``model``: its early-stopped parameters with
     ``eval.early_stopping``, else its composition from the checkpoint's bank."""
-    if cfg.eval.early_stopping:
-        return load_best_path(exp_dir / "early_stopping", path, model)
+    if job.eval.early_stopping:
+        return load_best_path(job.dir / "early_stopping", path, model)
     return bank.compose(path, model)
 
 
-def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
+def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None = None) -> dict:
     """Scores every path of the experiment's newest (or given) checkpoint on its routed validation docs."""
-    prepared = load_prepared(cfg)
-    exp_dir, ckpt, topology, bank = experiment_checkpoint(cfg, prepared, checkpoint)
-    docs, val = validation_docs(cfg, prepared)
-    routes = assign_paths(val, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
+    check_eval(job.eval)
+    exp_dir, ckpt = experiment_checkpoint(job.run_dir, job.name, job.routed, checkpoint)
+    topology = job.topology
+    bank = read_bank(ckpt, topology, job.llama)
+    docs, val = validation_docs(job.eval, prepared)
+    routes = assign_paths(val, topology.num_paths, job.sharding, job.seed, job.shard_column)
 
-    device = resolve_device(cfg.run.device)
-    model = build_model(path_llama_config(cfg, prepared), device=device)
-    precision = resolve_precision(cfg.eval.precision, device, "eval.precision")
+    model = build_model(job.llama, device=job.device)
+    precision = resolve_precision(job.eval.precision, job.device, "eval.precision")
     per_path, nll_total, tok_total = [], 0.0, 0
     for p in range(topology.num_paths):
         members = np.flatnonzero(routes == p)
         scores = score_documents(
-            load_eval_path(cfg, exp_dir, bank, p, model), [docs[int(i)] for i in members], cfg.data.seq_len,
-            cfg.data.prefix_tokens, cfg.eval.batch_size, prepared.tokenizer.pad_token_id, precision,
+            load_eval_path(job, bank, p, model), [docs[int(i)] for i in members], job.seq_len,
+            job.prefix_tokens, job.eval.batch_size, prepared.tokenizer.pad_token_id, precision,
         )
         per_path.append({"path": p, "modules": [topology.modules[m].name for m in topology.path_modules(p)],
                          **_summary(scores, members.size)})
         nll_total += float(scores.nll.sum())
         tok_total += int(scores.tokens.sum())
     report = {
-        "experiment": cfg.train.name,
-        "checkpoint": ckpt.name + (" (early-stopped paths)" if cfg.eval.early_stopping else ""),
+        "experiment": job.name,
+        "checkpoint": ckpt.name + (" (early-stopped paths)" if job.eval.early_stopping else ""),
         "topology": topology.describe(),
         "num_paths": topology.num_paths,
         "params_per_path": sum(p.numel() for p in model.parameters()),
         "params_total": sum(p.numel() for p in bank.params),
-        "steps_per_path": int(ckpt.name.split("_")[-1]) * cfg.train.inner_steps,
-        "prefix_tokens": cfg.data.prefix_tokens,
+        "steps_per_path": int(ckpt.name.split("_")[-1]) * job.inner_steps,
+        "prefix_tokens": job.prefix_tokens,
         "paths": per_path,
         "overall": {"docs": len(docs), "scored_tokens": tok_total, "nll": nll_total,
                     "ppl": math.exp(nll_total / tok_total) if tok_total else float("nan")},
@@ -96,14 +133,14 @@ def evaluate_experiment(cfg: Config, checkpoint: str | None = None) -> dict:
     return report
 
 
-def evaluate_pretrained(cfg: Config) -> dict:
-    """The dense pretrained model on all validation docs (the initialisation every module starts from)."""
-    prepared = load_prepared(cfg, routed=False)
-    device = resolve_device(cfg.run.device)
-    model = load_pretrained(cfg, prepared).to(device)
-    docs, _ = validation_docs(cfg, prepared)
-    scores = score_documents(model, docs, cfg.data.seq_len, cfg.data.prefix_tokens, cfg.eval.batch_size,
-                             prepared.tokenizer.pad_token_id, resolve_precision(cfg.eval.precision, device, "eval.precision"))
+def evaluate_pretrained(section: EvalConfig, run_dir: Path, model: PreTrainedModel, prepared: Prepared, seq_len: int,
+                        prefix_tokens: int, steps: int, device: torch.device) -> dict:
+    """The dense pretrained ``model`` on all validation docs (the initialisation every module starts from)."""
+    check_eval(section)
+    model = model.to(device)
+    docs, _ = validation_docs(section, prepared)
+    scores = score_documents(model, docs, seq_len, prefix_tokens, section.batch_size,
+                             prepared.tokenizer.pad_token_id, resolve_precision(section.precision, device, "eval.precision"))
     n = sum(p.numel() for p in model.parameters())
     report = {
         "experiment": "pretrained",
@@ -111,11 +148,11 @@ def evaluate_pretrained(cfg: Config) -> dict:
         "num_paths": 1,
         "params_per_path": n,
         "params_total": n,
-        "steps_per_path": cfg.pretrain.steps,
-        "prefix_tokens": cfg.data.prefix_tokens,
+        "steps_per_path": steps,
+        "prefix_tokens": prefix_tokens,
         "overall": _summary(scores, len(docs)),
     }
-    _write(report, RunDir(cfg.run.dir).pretrain / REPORT)
+    _write(report, RunDir(run_dir).pretrain / REPORT)
     echo(f"[eval] pretrained dense model: validation ppl {report['overall']['ppl']:.2f} "
          f"on {report['overall']['scored_tokens']:,} tokens")
     return report

@@ -31,30 +31,28 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedModel
 
 from dipaco.atomic import write_text
-from dipaco.checkpoint.experiment import experiment_checkpoint
-from dipaco.config import Config
+from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
 from dipaco.data.packing import IGNORE_INDEX, EvalWindow, count_scored_tokens, eval_windows
-from dipaco.data.prepare import load_prepared
+from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError, DipacoError
-from dipaco.eval.evaluate import load_eval_path, validation_docs
-from dipaco.eval.scoring import window_nll
+from dipaco.eval.evaluate import EvalJob, check_eval, load_eval_path, validation_docs
 from dipaco.metrics import echo
 from dipaco.model.llama import build_model
+from dipaco.model.scoring import window_nll
 from dipaco.precision import Precision, resolve_precision
-from dipaco.route.router import load_router
+from dipaco.route.artifact import load_router
 from dipaco.route.shards import assign_paths
 from dipaco.run_dir import RunDir
-from dipaco.runtime import resolve_device
-from dipaco.train.pretrain import load_pretrained, path_llama_config
 
 REPORT = "reroute_eval.json"
 DEFAULT_EVERY = (128, 64, 32)
@@ -120,39 +118,48 @@ def _token_nll(model, windows: Sequence[EvalWindow], batch_size: int, pad_id: in
     return out  # type: ignore[return-value]
 
 
-def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoint: str | None = None) -> dict:
-    """Validation perplexity with once-per-sequence routing and with re-routing every W tokens."""
-    if cfg.train.sharding != "kmeans":
+def reroute_evaluate(job: EvalJob, load_prepared: Callable[[], Prepared], every: Sequence[int] = DEFAULT_EVERY,
+                     checkpoint: str | None = None, featurizer: Callable[[], PreTrainedModel] | None = None,
+                     route_precision: str = "auto", route_batch_size: int = 64) -> dict:
+    """Validation perplexity with once-per-sequence routing and with re-routing every W tokens.
+    ``featurizer``: the LM-prefix router's model (the pretrained one), loaded when the router needs it;
+    ``route_precision``, ``route_batch_size``: ``route.precision`` and ``route.batch_size``."""
+    if not job.routed:
         raise ConfigError(
-            f"re-routing needs the experiment's router, but {cfg.train.name} was trained with "
-            f"train.sharding={cfg.train.sharding}; route (`dipaco route`) and train with train.sharding=kmeans"
+            f"re-routing needs the experiment's router, but {job.name} was trained with "
+            f"train.sharding={job.sharding}; route (`dipaco route`) and train with train.sharding=kmeans"
         )
+    check_eval(job.eval)
     settings: list[int | None] = [None, *sorted({int(w) for w in every}, reverse=True)]
     if any(w is not None and w < 1 for w in settings):
         raise ConfigError(f"--reroute-every: every W must be >= 1, got {list(every)}")
-    prepared = load_prepared(cfg)
-    exp_dir, ckpt, topology, bank = experiment_checkpoint(cfg, prepared, checkpoint)
-    router = load_router(RunDir(cfg.run.dir), topology.num_paths)
-    docs, val = validation_docs(cfg, prepared)
-    doc_routes = assign_paths(val, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
-    device = resolve_device(cfg.run.device)
-    first = max(cfg.data.prefix_tokens, 1)
+    prepared = load_prepared()
+    exp_dir, ckpt = experiment_checkpoint(job.run_dir, job.name, job.routed, checkpoint)
+    topology = job.topology
+    bank = read_bank(ckpt, topology, job.llama)
+    router = load_router(RunDir(job.run_dir), topology.num_paths)
+    docs, val = validation_docs(job.eval, prepared)
+    doc_routes = assign_paths(val, topology.num_paths, job.sharding, job.seed, job.shard_column)
+    device = job.device
+    first = max(job.prefix_tokens, 1)
     tok = prepared.tokenizer
 
     # 1. Routing decisions at the start of every re-routing window, shared by settings that coincide.
     points = sorted({(d, s) for w in settings if w is not None for d, doc in enumerate(docs)
                      for s in decision_points(len(doc), first, w)})
     kind = router.featurizer.get("kind")
-    context_tokens = int(router.featurizer.get("prefix_tokens", cfg.data.prefix_tokens))
+    context_tokens = int(router.featurizer.get("prefix_tokens", job.prefix_tokens))
     decided: dict[int, dict[int, int]] = defaultdict(dict)
     if points:
         if kind == "lm_prefix":
-            featurizer = load_pretrained(cfg, prepared).to(device)
+            if featurizer is None:
+                raise DipacoError("the router featurizes with the pretrained model, which was not given")
+            lm = featurizer().to(device)
             contexts = [docs[d][max(0, s - context_tokens) : s] for d, s in points]
-            with resolve_precision(cfg.route.precision, device, "route.precision").autocast():
-                features = featurize_ids(router, featurizer, contexts, tok.pad_token_id, device=device,
-                                         batch_size=cfg.route.batch_size)
-            del featurizer
+            with resolve_precision(route_precision, device, "route.precision").autocast():
+                features = featurize_ids(router, lm, contexts, tok.pad_token_id, device=device,
+                                         batch_size=route_batch_size)
+            del lm
         elif kind in ("tfidf_svd", "doc_topics", "encoder"):  # text featurizers (the encoder is loaded by its recorded name)
             features = router.featurize(tok.batch_decode([docs[d][max(0, s - context_tokens) : s] for d, s in points]))
         else:
@@ -161,7 +168,7 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
             decided[d][s] = int(p)
 
     # 2. The path of every target under every setting, and which (window, path) pairs to run.
-    windows = eval_windows(docs, cfg.data.seq_len, cfg.data.prefix_tokens)
+    windows = eval_windows(docs, job.seq_len, job.prefix_tokens)
     per_setting = {w: {d: window_paths(len(doc), first, w, int(doc_routes[d]), decided[d])
                        for d, doc in enumerate(docs)} for w in settings}
     # path -> {window: length of the window prefix it must run}: a causal LM's logits at a position do
@@ -176,19 +183,19 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
                 needed[p][i] = max(needed[p].get(i, 0), last)
 
     # 3. One forward pass per (window, path) pair.
-    model = build_model(path_llama_config(cfg, prepared), device=device)
-    precision = resolve_precision(cfg.eval.precision, device, "eval.precision")
+    model = build_model(job.llama, device=device)
+    precision = resolve_precision(job.eval.precision, device, "eval.precision")
     nll_of: dict[tuple[int, int], torch.Tensor] = {}
     for p in sorted(needed):
         ids = list(needed[p])
         cut = [replace(windows[i], input_ids=windows[i].input_ids[: needed[p][i]],
                        labels=windows[i].labels[: needed[p][i]]) for i in ids]
-        for i, nll in zip(ids, _token_nll(load_eval_path(cfg, exp_dir, bank, p, model), cut, cfg.eval.batch_size,
+        for i, nll in zip(ids, _token_nll(load_eval_path(job, bank, p, model), cut, job.eval.batch_size,
                                             tok.pad_token_id, precision)):
             nll_of[(i, p)] = F.pad(nll, (0, len(windows[i].input_ids) - len(nll)))
 
     # 4. Sum each setting's choice of path per target.
-    tokens = np.array([count_scored_tokens(len(d), cfg.data.prefix_tokens) for d in docs], dtype=np.int64)
+    tokens = np.array([count_scored_tokens(len(d), job.prefix_tokens) for d in docs], dtype=np.int64)
     results = []
     for w in settings:
         doc_nll = np.zeros(len(docs))
@@ -220,14 +227,14 @@ def reroute_evaluate(cfg: Config, every: Sequence[int] = DEFAULT_EVERY, checkpoi
             "tokens_off_document_route": off_route / total_tokens if total_tokens else 0.0,
         })
     report = {
-        "experiment": cfg.train.name,
-        "checkpoint": ckpt.name + (" (early-stopped paths)" if cfg.eval.early_stopping else ""),
+        "experiment": job.name,
+        "checkpoint": ckpt.name + (" (early-stopped paths)" if job.eval.early_stopping else ""),
         "topology": topology.describe(),
         "router": router.kind,
         "featurizer": kind,
         "routing_context": f"the last {context_tokens} tokens before each window",
-        "prefix_tokens": cfg.data.prefix_tokens,
-        "seq_len": cfg.data.seq_len,
+        "prefix_tokens": job.prefix_tokens,
+        "seq_len": job.seq_len,
         "docs": len(docs),
         "results": results,
     }
@@ -245,6 +252,3 @@ def print_reroute_table(report: dict) -> None:
         echo(f"{name:<16} {r['ppl']:>9.2f} {r['scored_tokens']:>9} {r['decisions']:>9} "
              f"{r['changed_path_fraction']:>8.1%} {r['tokens_off_document_route']:>9.1%}")
 
-
-def report_path(cfg: Config) -> Path:
-    return RunDir(cfg.run.dir).experiment(cfg.train.name) / REPORT

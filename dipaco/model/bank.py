@@ -15,7 +15,7 @@ are absent from ``state_dict``; composing a path through one of them is an error
 
 from __future__ import annotations
 
-from typing import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn

@@ -8,11 +8,30 @@ modules' weights.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.config import ModelConfig
+from dipaco.errors import ConfigError
 from dipaco.model.topology import EMBEDDING, HEAD, Part, Topology
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """The ``model`` section: a Llama these numbers can build."""
+    for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"model.{key}: must be > 0, got {getattr(cfg, key)}")
+    if cfg.hidden_size % cfg.num_heads:
+        raise ConfigError(f"model.hidden_size: {cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
+    if cfg.num_kv_heads is not None and (cfg.num_kv_heads <= 0 or cfg.num_heads % cfg.num_kv_heads):
+        raise ConfigError(f"model.num_kv_heads: must be > 0 and divide model.num_heads={cfg.num_heads}, "
+                          f"got {cfg.num_kv_heads}")
+    for key in ("rope_theta", "init_std"):
+        value = getattr(cfg, key)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"model.{key}: must be a finite number > 0, got {value}")
 
 
 def llama_config(cfg: ModelConfig, vocab_size: int, max_positions: int, eos_id: int, pad_id: int) -> LlamaConfig:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Sequence
 
-from dipaco.config import resolved_part_sharing
+from dipaco.config import TopologyConfig, resolved_part_sharing
 from dipaco.errors import ConfigError
 
 EMBEDDING = "embedding"
@@ -131,19 +131,19 @@ class Topology:
 
     # --- presets -------------------------------------------------------------------------------
     @classmethod
-    def dense(cls, num_layers: int, **kw) -> "Topology":
+    def dense(cls, num_layers: int, **kw) -> Topology:
         return cls([Level(num_layers, 1)], **kw)
 
     @classmethod
-    def diloco(cls, num_layers: int, replicas: int, **kw) -> "Topology":
+    def diloco(cls, num_layers: int, replicas: int, **kw) -> Topology:
         return cls([Level(num_layers, 1)], replicas=replicas, **kw)
 
     @classmethod
-    def flat_moe(cls, num_layers: int, paths: int, **kw) -> "Topology":
+    def flat_moe(cls, num_layers: int, paths: int, **kw) -> Topology:
         return cls([Level(num_layers, paths)], **kw)
 
     @classmethod
-    def grid(cls, num_layers: int, shape: Sequence[int], **kw) -> "Topology":
+    def grid(cls, num_layers: int, shape: Sequence[int], **kw) -> Topology:
         if len(shape) > num_layers:
             raise ConfigError(f"topology: a {len(shape)}-level grid needs at least {len(shape)} layers")
         base, extra = divmod(num_layers, len(shape))
@@ -151,7 +151,7 @@ class Topology:
         return cls([Level(base + (i < extra), k) for i, k in enumerate(shape)], **kw)
 
     @classmethod
-    def from_preset(cls, preset: str, num_layers: int, **kw) -> "Topology":
+    def from_preset(cls, preset: str, num_layers: int, **kw) -> Topology:
         name, _, arg = preset.partition(":")
         try:
             if name == "dense" and not arg:
@@ -235,7 +235,13 @@ class Topology:
         }
 
 
-def topology_from_config(topo_cfg, num_layers: int) -> Topology:
+def check_topology(topo_cfg: TopologyConfig) -> None:
+    """The ``topology`` keys a type cannot check; the rest is checked when the topology is built."""
+    if topo_cfg.replicas <= 0:
+        raise ConfigError(f"topology.replicas: must be > 0, got {topo_cfg.replicas}")
+
+
+def topology_from_config(topo_cfg: TopologyConfig, num_layers: int) -> Topology:
     """Builds the Topology a config describes and checks it covers ``model.num_layers`` blocks."""
     embedding, head = resolved_part_sharing(topo_cfg)
     kw = dict(embedding=embedding, head=head)

@@ -1,1 +1,2 @@
-"""Documents to paths: `dipaco route` (features -> k-means, assign), `dipaco reroute` (discriminative), the router loader, and the shards each path trains on."""
+"""Documents to paths: `dipaco route` (features -> k-means, assign), the shards each path trains on, the
+router artifact and the provenance of a run's routing. Re-routing from trained paths is dipaco.train.reroute."""

@@ -15,35 +15,25 @@ Sharding rules:
 * ``column``: an integer path column already in the dataset;
 * ``kmeans``: the ``path`` column that ``dipaco route`` adds to both splits (``routing/data``).
 
-A run has one ``routing/`` directory, and ``dipaco reroute`` rewrites it for the experiment it
-re-routes. Every other experiment of the run would then silently resume, evaluate and serve on
-shards it was never trained on; so each kmeans experiment records the fingerprint of the routing it
-trained on (``train/<name>/routing.json``) and every job that reads routing for it checks it.
-An experiment's own re-routing (``dipaco reroute``, or ``route.em_rounds`` inside ``dipaco train``)
-notes the fingerprint it is about to write there before it replaces the routing, so a stop between
-the two still finds the experiment's own routing accepted.
+Which routing an experiment trained on is recorded and checked by :mod:`dipaco.route.provenance`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
 
 import datasets
 import numpy as np
 import torch
 
-from dipaco.atomic import write_text
-from dipaco.config import Config
 from dipaco.data.corpus import stable_hash
 from dipaco.data.packing import pack_documents
-from dipaco.errors import DataError
+from dipaco.data.prepare import Prepared
+from dipaco.errors import ConfigError, DataError
+from dipaco.route.provenance import routed_info
 from dipaco.run_dir import RunDir
-
-ROUTED_INFO = "routing_info.json"
-EXPERIMENT_ROUTING = "routing.json"  # in an experiment directory: the fingerprint of its routing
 
 
 def iid_paths(ids: Sequence[str], num_paths: int, seed: int) -> np.ndarray:
@@ -65,73 +55,16 @@ def column_paths(ds: datasets.Dataset, column: str, num_paths: int) -> np.ndarra
     return paths
 
 
-def routed_splits(run: RunDir, prepare_hash: str) -> datasets.DatasetDict:
-    """The train/validation splits with the ``path`` column written by ``dipaco route``."""
-    info_path = run.routing / "data" / ROUTED_INFO
-    if not info_path.is_file():
+def with_routing(prepared: Prepared, run_dir: str | Path) -> Prepared:
+    """``prepared`` with the copies of its splits that ``dipaco route`` wrote with a ``path`` column."""
+    run = RunDir(run_dir)
+    info = routed_info(run)
+    if info is None:
         raise DataError(f"sharding=kmeans needs routed data in {run.routing / 'data'}; run `dipaco route` first")
-    info = json.loads(info_path.read_text())
-    if info.get("prepare_hash") != prepare_hash:
+    if info.get("prepare_hash") != prepared.info["prepare_hash"]:
         raise DataError(f"{run.routing} was routed from different prepared data; rerun `dipaco route`")
-    return datasets.load_from_disk(str(run.routing / "data"))
-
-
-def routing_fingerprint(paths: dict[str, np.ndarray], router_dir: Path) -> str:
-    """sha256 of every routed path id and of the router's files: equal only for the same routing."""
-    digest = hashlib.sha256()
-    for split in sorted(paths):
-        digest.update(split.encode())
-        digest.update(np.ascontiguousarray(paths[split], dtype=np.int64).tobytes())
-    for file in sorted(router_dir.iterdir()):
-        digest.update(file.name.encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
-
-
-def current_fingerprint(run: RunDir) -> str | None:
-    """The fingerprint of the run's routing now (None without one, or from before fingerprints existed)."""
-    info_path = run.routing / "data" / ROUTED_INFO
-    return json.loads(info_path.read_text()).get("fingerprint") if info_path.is_file() else None
-
-
-def _recorded(exp_dir: Path) -> dict | None:
-    record = exp_dir / EXPERIMENT_ROUTING
-    return json.loads(record.read_text()) if record.is_file() else None
-
-
-def record_routing(cfg: Config, exp_dir: Path, rerouting: str | None = None) -> None:
-    """Notes which routing the experiment trains on (kmeans sharding only; routing from before
-    fingerprints existed is not recorded). ``rerouting``: the fingerprint of a re-routing of this
-    experiment that is about to replace the run's routing; it stays accepted as the experiment's own
-    until the next record (see :func:`check_routing`)."""
-    fingerprint = current_fingerprint(RunDir(cfg.run.dir)) if cfg.train.sharding == "kmeans" else None
-    if fingerprint is not None:
-        exp_dir.mkdir(parents=True, exist_ok=True)
-        entry = {"fingerprint": fingerprint, **({"rerouting": rerouting} if rerouting else {})}
-        write_text(exp_dir / EXPERIMENT_ROUTING, json.dumps(entry) + "\n")
-
-
-def pending_rerouting(exp_dir: Path) -> str | None:
-    """The fingerprint of the experiment's own re-routing that was written (or about to be) but not
-    recorded as the routing it trains on: a stop came in between."""
-    record = _recorded(exp_dir)
-    return None if record is None else record.get("rerouting")
-
-
-def check_routing(cfg: Config, exp_dir: Path) -> None:
-    """Refuses an experiment whose run's routing is no longer the one it was trained on, nor its own re-routing."""
-    record = _recorded(exp_dir)
-    if cfg.train.sharding != "kmeans" or record is None:
-        return
-    run = RunDir(cfg.run.dir)
-    trained_on, current = record["fingerprint"], current_fingerprint(run)
-    if current not in (trained_on, record.get("rerouting")):
-        raise DataError(
-            f"{run.routing} is not the routing experiment {exp_dir.name!r} was trained on (fingerprint "
-            f"{str(current)[:12]} vs {trained_on[:12]}): a `dipaco route`, or a `dipaco reroute` of another "
-            f"experiment, replaced it. Give each re-routed experiment its own run directory, or route again "
-            f"with the settings this experiment used."
-        )
+    splits = datasets.load_from_disk(str(run.routing / "data"))
+    return replace(prepared, train=splits["train"], validation=splits["validation"])
 
 
 def assign_paths(ds: datasets.Dataset, num_paths: int, sharding: str, seed: int, column: str = "path") -> np.ndarray:
@@ -160,6 +93,19 @@ def overlapping_paths(ds: datasets.Dataset, paths: np.ndarray, k: int) -> np.nda
     for i, (own, best) in enumerate(zip(paths, ranked)):
         out[i] = [own, *[q for q in best if q != own][: k - 1]]
     return out
+
+
+def training_paths(train_ds: datasets.Dataset, paths: np.ndarray, num_paths: int, topk: int,
+                   sharding: str) -> np.ndarray:
+    """(N, k) paths each training document trains: k = ``route.topk`` for routed shards (overlapping
+    when > 1), one path otherwise."""
+    if topk == 1:
+        return paths[:, None]
+    if sharding != "kmeans":
+        raise ConfigError(f"route.topk={topk}: overlapping shards need train.sharding=kmeans, got {sharding}")
+    if topk > num_paths:
+        raise ConfigError(f"route.topk={topk} is more than the topology's {num_paths} paths")
+    return overlapping_paths(train_ds, paths, topk)
 
 
 def shard_members(paths: np.ndarray, num_paths: int) -> list[np.ndarray]:

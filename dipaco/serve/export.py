@@ -101,7 +101,8 @@ def export(run_dir: str | Path, out: str | Path, path: int | None = None, all_pa
         loaded.check_path(path)
     out = Path(out)
     model = build_model(loaded.llama_config(use_cache=True), seed=0)  # reused: each path overwrites it
-    targets = [(p, out / path_dir_name(p)) for p in range(loaded.topology.num_paths)] if all_paths else [(path, out)]
+    targets = ([(p, out / path_dir_name(p)) for p in range(loaded.topology.num_paths)] if path is None
+               else [(path, out)])
     written = []
     for p, target in targets:
         written.append(export_path(loaded, p, target, model))

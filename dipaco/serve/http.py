@@ -39,7 +39,6 @@ Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 import json
 import math
 from pathlib import Path
-from typing import Optional
 
 from dipaco.errors import DipacoError
 from dipaco.metrics import echo
@@ -205,22 +204,22 @@ def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new
 
     class GenerateRequest(Strict):
         prompt: str = Field(min_length=1)
-        max_new_tokens: Optional[int] = Field(None, ge=1, description=f"default {default_new_tokens}; at most {max_new_tokens_cap}")
+        max_new_tokens: int | None = Field(None, ge=1, description=f"default {default_new_tokens}; at most {max_new_tokens_cap}")
         temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy decoding")
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         top_k: int = Field(0, ge=0, description="0 = no top-k filtering")
-        seed: Optional[int] = Field(None, ge=0, lt=2**63, description="sampling seed (temperature > 0)")
-        path: Optional[int] = Field(None, ge=0, description="use this path instead of routing the prompt")
+        seed: int | None = Field(None, ge=0, lt=2**63, description="sampling seed (temperature > 0)")
+        path: int | None = Field(None, ge=0, description="use this path instead of routing the prompt")
 
     class GenerateResponse(BaseModel):
         path: int
-        scores: Optional[list[float]]
+        scores: list[float] | None
         text: str
         prompt_tokens: int
         completion_tokens: int
         latency_ms: float
         finish_reason: str
-        seed: Optional[int]
+        seed: int | None
 
     app = FastAPI(title="dipaco", summary="DiPaCo single-path inference: route a prompt, run one path")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)

@@ -34,9 +34,10 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM
@@ -48,18 +49,18 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from dipaco.model.bank import ModuleBank
+from dipaco.checkpoint.experiment import read_bank
 from dipaco.checkpoint.store import CheckpointManager, resolve_checkpoint
-from dipaco.config import Config, load_config
-from dipaco.errors import DipacoError
-from dipaco.model.llama import build_model
-from dipaco.data.prepare import Prepared
-from dipaco.train.pretrain import load_pretrained, path_llama_config
-from dipaco.run_dir import RunDir
-from dipaco.precision import resolve_precision
-from dipaco.runtime import resolve_device
+from dipaco.config import Config, merge_config
 from dipaco.data.tokenizer import load_tokenizer
-from dipaco.model.topology import Topology
+from dipaco.errors import DipacoError
+from dipaco.model.bank import ModuleBank
+from dipaco.model.llama import build_model
+from dipaco.model.pretrained import load_pretrained, path_llama_config
+from dipaco.model.topology import Topology, topology_from_config
+from dipaco.precision import resolve_precision
+from dipaco.run_dir import RunDir
+from dipaco.runtime import resolve_device
 from routing.featurize import pool_prefix_states
 
 DEFAULT_CACHE_SIZE = 4
@@ -81,7 +82,7 @@ class LoadedExperiment:
     bank: ModuleBank
 
     def llama_config(self, use_cache: bool = True):
-        config = path_llama_config(self.cfg, tokenizer_only(self.tokenizer))
+        config = path_llama_config(self.cfg.model, self.tokenizer, self.cfg.data.seq_len)
         config.use_cache = use_cache  # training turns the KV cache off; generation wants it
         return config
 
@@ -92,11 +93,6 @@ class LoadedExperiment:
         if isinstance(path, bool) or not isinstance(path, int) or not 0 <= path < self.topology.num_paths:
             raise DipacoError(f"path {path!r} is not a path of {self.name}: choose 0..{self.topology.num_paths - 1}")
         return path
-
-
-def tokenizer_only(tokenizer) -> Prepared:
-    """A Prepared holding only the tokenizer: enough for the model's shape (no datasets are read)."""
-    return Prepared(tokenizer=tokenizer, train=None, validation=None, info={})  # type: ignore[arg-type]
 
 
 def resolve_experiment(run: RunDir, experiment: str | None) -> Path:
@@ -119,30 +115,29 @@ def resolve_experiment(run: RunDir, experiment: str | None) -> Path:
 def load_experiment(run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
                     device: str = "cpu") -> LoadedExperiment:
     """Loads an experiment's stored config, the tokenizer and the newest (or given) checkpoint's bank."""
-    from dipaco.checkpoint.experiment import bank_from_checkpoint
-
     run = RunDir(run_dir)
     exp_dir = resolve_experiment(run, experiment)
-    cfg = load_config(exp_dir / "config.yaml")
+    cfg = merge_config(exp_dir / "config.yaml")
     # The stored run.dir may be relative to wherever training ran: the directory given here wins.
     cfg = replace(cfg, run=replace(cfg.run, dir=str(run.root), device=device, progress=False))
     resolve_device(device)  # a clear error for an unavailable device, before loading anything
     tokenizer = load_tokenizer(run.tokenizer)
     ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
-    topology, bank = bank_from_checkpoint(cfg, tokenizer_only(tokenizer), ckpt)
+    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
+    bank = read_bank(ckpt, topology, path_llama_config(cfg.model, tokenizer, cfg.data.seq_len))
     return LoadedExperiment(run, cfg, exp_dir.name, exp_dir, ckpt, tokenizer, topology, bank)
 
 
 # --- the router ------------------------------------------------------------------------------------
-def load_router(loaded: LoadedExperiment):
+def experiment_router(loaded: LoadedExperiment):
     """The experiment's router, or None when it was not trained on routed shards."""
-    from dipaco.route.router import load_router as load_run_router
-    from dipaco.route.shards import check_routing
+    from dipaco.route.artifact import load_router
+    from dipaco.route.provenance import check_routing
 
     if loaded.cfg.train.sharding != "kmeans":
         return None
-    check_routing(loaded.cfg, loaded.dir)
-    return load_run_router(loaded.run, loaded.topology.num_paths)
+    check_routing(loaded.run.root, loaded.dir, routed=True)
+    return load_router(loaded.run, loaded.topology.num_paths)
 
 
 # --- sampling that does not touch the global RNG ---------------------------------------------------
@@ -158,7 +153,7 @@ class SeededSampler(LogitsProcessor):
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores.float(), dim=-1)
         token = torch.multinomial(probs, num_samples=1, generator=self.generator)
         out = torch.full_like(scores, -math.inf)
@@ -267,13 +262,13 @@ class Pipeline:
 
     @classmethod
     def from_run(cls, run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
-                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto") -> "Pipeline":
+                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto") -> Pipeline:
         """Loads everything up front, so a missing or bad run fails here with a DipacoError."""
         loaded = load_experiment(run_dir, experiment, checkpoint, device)
-        router = load_router(loaded)
+        router = experiment_router(loaded)
         featurizer_model = None
         if router is not None and router.featurizer.get("kind") == "lm_prefix":
-            featurizer_model = load_pretrained(loaded.cfg, tokenizer_only(loaded.tokenizer))
+            featurizer_model = load_pretrained(loaded.run.pretrain, loaded.llama_config(use_cache=False))
             featurizer_model = featurizer_model.to(resolve_device(device)).eval()
         return cls(loaded, router, featurizer_model, device=device, cache_size=cache_size, precision=precision)
 
@@ -334,10 +329,12 @@ class Pipeline:
                 import numpy as np
 
                 from dipaco.data.prepare import load_prepared
-                from dipaco.route.shards import assign_paths
+                from dipaco.route.shards import assign_paths, with_routing
 
                 try:
-                    train = load_prepared(self.cfg).train
+                    prepared = load_prepared(self.cfg.run.dir, self.cfg.data, self.cfg.tokenizer)
+                    train = (with_routing(prepared, self.cfg.run.dir) if self.cfg.train.sharding == "kmeans"
+                             else prepared).train
                     paths = assign_paths(train, self.num_paths, self.cfg.train.sharding, self.cfg.run.seed,
                                          self.cfg.train.shard_column)
                 except DipacoError:

@@ -1,7 +1,7 @@
 """The OuterSync protocol: how the modules of a bank are kept in sync across the paths that share them.
 
-The round driver (:mod:`dipaco.train.loop`) advances this rank's paths in *segments*: every path runs
-the inner steps up to the next offset of :meth:`OuterSync.sync_points`, then the driver calls
+The round scheduler (:mod:`dipaco.train.rounds`) advances this rank's paths in *segments*: every path
+runs the inner steps up to the next offset of :meth:`OuterSync.sync_points`, then the scheduler calls
 :meth:`OuterSync.at` with every path of the rank. An algorithm owns everything else: its schedule,
 its outer optimizer states, its communication (a :class:`~dipaco.comm.reduce.Transport`, possibly
 wrapped in :class:`~dipaco.comm.feedback.ErrorFeedback`), what it writes back into the path models,
@@ -14,26 +14,29 @@ A new algorithm is one class in one file of this package, plus one line in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
-from dipaco.checkpoint.store import load_selected, load_tensors, rank_files
 from dipaco.comm.accounting import CommStats
 from dipaco.comm.world import World
-from dipaco.config import Config
+from dipaco.config import DistConfig, OuterConfig
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
 
 
 @dataclass(frozen=True)
 class SyncContext:
-    """What every algorithm is built from."""
+    """What every algorithm is built from: its sections of the config, and the run it syncs."""
 
-    cfg: Config
+    outer: OuterConfig
+    dist: DistConfig
+    inner_steps: int  # train.inner_steps: the steps of a round
+    rounds: int  # train.rounds: the rounds of the run
+    seed: int  # run.seed: outer.drop_prob's draws
     topology: Topology
     bank: ModuleBank  # the modules this rank's paths go through
     weights: Mapping[int, float]  # every path's outer weight w_p
@@ -51,23 +54,33 @@ class SyncReport:
     comm_seconds: float = 0.0  # waiting for the transport
     seconds: float = 0.0  # the whole sync
 
+    def merge(self, other: SyncReport) -> None:
+        """Adds what another call did (several exchanges applied at one sync point)."""
+        self.norms.update(other.norms)  # the newest norm of a module is kept
+        self.dropped = sorted(set(self.dropped) | set(other.dropped))
+        self.stats.bytes_sent += other.stats.bytes_sent
+        self.stats.bytes_received += other.stats.bytes_received
+        self.stats.check_bytes += other.stats.check_bytes
+        self.stats.modules.update(other.stats.modules)
+        self.comm_seconds += other.comm_seconds
 
-class SavedState:
-    """A verified checkpoint as one rank's sync reads it back.
 
-    ``same_placement``: whether the ranks train the same paths as when it was written.
-    """
+class SavedState(Protocol):
+    """A verified checkpoint as one rank's sync reads it back (:class:`dipaco.checkpoint.store.SavedCheckpoint`).
 
-    def __init__(self, root: Path, rank: int, device: torch.device, same_placement: bool) -> None:
-        self.root, self.rank, self.device, self.same_placement = root, rank, device, same_placement
+    ``same_placement``: whether the ranks train the same paths as when it was written."""
 
-    def replicated(self, stem: str, names: set[str]) -> dict[str, torch.Tensor]:
+    rank: int
+    device: torch.device
+    same_placement: bool
+
+    def replicated(self, part: str, names: set[str]) -> dict[str, torch.Tensor]:
         """Tensors every holder has identical copies of, from whichever rank wrote them."""
-        return load_selected(rank_files(self.root, f"{stem}.safetensors").values(), names, self.device)
+        ...
 
-    def per_rank(self, stem: str) -> dict[int, dict[str, torch.Tensor]]:
-        """Every rank's own ``stem`` file (rank -> tensors), for state that is private to a rank."""
-        return {r: load_tensors(path, self.device) for r, path in rank_files(self.root, f"{stem}.safetensors").items()}
+    def per_rank(self, part: str) -> dict[int, dict[str, torch.Tensor]]:
+        """Every rank's own ``part`` (rank -> tensors), for state that is private to a rank."""
+        ...
 
 
 class OuterSync(ABC):
@@ -87,7 +100,8 @@ class OuterSync(ABC):
 
     @abstractmethod
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """This rank's share of the checkpointable state: file stem -> tensors by name."""
+        """This rank's share of the checkpointable state: part name -> tensors by name. ``outer`` (the
+        outer optimizer's momentum, by module name) is the part every sync has."""
 
     @abstractmethod
     def load_state(self, saved: SavedState) -> None:

@@ -37,27 +37,40 @@ t, measured from where it started the round (s_p - theta_p),
 
 A single path with ``outer.lr=1, outer.momentum=0`` then trains exactly as if alone, while the bank
 lags one round behind it. Each path's d_p is checkpointed (per rank, by path).
+
+It is a :class:`~dipaco.sync.diloco.Schedule` of :class:`~dipaco.sync.diloco.DiLoCo`: one fragment,
+a delay of d rounds, paths restarting from the bank after every sync. This file builds that schedule,
+the outer step it takes, and checks the ``outer.delayed`` keys.
 """
 
 from __future__ import annotations
 
-import time
+import math
 from dataclasses import replace
-from typing import Mapping
 
-import torch
-from transformers import PreTrainedModel
-
-from dipaco.config import OuterConfig
-from dipaco.sync.base import SavedState, SyncContext, SyncReport
-from dipaco.sync.diloco import DiLoCo, Exchange
-from dipaco.sync.nesterov import ModuleNesterov
-
+from dipaco.config import DelayedConfig, OuterConfig
+from dipaco.errors import ConfigError, check_range
+from dipaco.sync.base import SyncContext
+from dipaco.sync.diloco import DiLoCo, Exchange, Schedule
 
 # The outer momentum of a delayed run when outer.delayed.momentum is null: measured, not derived (the
 # eager variant at H = 96, 6 rounds, docs/benchmarks.md): momentum 0.9 lost 76% perplexity to DiLoCo,
 # 0.8 lost 26%, 0.7 lost 5.5%, 0.5 was 1.1% better, 0 lost 30%.
 DELAYED_MOMENTUM = 0.5
+IN_FLIGHT = "delayed"  # the checkpoint part of the outer gradients in flight (and delayed_own: eager's own changes)
+
+
+def check_delayed(delayed: DelayedConfig) -> None:
+    """The ``outer.delayed`` keys."""
+    if delayed.delay < 0:
+        raise ConfigError(f"outer.delayed.delay: must be >= 0, got {delayed.delay}")
+    if delayed.lr is not None:
+        check_range("outer.delayed.lr", delayed.lr, 0.0, math.inf)
+    if delayed.momentum is not None:
+        check_range("outer.delayed.momentum", delayed.momentum, 0.0, 1.0)
+    if delayed.eager and delayed.delay != 1:
+        raise ConfigError(f"outer.delayed.eager: needs outer.delayed.delay=1 (a path's own delta is kept while "
+                          f"exactly one exchange is in flight), got delay={delayed.delay}")
 
 
 def delayed_outer_step(outer: OuterConfig) -> OuterConfig:
@@ -75,77 +88,17 @@ def delayed_outer_step(outer: OuterConfig) -> OuterConfig:
     return replace(outer, lr=lr, momentum=momentum)
 
 
-IN_FLIGHT_FILE = "delayed"  # delayed.safetensors: the outer gradients in flight at the checkpoint
-OWN_FILE = "delayed_own"  # delayed_own.safetensors (eager): each path's own last delta, per rank
-
-
 class DelayedDiLoCo(DiLoCo):
     name = "delayed"
 
     def __init__(self, ctx: SyncContext, two_phase_from: int = 3) -> None:
-        super().__init__(ctx, two_phase_from)
-        self.delay, self.eager = ctx.cfg.outer.delayed.delay, ctx.cfg.outer.delayed.eager
-        self.nesterov = ModuleNesterov(ctx.bank, delayed_outer_step(ctx.cfg.outer))
-        self.in_flight: list[Exchange] = []  # oldest first
-        self.paths = tuple(ctx.by_rank[ctx.world.rank])
-        self.own: dict[int, dict[str, torch.Tensor]] = {}  # eager: path -> part name -> d_p while it is in flight
+        delayed = ctx.outer.delayed
+        check_delayed(delayed)
+        schedule = Schedule(leaves=(ctx.inner_steps,), delay=delayed.delay * ctx.inner_steps, restart=True,
+                            eager=delayed.eager, in_flight_part=IN_FLIGHT)
+        super().__init__(ctx, schedule, outer_step=delayed_outer_step(ctx.outer), two_phase_from=two_phase_from)
 
-    @torch.no_grad()
-    def at(self, round_index: int, offset: int, paths: Mapping[int, PreTrainedModel]) -> SyncReport:
-        start = time.perf_counter()
-        last = round_index == self.cfg.train.rounds - 1
-        due = min(round_index + self.delay, self.cfg.train.rounds - 1)
-        # Every exchange has had at least a round to complete. Finishing them before the next one
-        # starts keeps the error-feedback residuals and codec choices that it carries the same
-        # whether or not a checkpoint (which finishes them) came in between: resume stays bit-exact.
-        for exchange in self.in_flight:
-            self.finish(exchange)
-        if self.eager:  # theta_p + d_p(t-1): the path as if it had started the round from the bank
-            for p, model in paths.items():
-                for part in self.topology.parts:
-                    if p in self.own:
-                        self.bank.add_to_path(model, part, self.own[p][part.name])
-        self.in_flight.append(self.send(round_index, paths, due=(due, offset)))
-        own = {p: {part.name: self.bank.params[m] - self.bank.path_vector(model, part)
-                   for part, m in zip(self.topology.parts, self.topology.path_modules(p))}
-               for p, model in paths.items()} if self.eager else {}
-        report = SyncReport(comm_seconds=self.in_flight[-1].wait_seconds)
-        self.in_flight[-1].wait_seconds = 0.0  # issuing it is counted now; the round it lands counts its wait
-        while self.in_flight and (last or self.in_flight[0].due[0] <= round_index):
-            applied = self.apply(self.in_flight.pop(0))
-            report.norms.update(applied.norms)  # the last round may apply several: the newest norm is kept
-            report.dropped = sorted(set(report.dropped) | set(applied.dropped))
-            report.stats.bytes_sent += applied.stats.bytes_sent
-            report.stats.bytes_received += applied.stats.bytes_received
-            report.stats.modules.update(applied.stats.modules)
-            report.comm_seconds += applied.comm_seconds
-        self.own = own if self.in_flight else {}  # eager: a path keeps its own delta while it is in flight
-        for p, model in paths.items():  # every path restarts from the bank (eager: minus its own delta)
-            self.bank.load_path(p, model)
-            for part in self.topology.parts:
-                if p in self.own:
-                    self.bank.add_to_path(model, part, self.own[p][part.name], alpha=-1.0)
-        report.seconds = time.perf_counter() - start
-        return report
-
-    # --- state: DiLoCo's, plus the outer gradients in flight ------------------------------------------
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        in_flight = self.exchanges_state(self.in_flight)  # first: finishing updates residuals and codec choices
-        state = super().state_dict()
-        if in_flight:
-            state[IN_FLIGHT_FILE] = in_flight
-        if self.own:
-            state[OWN_FILE] = {f"path_{p:03d}/{name}": v for p, parts in sorted(self.own.items())
-                               for name, v in parts.items()}
-        return state
-
-    def load_state(self, saved: SavedState) -> None:
-        super().load_state(saved)
-        self.in_flight = self.load_exchanges(saved, IN_FLIGHT_FILE)
-        self.own = {}
-        mine = {f"path_{p:03d}": p for p in self.paths}
-        for tensors in saved.per_rank(OWN_FILE).values():  # by path: the ranks' paths may have changed
-            for key, value in tensors.items():
-                path, part = key.split("/", 1)
-                if path in mine:
-                    self.own.setdefault(mine[path], {})[part] = value.to(self.bank.device)
+    @property
+    def in_flight(self) -> list[Exchange]:
+        """The outer gradients in flight, oldest first."""
+        return self.exchanges

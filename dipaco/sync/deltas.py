@@ -13,14 +13,22 @@ numerator, the weight and the path count of every held module from the paths of 
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from transformers import PreTrainedModel
 
 from dipaco.comm.reduce import Payload
+from dipaco.config import OuterConfig
+from dipaco.errors import ConfigError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Part
+
+
+def check_deltas(outer: OuterConfig) -> None:
+    """``outer.drop_prob`` (``outer.weighting`` and ``outer.rescale`` are choices the schema checks)."""
+    if not (math.isfinite(outer.drop_prob) and 0.0 <= outer.drop_prob < 1.0):
+        raise ConfigError(f"outer.drop_prob: must be in [0, 1), got {outer.drop_prob}")
 
 
 @torch.no_grad()

@@ -28,13 +28,26 @@ The unit of an exchange is a *slice* (:mod:`dipaco.sync.slices`): a whole module
 under Streaming DiLoCo's ``blocks:K`` fragments. Payloads, codecs, error-feedback residuals and
 adaptive codec choices are per slice; averaging, the lossy scale, holders and Nesterov momentum per
 module. Slices of whole modules have the module's id and name, so nothing changes for them.
+
+One class, three parameters (as torchft's ``local_sgd.DiLoCo``): a :class:`Schedule` says which
+slices leave together (*fragments*, each at its offset of the round), how many inner steps an
+exchange runs before it lands (*delay*), and what a path does with a landed fragment (*mixing*
+``theta_path <- alpha * theta_path + (1 - alpha) * theta_bank``, or a restart from the bank after every
+sync). Plain DiLoCo is one fragment, no delay, alpha 0. Streaming DiLoCo
+(:mod:`dipaco.sync.streaming`) and the one-round delay of DiLoCoX (:mod:`dipaco.sync.delayed`) are
+schedules of it; each of those files builds its schedule and checks its own config keys. At every
+sync point: exchanges in flight are finished (an exchange overlaps the inner steps up to the next
+sync point), the fragments leaving now are sent, every exchange due now is applied oldest first, and
+the paths take the result. An exchange whose landing would fall after the run lands at the run's
+last sync point, so the final bank holds every outer gradient.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -44,17 +57,33 @@ from dipaco.comm.adaptive import AdaptiveCodecs
 from dipaco.comm.codecs import build_codec
 from dipaco.comm.feedback import ErrorFeedback
 from dipaco.comm.groups import CommGroup, plan_groups
+from dipaco.comm.placement import module_writers, owners_of
 from dipaco.comm.reduce import Payload, Transport
+from dipaco.config import OuterConfig
 from dipaco.errors import CheckpointError
 from dipaco.sync.base import OuterSync, SavedState, SyncContext, SyncReport
 from dipaco.sync.deltas import dropped_paths, local_sums, outer_gradient
 from dipaco.sync.nesterov import ModuleNesterov
 from dipaco.sync.slices import Slice, spans_by_module, whole_modules
-from dipaco.train.placement import module_writers, owners_of
 
-MOMENTUM_FILE = "outer"  # outer.safetensors: one Nesterov buffer per module, written by its lowest holder
-RESIDUAL_FILE = "comm"  # comm.safetensors: this rank's error-feedback residuals
-ADAPTIVE_FILE = "adaptive"  # adaptive.safetensors: each module's codec choice (dist.adaptive), lowest holder
+MOMENTUM = "outer"  # the outer optimizer's momentum, one buffer per module, written by its lowest holder
+RESIDUALS = "comm"  # this rank's error-feedback residuals
+CODEC_CHOICES = "adaptive"  # each module's codec choice (dist.adaptive), written by its lowest holder
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the slices leave, when they land, and what the paths do then (see the module docstring)."""
+
+    # the offset in the round at which each fragment leaves (fragment 0 last); None: one fragment, which
+    # leaves at every call of at() (plain DiLoCo, also inside another algorithm's schedule)
+    leaves: tuple[int, ...] | None = None
+    fragments: tuple[tuple[int, ...], ...] | None = None  # slice ids of each fragment; None: every slice
+    delay: int = 0  # inner steps from leaving to landing (Streaming DiLoCo's tau; DiLoCoX: a round)
+    alpha: float = 0.0  # landing: theta_path <- alpha * theta_path + (1 - alpha) * theta_bank on its slices
+    restart: bool = False  # after every sync each path restarts from the whole bank (DiLoCoX), alpha unused
+    eager: bool = False  # with restart: a path keeps its own change while it is in flight (Kale et al.)
+    in_flight_part: str = "in_flight"  # the checkpoint part of the exchanges in flight
 
 
 @dataclass
@@ -66,7 +95,7 @@ class Exchange:
     ``due``: (round, offset) at which the sync applies it (the overlapping syncs)."""
 
     totals: dict[int, Payload]  # slice id -> payload
-    handle: object | None
+    handle: Any
     due: tuple[int, int]
     slices: tuple[int, ...]  # the slices it carries (on every rank: a fragment, or all of them)
     dropped: tuple[int, ...] = ()
@@ -77,11 +106,15 @@ class Exchange:
 class DiLoCo(OuterSync):
     name = "diloco"
 
-    def __init__(self, ctx: SyncContext, two_phase_from: int = 3, slices: Sequence[Slice] | None = None) -> None:
-        """``slices``: what the modules are exchanged in, in (module, start) order, covering every
-        module exactly (default: whole modules)."""
-        cfg = ctx.cfg
-        self.cfg, self.bank, self.topology, self.world = cfg, ctx.bank, ctx.topology, ctx.world
+    def __init__(self, ctx: SyncContext, schedule: Schedule | None = None, slices: Sequence[Slice] | None = None,
+                 outer_step: OuterConfig | None = None, two_phase_from: int = 3) -> None:
+        """``schedule``: default plain DiLoCo (one fragment at the end of the round, landing at once).
+        ``slices``: what the modules are exchanged in, in (module, start) order, covering every module
+        exactly (default: whole modules). ``outer_step``: the outer SGD's lr and momentum (default ``outer.*``)."""
+        self.outer, self.dist = ctx.outer, ctx.dist
+        self.inner_steps, self.rounds, self.seed = ctx.inner_steps, ctx.rounds, ctx.seed
+        self.bank, self.topology, self.world = ctx.bank, ctx.topology, ctx.world
+        self.plan = schedule or Schedule()
         self.slices: tuple[Slice, ...] = tuple(slices if slices is not None else whole_modules(ctx.bank))
         self.of_module: dict[int, tuple[int, ...]] = {}  # module id -> its slice ids, in order
         for i, piece in enumerate(self.slices):
@@ -93,47 +126,120 @@ class DiLoCo(OuterSync):
             if not ids or at != ctx.bank.numel(m.part) or list(ids) != list(range(ids[0], ids[0] + len(ids))):
                 raise ValueError(f"the slices of module {m.name} do not cover it in order")
         self.weights = dict(ctx.weights)
-        self.nesterov = ModuleNesterov(ctx.bank, cfg.outer)
+        self.nesterov = ModuleNesterov(ctx.bank, outer_step or ctx.outer)
         self.writers = module_writers(ctx.topology, ctx.by_rank)
         names = {i: piece.name for i, piece in enumerate(self.slices)}
-        codec = build_codec(cfg.dist.comm_dtype, cfg.dist.chunk_size)
+        codec = build_codec(self.dist.comm_dtype, self.dist.chunk_size)
         groups = [CommGroup(g.ranks, tuple(i for m in g.modules for i in self.of_module[m]))
                   for g in plan_groups(ctx.topology, owners_of(ctx.by_rank))]  # a slice goes where its module goes
-        transport = Transport(groups, ctx.world, codec, names, cfg.dist.timeout_s, two_phase_from)
-        self.transport = transport
+        transport = Transport(groups, ctx.world, codec, names, self.dist.timeout_s, two_phase_from)
+        self.transport: Any = transport  # the Transport, maybe wrapped in error feedback and adaptive codecs
         self.feedback: ErrorFeedback | None = None
         self.adaptive: AdaptiveCodecs | None = None
-        if codec.lossy and cfg.dist.error_feedback:
+        if codec.lossy and self.dist.error_feedback:
             self.transport = self.feedback = ErrorFeedback(transport, applied=lambda meta: bool(meta[0] > 0))
-        if cfg.dist.adaptive:
-            self.transport = self.adaptive = AdaptiveCodecs(self.transport, codec, cfg.dist.chunk_size,
-                                                            cfg.dist.adaptive_tolerance,
-                                                            cfg.dist.adaptive_sample_chunks)
+        if self.dist.adaptive:
+            self.transport = self.adaptive = AdaptiveCodecs(self.transport, codec, self.dist.chunk_size,
+                                                            self.dist.adaptive_tolerance,
+                                                            self.dist.adaptive_sample_chunks)
         # Lossy payloads are divided by c_m = the weight of every path through m (a constant every
         # rank knows), so they have the scale of a parameter change: fp16 does not overflow on
         # token-count weights. fp32 sends the raw sums. Keyed by slice id, like every payload.
         self.scale = {i: float(sum(self.weights[p] for p in ctx.topology.paths_through(self.slices[i].module)))
                       for i in transport.modules} if codec.lossy else {}
+        self.exchanges: list[Exchange] = []  # in flight, oldest first
+        self.own: dict[int, dict[str, torch.Tensor]] = {}  # eager: path -> part name -> its change in flight
+        self.paths = tuple(ctx.by_rank[ctx.world.rank])
+
+    # --- the schedule ------------------------------------------------------------------------------
+    @property
+    def fragments(self) -> list[tuple[int, ...]]:
+        """Slice ids of each fragment."""
+        if self.plan.fragments is None:
+            return [tuple(range(len(self.slices)))]
+        return list(self.plan.fragments)
+
+    def landing(self, round_index: int, offset: int) -> tuple[int, int]:
+        """(round, offset) at which an exchange leaving at ``offset`` of ``round_index`` lands; one that would
+        land after the run lands at its last sync point."""
+        h, last = self.inner_steps, self.rounds - 1
+        landed_round, landed_offset = divmod(round_index * h + offset + self.plan.delay - 1, h)
+        if landed_round > last:
+            return last, h
+        return landed_round, landed_offset + 1
+
+    @property
+    def leaves(self) -> tuple[int, ...]:
+        return self.plan.leaves if self.plan.leaves is not None else (self.inner_steps,)
+
+    def schedule(self, round_index: int) -> list[tuple[int, int, tuple[int, int]]]:
+        """(offset, fragment, landing (round, offset)) of every fragment that leaves in ``round_index``."""
+        return sorted((leave, k, self.landing(round_index, leave)) for k, leave in enumerate(self.leaves))
 
     def sync_points(self) -> tuple[int, ...]:
-        return (self.cfg.train.inner_steps,)
+        h, tau = self.inner_steps, self.plan.delay
+        return tuple(sorted(set(self.leaves) | {(s + tau - 1) % h + 1 for s in self.leaves}))
 
     @torch.no_grad()
     def at(self, round_index: int, offset: int, paths: Mapping[int, PreTrainedModel]) -> SyncReport:
         start = time.perf_counter()
-        exchange = self.send(round_index, paths, due=(round_index, offset))
-        report = self.apply(exchange)
-        for p, model in paths.items():  # every path restarts from the updated modules
-            self.bank.load_path(p, model)
+        # Every exchange has had the inner steps since the last sync point to complete. Finishing them
+        # before the next one starts keeps the error-feedback residuals and codec choices that it carries
+        # the same whether or not a checkpoint (which finishes them) came in between: resume stays bit-exact.
+        for exchange in self.exchanges:
+            self.finish(exchange)
+        self._add_own(paths, sign=1.0)  # eager: the path as if it had started the round from the bank
+        report = SyncReport()
+        for leave, k, due in self.schedule(round_index):
+            if self.plan.leaves is None:  # plain DiLoCo leaves wherever it is called
+                leave, due = offset, self.landing(round_index, offset)
+            if leave == offset:
+                slices = None if self.plan.fragments is None else self.plan.fragments[k]
+                self.exchanges.append(self.send(round_index, paths, due, slices=slices))
+                report.comm_seconds += self.exchanges[-1].wait_seconds  # issuing it; the landing counts its wait
+                self.exchanges[-1].wait_seconds = 0.0
+        own = self._own_changes(paths) if self.plan.eager else {}
+        while self.exchanges and self.exchanges[0].due <= (round_index, offset):
+            exchange = self.exchanges.pop(0)
+            report.merge(self.apply(exchange))
+            if not self.plan.restart:
+                self._land(exchange, paths)
+        if self.plan.restart:  # every path restarts from the bank (eager: minus its own change in flight)
+            self.own = own if self.exchanges else {}
+            for p, model in paths.items():
+                self.bank.load_path(p, model)
+            self._add_own(paths, sign=-1.0)
         report.seconds = time.perf_counter() - start
         return report
+
+    def _land(self, exchange: Exchange, paths: Mapping[int, PreTrainedModel]) -> None:
+        """The paths take the landed slices: the bank's values, mixed with their own by alpha."""
+        if self.plan.fragments is None:
+            for p, model in paths.items():
+                self.bank.load_path(p, model)
+            return
+        spans = spans_by_module(self.slices[i] for i in exchange.slices)
+        for p, model in paths.items():
+            self.bank.load_path(p, model, modules=set(spans), keep=self.plan.alpha, spans=spans)
+
+    def _own_changes(self, paths: Mapping[int, PreTrainedModel]) -> dict[int, dict[str, torch.Tensor]]:
+        """Each path's change since it started from the bank, per part."""
+        return {p: {part.name: self.bank.params[m] - self.bank.path_vector(model, part)
+                    for part, m in zip(self.topology.parts, self.topology.path_modules(p))}
+                for p, model in paths.items()}
+
+    def _add_own(self, paths: Mapping[int, PreTrainedModel], sign: float) -> None:
+        for p, model in paths.items():
+            for part in self.topology.parts:
+                if p in self.own:
+                    self.bank.add_to_path(model, part, self.own[p][part.name], alpha=sign)
 
     # --- the parts every DiLoCo-like sync is made of ----------------------------------------------
     def send(self, round_index: int, paths: Mapping[int, PreTrainedModel], due: tuple[int, int],
              slices: Collection[int] | None = None) -> Exchange:
         """This rank's weighted deltas of ``slices`` (default: every slice of every held module)
         against the bank, sent to the other holders; the exchange runs until :meth:`finish`."""
-        dropped = dropped_paths(self.cfg.run.seed, round_index, self.topology.num_paths, self.cfg.outer.drop_prob)
+        dropped = dropped_paths(self.seed, round_index, self.topology.num_paths, self.outer.drop_prob)
         contributing = {p: model for p, model in paths.items() if p not in dropped}
         wanted = None if slices is None else set(slices)
         modules = None if wanted is None else {self.slices[i].module for i in wanted}
@@ -171,7 +277,7 @@ class DiLoCo(OuterSync):
         the elements of their slices (the same values as a whole step would give them)."""
         self.finish(exchange)
         totals = exchange.totals
-        grads = {i: g for i, t in totals.items() if (g := outer_gradient(t, self.cfg.outer.rescale)) is not None}
+        grads = {i: g for i, t in totals.items() if (g := outer_gradient(t, self.outer.rescale)) is not None}
         module_grads: dict[int, torch.Tensor] = {}
         partial: dict[int, list[tuple[int, int]]] = {}  # modules of which only some slices step
         for m, ranges in spans_by_module(self.slices[i] for i in grads).items():
@@ -186,7 +292,7 @@ class DiLoCo(OuterSync):
                 module_grads[m][self.slices[i].start:self.slices[i].stop] = grads[i]
         norms = self.nesterov.step(module_grads, partial)
         stats = exchange.stats or CommStats()
-        if self.cfg.dist.check_replicas:
+        if self.dist.check_replicas:
             tensors = {}
             for i in (i for i in self.transport.modules if i in totals):
                 piece, mom = self.slices[i], self.nesterov.momentum(self.slices[i].module)
@@ -198,29 +304,43 @@ class DiLoCo(OuterSync):
 
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        in_flight = self.exchanges_state(self.exchanges)  # first: finishing updates residuals and codec choices
         mine = {self.bank.module_name(m) for m in self.bank.held if self.writers[m] == self.world.rank}
-        state = {MOMENTUM_FILE: {k: v for k, v in self.nesterov.state_dict().items() if k in mine}}
+        state = {MOMENTUM: {k: v for k, v in self.nesterov.state_dict().items() if k in mine}}
         if self.feedback is not None and self.feedback.residual:
-            state[RESIDUAL_FILE] = self.feedback.state_dict()
+            state[RESIDUALS] = self.feedback.state_dict()
         if self.adaptive is not None:
             choices = {k: v for k, v in self.adaptive.state_dict().items() if k in self._written()}
             if choices:
-                state[ADAPTIVE_FILE] = choices
+                state[CODEC_CHOICES] = choices
+        if in_flight:
+            state[self.plan.in_flight_part] = in_flight
+        if self.own:
+            state[self.plan.in_flight_part + "_own"] = {f"path_{p:03d}/{name}": v for p, parts in sorted(self.own.items())
+                                                        for name, v in parts.items()}
         return state
 
     def load_state(self, saved: SavedState) -> None:
         held = {self.bank.module_name(m) for m in self.bank.held}
-        self.nesterov.load_state_dict(saved.replicated(MOMENTUM_FILE, held))
+        self.nesterov.load_state_dict(saved.replicated(MOMENTUM, held))
         if self.feedback is not None:
             self.feedback.load_state_dict(self._residuals(saved), self._numel(), self.bank.device)
         if self.adaptive is not None:
             communicated = {self.slices[i].name for i in self.transport.modules}
-            self.adaptive.load_state_dict(saved.replicated(ADAPTIVE_FILE, communicated))
+            self.adaptive.load_state_dict(saved.replicated(CODEC_CHOICES, communicated))
+        self.exchanges = self.load_exchanges(saved, self.plan.in_flight_part)
+        self.own = {}
+        mine = {f"path_{p:03d}": p for p in self.paths}
+        for tensors in saved.per_rank(self.plan.in_flight_part + "_own").values():  # by path: placement may change
+            for key, value in tensors.items():
+                path, part = key.split("/", 1)
+                if path in mine:
+                    self.own.setdefault(mine[path], {})[part] = value.to(self.bank.device)
 
     def _residuals(self, saved: SavedState) -> dict[str, torch.Tensor]:
         """This rank's own residuals or, when the ranks' paths changed since the checkpoint, each
         module's residuals summed onto its lowest holder (error feedback only needs their sum)."""
-        files = saved.per_rank(RESIDUAL_FILE)
+        files = saved.per_rank(RESIDUALS)
         if saved.same_placement:
             return files.get(self.world.rank, {})
         summed: dict[str, torch.Tensor] = {}

@@ -17,24 +17,58 @@ averaging were worse). Guarantees of :class:`ModuleNesterov`:
 * state covers exactly the modules the bank holds, by module name;
 * the embedding and head modules step at ``lr x embedding_head_lr_scale``, the level modules at
   ``lr`` (two SGD parameter groups; with scale 1 one group, the plain DiLoCo step).
+
+It is the one outer-step kernel of both schedulers: the lock-step syncs (:mod:`dipaco.sync.diloco`)
+hold one over the bank, and every asynchronous module executor (:mod:`dipaco.sync.async_nesterov`)
+holds one over its modules, whose delayed-Nesterov schedule decides when it steps.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from dipaco.config import OuterConfig
-from dipaco.errors import CheckpointError
-from dipaco.model.bank import ModuleBank
+from dipaco.errors import CheckpointError, ConfigError, check_range
 from dipaco.model.topology import EMBEDDING, HEAD, Topology
 
 
+class HeldModules(Protocol):
+    """Flat fp32 parameters of some modules, by global module id: a :class:`~dipaco.model.bank.ModuleBank`,
+    or an executor's share of one."""
+
+    params: Any  # module id -> torch.nn.Parameter (a list or a mapping)
+    held: tuple[int, ...]
+
+    @property
+    def topology(self) -> Topology | None: ...
+
+    def holds(self, module_id: int) -> bool: ...
+
+    def module_name(self, module_id: int) -> str: ...
+
+
+def check_outer_step(outer: OuterConfig) -> None:
+    """The outer step's keys of the ``outer`` section."""
+    check_range("outer.lr", outer.lr, 0.0, math.inf)
+    check_range("outer.momentum", outer.momentum, 0.0, 1.0)
+    if not (math.isfinite(outer.embedding_head_lr_scale) and outer.embedding_head_lr_scale > 0):
+        raise ConfigError(f"outer.embedding_head_lr_scale: must be a finite number > 0, "
+                          f"got {outer.embedding_head_lr_scale}")
+
+
 class ModuleNesterov:
-    def __init__(self, bank: ModuleBank, cfg: OuterConfig) -> None:
+    def __init__(self, bank: HeldModules, cfg: OuterConfig, lrs: Mapping[int, float] | None = None) -> None:
+        """``lrs``: each held module's lr (default: :func:`module_outer_lr` of the bank's topology)."""
         self.bank = bank
-        self.sgd = torch.optim.SGD(_param_groups(bank, cfg), lr=cfg.lr, momentum=cfg.momentum,
+        if lrs is None:
+            if bank.topology is None:
+                raise ValueError("ModuleNesterov needs the modules' lrs or their topology")
+            lrs = {m: module_outer_lr(cfg, bank.topology, m) for m in bank.held}
+        self.sgd = torch.optim.SGD(_param_groups(bank, lrs), lr=cfg.lr, momentum=cfg.momentum,
                                    nesterov=cfg.nesterov and cfg.momentum > 0)
 
     @torch.no_grad()
@@ -79,7 +113,9 @@ class ModuleNesterov:
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        names = {m.name: m.id for m in self.bank.topology.modules}
+        topology = self.bank.topology
+        everyone = [m.id for m in topology.modules] if topology is not None else list(self.bank.held)
+        names = {self.bank.module_name(m): m for m in everyone}
         unknown = sorted(set(state) - set(names))
         if unknown:
             raise CheckpointError(f"outer optimizer state names unknown modules: {unknown[:3]}")
@@ -101,11 +137,11 @@ def module_outer_lr(cfg: OuterConfig, topology: Topology, module_id: int) -> flo
     return cfg.lr * (cfg.embedding_head_lr_scale if kind in (EMBEDDING, HEAD) else 1.0)
 
 
-def _param_groups(bank: ModuleBank, cfg: OuterConfig) -> list[dict]:
-    """The held modules grouped by their outer lr (:func:`module_outer_lr`)."""
+def _param_groups(bank: HeldModules, lrs: Mapping[int, float]) -> list[dict]:
+    """The held modules grouped by their outer lr."""
     by_lr: dict[float, list[torch.nn.Parameter]] = {}
     for m in bank.held:
-        by_lr.setdefault(module_outer_lr(cfg, bank.topology, m), []).append(bank.params[m])
+        by_lr.setdefault(lrs[m], []).append(bank.params[m])
     return [{"params": params, "lr": lr} for lr, params in by_lr.items()]
 
 

@@ -24,8 +24,8 @@ module's).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from dipaco.errors import ConfigError
 from dipaco.model.bank import ModuleBank

@@ -54,24 +54,59 @@ Guarantees:
   same bits; multi-rank fp32 equals a single process up to the order of fp32 additions);
 * a fragment in flight at a checkpoint is finished and saved with its landing point, so a resumed
   run continues bit-exactly (CPU), fragments in flight included.
+
+It is a :class:`~dipaco.sync.diloco.Schedule` of :class:`~dipaco.sync.diloco.DiLoCo`: fragments at
+staggered offsets, a delay of tau inner steps, mixing alpha. This file builds that schedule and checks
+the ``outer.streaming`` keys.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Mapping
+import re
 
-import torch
-from transformers import PreTrainedModel
-
-from dipaco.config import check_streaming_schedule, fragment_blocks
-from dipaco.errors import ConfigError
+from dipaco.config import StreamingConfig
+from dipaco.errors import ConfigError, check_range
 from dipaco.model.bank import ModuleBank
-from dipaco.sync.base import SavedState, SyncContext, SyncReport
-from dipaco.sync.diloco import DiLoCo, Exchange
-from dipaco.sync.slices import Slice, block_slices, spans_by_module, whole_modules
+from dipaco.sync.base import SyncContext
+from dipaco.sync.diloco import DiLoCo, Exchange, Schedule
+from dipaco.sync.slices import Slice, block_slices, whole_modules
 
-IN_FLIGHT_FILE = "streaming"  # streaming.safetensors: the fragment in flight at the checkpoint
+IN_FLIGHT = "streaming"  # the checkpoint part of the fragment in flight
+
+
+def fragment_blocks(fragment: str) -> int | None:
+    """K of ``outer.streaming.fragment=blocks:K`` (None for ``level`` and ``module``); checks the
+    syntax. Whether K fits the topology (at most a module's blocks) is checked when the slices are cut."""
+    if fragment in ("level", "module"):
+        return None
+    match = re.fullmatch(r"blocks:([0-9]+)", fragment)
+    if match and int(match.group(1)) >= 1:
+        return int(match.group(1))
+    raise ConfigError(f"outer.streaming.fragment: {fragment!r} is not one of level, module, blocks:K "
+                      f"(K >= 1 decoder blocks, e.g. blocks:1)")
+
+
+def check_streaming(stream: StreamingConfig, inner_steps: int, active: bool) -> None:
+    """The ``outer.streaming`` keys; ``active``: outer.sync=streaming, so the schedule must fit the round."""
+    fragment_blocks(stream.fragment)
+    if stream.num_fragments is not None and stream.num_fragments < 1:
+        raise ConfigError(f"outer.streaming.num_fragments: must be >= 1 or null, got {stream.num_fragments}")
+    if stream.overlap_steps < 0:
+        raise ConfigError(f"outer.streaming.overlap_steps: must be >= 0, got {stream.overlap_steps}")
+    check_range("outer.streaming.mix_alpha", stream.mix_alpha, 0.0, 1.0)
+    if active and stream.num_fragments is not None:
+        check_streaming_schedule(stream, inner_steps, stream.num_fragments)
+
+
+def check_streaming_schedule(stream: StreamingConfig, inner_steps: int, fragments: int) -> None:
+    """F must divide H, and tau < H / F (each fragment lands before the next one leaves)."""
+    h, tau = inner_steps, stream.overlap_steps
+    if h % fragments:
+        raise ConfigError(f"train.inner_steps: {h} is not a multiple of outer.streaming.num_fragments={fragments} "
+                          f"(fragment f syncs at offset f * inner_steps / F)")
+    if tau >= h // fragments:
+        raise ConfigError(f"outer.streaming.overlap_steps: tau={tau} must be < train.inner_steps / "
+                          f"outer.streaming.num_fragments = {h}/{fragments} = {h // fragments}")
 
 
 def fragment_units(bank: ModuleBank, unit: str) -> list[tuple[Slice, ...]]:
@@ -105,84 +140,31 @@ class StreamingDiLoCo(DiLoCo):
     name = "streaming"
 
     def __init__(self, ctx: SyncContext, two_phase_from: int = 3) -> None:
-        cfg = ctx.cfg.outer.streaming
+        cfg = ctx.outer.streaming
+        check_streaming(cfg, ctx.inner_steps, active=True)
         units = fragment_units(ctx.bank, cfg.fragment)
-        super().__init__(ctx, two_phase_from, slices=[piece for unit in units for piece in unit])
+        slices = [piece for unit in units for piece in unit]
         count = cfg.num_fragments if cfg.num_fragments is not None else len(units)
         if count > len(units):
             raise ConfigError(f"outer.streaming.num_fragments: {count} fragments but outer.streaming.fragment="
                               f"{cfg.fragment} gives only {len(units)} units")
-        check_streaming_schedule(ctx.cfg, count)
-        sizes = [sum(piece.numel for piece in unit) for unit in units]
-        which = assign_fragments(sizes, count, cfg.pattern)
-        index = {piece: i for i, piece in enumerate(self.slices)}
+        check_streaming_schedule(cfg, ctx.inner_steps, count)
+        which = assign_fragments([sum(piece.numel for piece in unit) for unit in units], count, cfg.pattern)
+        index = {piece: i for i, piece in enumerate(slices)}
         # slice ids per fragment (= module ids, unless blocks:K)
-        self.fragments: list[tuple[int, ...]] = [
-            tuple(sorted(index[piece] for unit, f in zip(units, which) if f == k for piece in unit))
-            for k in range(count)]
-        empty = [k for k, mods in enumerate(self.fragments) if not mods]
+        fragments = tuple(tuple(sorted(index[piece] for unit, f in zip(units, which) if f == k for piece in unit))
+                          for k in range(count))
+        empty = [k for k, mods in enumerate(fragments) if not mods]
         if empty:
             raise ConfigError(f"outer.streaming.pattern: {cfg.pattern} leaves fragments {empty} without modules "
                               f"({len(units)} units into {count} fragments)")
-        h = ctx.cfg.train.inner_steps
-        self.leaves = [h if k == 0 else k * h // count for k in range(count)]
-        self.tau, self.alpha = cfg.overlap_steps, cfg.mix_alpha
-        self.in_flight: Exchange | None = None
+        h = ctx.inner_steps
+        leaves = tuple(h if k == 0 else k * h // count for k in range(count))
+        schedule = Schedule(leaves=leaves, fragments=fragments, delay=cfg.overlap_steps, alpha=cfg.mix_alpha,
+                            in_flight_part=IN_FLIGHT)
+        super().__init__(ctx, schedule, slices=slices, two_phase_from=two_phase_from)
 
-    def schedule(self, round_index: int) -> list[tuple[int, int, tuple[int, int]]]:
-        """(offset, fragment, landing (round, offset)) of every fragment that leaves in ``round_index``."""
-        h, last = self.cfg.train.inner_steps, self.cfg.train.rounds - 1
-        out = []
-        for k, offset in enumerate(self.leaves):
-            land = offset + self.tau
-            due = (round_index, land) if land <= h else (round_index + 1, land - h)
-            if due[0] > last:
-                due = (round_index, offset)  # the run ends first: it lands at once
-            out.append((offset, k, due))
-        return sorted(out)
-
-    def sync_points(self) -> tuple[int, ...]:
-        h = self.cfg.train.inner_steps
-        points = set(self.leaves) | {(s + self.tau - 1) % h + 1 for s in self.leaves}
-        return tuple(sorted(points))
-
-    @torch.no_grad()
-    def at(self, round_index: int, offset: int, paths: Mapping[int, PreTrainedModel]) -> SyncReport:
-        start = time.perf_counter()
-        report = SyncReport()
-        if self.in_flight is not None and self.in_flight.due == (round_index, offset):
-            report = self._land(self.in_flight, paths)
-            self.in_flight = None
-        for leave, k, due in self.schedule(round_index):
-            if leave != offset:
-                continue
-            exchange = self.send(round_index, paths, due, slices=self.fragments[k])
-            if due == (round_index, offset):  # tau = 0, or the run's last landing
-                report = self._land(exchange, paths)
-            else:
-                self.in_flight = exchange
-                report.comm_seconds += exchange.wait_seconds  # issuing it; the landing counts its wait
-                exchange.wait_seconds = 0.0
-        report.seconds = time.perf_counter() - start
-        return report
-
-    def _land(self, exchange: Exchange, paths: Mapping[int, PreTrainedModel]) -> SyncReport:
-        report = self.apply(exchange)
-        spans = spans_by_module(self.slices[i] for i in exchange.slices)
-        for p, model in paths.items():
-            self.bank.load_path(p, model, modules=set(spans), keep=self.alpha, spans=spans)
-        return report
-
-    # --- state: DiLoCo's, plus the fragment in flight -------------------------------------------------
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        flying = [self.in_flight] if self.in_flight is not None else []
-        in_flight = self.exchanges_state(flying)  # first: finishing it updates residuals and codec choices
-        state = super().state_dict()
-        if in_flight:
-            state[IN_FLIGHT_FILE] = in_flight
-        return state
-
-    def load_state(self, saved: SavedState) -> None:
-        super().load_state(saved)
-        exchanges = self.load_exchanges(saved, IN_FLIGHT_FILE)
-        self.in_flight = exchanges[0] if exchanges else None
+    @property
+    def in_flight(self) -> Exchange | None:
+        """The fragment in flight (at most one: each lands before the next one leaves)."""
+        return self.exchanges[0] if self.exchanges else None

@@ -1,1 +1,3 @@
-"""Training: the experiment (shards, paths, bank, sync), the round loop, each path's inner AdamW loop, sampler, LR schedule, pretraining, early stopping, placement of paths on ranks."""
+"""Training: the trainer (start-up, resume, checkpoints, metrics) with its two schedulers, lock-step rounds
+(rounds) and the asynchronous task queue on Ray (tasks); EM re-sharding, discriminative re-routing and
+pretraining."""

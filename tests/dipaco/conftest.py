@@ -7,10 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tiny import corpus_source_missing, tiny_config, write_corpus_slice
 
 from dipaco.config import Config
-
-from tiny import corpus_source_missing, tiny_config, write_corpus_slice
 
 
 @pytest.fixture(scope="session")
@@ -19,14 +18,13 @@ def prepared_run(tmp_path_factory) -> Config:
     missing = corpus_source_missing()
     if missing:
         pytest.skip(missing)
-    from dipaco.data.prepare import prepare
-    from dipaco.train.pretrain import pretrain
+    from dipaco.run import Run
 
     root = tmp_path_factory.mktemp("tiny_run")
     corpus = write_corpus_slice(root / "corpus.jsonl")
     cfg = tiny_config(root / "run", corpus)
-    prepare(cfg)
-    pretrain(cfg)
+    Run(cfg).prepare()
+    Run(cfg).pretrain()
     return cfg
 
 
@@ -45,16 +43,14 @@ def served_run(prepared_run: Config, tmp_path_factory) -> Config:
     Shared by the session: tests only read it or add report files (reroute_eval.json); a test that
     changes it works on its own copy.
     """
-    from dipaco.eval.evaluate import evaluate_experiment
-    from dipaco.route.assign import route
-    from dipaco.train.loop import train
+    from dipaco.run import Run
 
     dst = tmp_path_factory.mktemp("served_run") / "run"
     shutil.copytree(prepared_run.run.dir, dst)
     cfg = replace(prepared_run, run=replace(prepared_run.run, dir=str(dst)),
                   train=replace(prepared_run.train, sharding="kmeans"),
                   route=replace(prepared_run.route, featurizer="lm_prefix", n_init=1))
-    route(cfg)
-    train(cfg)
-    evaluate_experiment(cfg)
+    Run(cfg).route()
+    Run(cfg).train()
+    Run(cfg).evaluate()
     return cfg

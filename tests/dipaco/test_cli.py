@@ -4,10 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny import TINY
 
 from dipaco.cli import main
-
-from tiny import TINY
 
 
 def write_jsonl(path: Path, texts: list[str]) -> Path:

@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from dipaco.config import Config, config_diff, load_config, save_config
+from dipaco.config import Config, config_diff, save_config
 from dipaco.errors import ConfigError
+from dipaco.run import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -52,7 +53,8 @@ def test_missing_file_and_malformed_override():
 
 
 def test_saved_config_reloads_identically(tmp_path):
-    cfg = load_config(CONFIGS / "demo.yaml", ["topology.preset=null", "topology.levels=[{blocks: 2, modules: 3}, {blocks: 2, modules: 1}]"])
+    cfg = load_config(CONFIGS / "demo.yaml", ["topology.preset=null",
+                                              "topology.levels=[{blocks: 2, modules: 3}, {blocks: 2, modules: 1}]"])
     save_config(cfg, tmp_path / "c.yaml")
     again = load_config(tmp_path / "c.yaml")
     assert again == cfg

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from dipaco.config import load_config
 from dipaco.errors import ConfigError
 from dipaco.precision import resolve_precision
+from dipaco.run import load_config
 
 
 def test_auto_is_fp32_on_cpu_and_bf16_on_cuda():

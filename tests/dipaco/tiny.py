@@ -12,7 +12,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from dipaco.config import Config, load_config
+from dipaco.config import Config
+from dipaco.run import load_config
 
 TINY = [
     "model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",

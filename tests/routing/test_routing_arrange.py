@@ -7,11 +7,11 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from routing_testutil import make_blobs
 from scipy.spatial.distance import jensenshannon
 
 from routing.arrange import arrange_clusters, arrangement_cost, js_divergences
 from routing.router import Router, fit_router
-from routing_testutil import make_blobs
 
 # Blocks shared by the paths of a 2x2 grid of 2-block levels, path p = (p // 2, p % 2): p and 3 - p share none.
 GRID_2X2 = np.array([[4, 2, 2, 0], [2, 4, 0, 2], [2, 0, 4, 2], [0, 2, 2, 4]])

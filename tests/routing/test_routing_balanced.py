@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from routing_testutil import make_blobs
 
 from routing.assignment import balanced_assign_costs, capacity, floor_size
 from routing.kmeans import balanced_assign, balanced_kmeans, kmeans, sq_distances
-from routing_testutil import make_blobs
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from routing_testutil import WORDS
 
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_routing.py"

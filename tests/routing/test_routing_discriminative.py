@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from routing_testutil import make_blobs
 
 from routing.discriminative import adjust_bias, fit_discriminative_router, shard_fractions
-from routing_testutil import make_blobs
 
 
 def planted(p=5, n_per=120, seed=0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from routing_testutil import WORDS
 
 from routing.featurize import (
     encoder_features,
@@ -13,7 +14,6 @@ from routing.featurize import (
     prefix_token_weights,
     tfidf_svd_features,
 )
-from routing_testutil import WORDS
 
 DOCS = [
     "the cat sat on a mat",

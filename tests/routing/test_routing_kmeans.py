@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from routing_testutil import make_blobs
 from sklearn.metrics import adjusted_rand_score
 
 from routing.kmeans import kmeans, nearest_centroid, topk_assign
-from routing_testutil import make_blobs
 
 
 @pytest.mark.parametrize("metric", ["euclidean", "cosine"])

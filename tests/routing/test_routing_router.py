@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from routing_testutil import make_blobs
 
 from routing.discriminative import fit_discriminative_router
 from routing.featurize import tfidf_svd_features
 from routing.kmeans import mixed_radix_encode
 from routing.router import Router, RouterFileError, fit_router
-from routing_testutil import make_blobs
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from routing_testutil import make_blobs
 
 from routing.router import Router, fit_router
 from routing.transform import FeatureTransform
-from routing_testutil import make_blobs
 
 
 def correlated(n: int = 400, d: int = 6, seed: int = 0) -> torch.Tensor:

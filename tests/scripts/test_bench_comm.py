@@ -19,7 +19,7 @@ def test_a_row_name_adds_its_overrides_after_the_row_s_own(bench):
 
 
 def test_every_row_loads_as_a_valid_config(bench):
-    from dipaco.config import load_config
+    from dipaco.run import load_config
 
     for name in bench.ROWS:
         load_config(None, ["train.inner_steps=96", *bench.row_overrides(name)])  # run 3's H

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dipaco.config import Config, apply_overrides, load_config
+from dipaco.config import Config
 from dipaco.model.topology import topology_from_config
+from dipaco.run import apply_overrides, load_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_quality.py"
 

@@ -14,7 +14,9 @@ def plot_quality(load_script):
 
 
 def _results(path: Path, *rows: tuple[str, float]) -> Path:
-    curve = lambda ppl: [{"round": 1, "tokens": 1000, "ppl": 2 * ppl}, {"round": 2, "tokens": 2000, "ppl": ppl}]
+    def curve(ppl: float) -> list[dict]:
+        return [{"round": 1, "tokens": 1000, "ppl": 2 * ppl}, {"round": 2, "tokens": 2000, "ppl": ppl}]
+
     path.write_text(json.dumps({"rows": [{"name": n, "ppl": ppl, "curve": curve(ppl)} for n, ppl in rows]}))
     return path
 

@@ -4,14 +4,13 @@ import json
 from pathlib import Path
 
 import pytest
-from safetensors.torch import save_file
 import torch
+from safetensors.torch import save_file
+from tiny import TINY
 
 from dipaco.checkpoint.store import MANIFEST, CheckpointManager, verify
 from dipaco.cli import main
 from dipaco.errors import CheckpointError
-
-from tiny import TINY
 
 GOOD = {"sha256": "0" * 64, "bytes": 1}
 

@@ -100,8 +100,8 @@ def test_adaptive_sampled_choice_matches_the_full_one_and_scales_each_chunk_alon
 
 
 def test_adaptive_sample_chunks_must_not_be_negative():
-    from dipaco.config import load_config
     from dipaco.errors import ConfigError
+    from dipaco.run import load_config
 
     with pytest.raises(ConfigError, match="dist.adaptive_sample_chunks: must be >= 0"):
         load_config(None, ["dist.comm_dtype=int8", "dist.adaptive=true", "dist.adaptive_sample_chunks=-1"])

@@ -17,18 +17,19 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dipaco.checkpoint.store import load_bank_state, load_tensors, rank_files
+from dipaco.checkpoint.store import load_bank_state, rank_files
 from dipaco.comm.codecs import dequantize_int8, quantize_int8
 from dipaco.comm.groups import module_ranks, plan_groups
+from dipaco.comm.placement import check_world_size, paths_by_rank
 from dipaco.comm.world import DistEnv, detect_env
 from dipaco.config import Config, OuterConfig, save_config
 from dipaco.errors import ConfigError
 from dipaco.metrics import read_metrics
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Level, Topology
+from dipaco.run import Run
 from dipaco.sync.deltas import dropped_paths
-from dipaco.train.loop import train
-from dipaco.train.placement import check_world_size, paths_by_rank
+from dipaco.tensor_io import load_tensors
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -51,7 +52,7 @@ def test_more_ranks_than_paths_is_a_clear_error_on_every_rank_before_any_collect
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(ConfigError, match=r"2 ranks but the topology has only 1 paths"):
-            train(dense)
+            Run(dense).train()
     assert not torch.distributed.is_initialized()
 
 
@@ -353,7 +354,7 @@ def two_ranks(prepared_run, tmp_path_factory):
 
 def test_one_and_two_ranks_train_the_same_bank(two_ranks):
     cfg, _, out = two_ranks
-    single = train(replace(cfg, train=replace(cfg.train, name="single", rounds=3, inner_steps=8)))
+    single = Run(replace(cfg, train=replace(cfg.train, name="single", rounds=3, inner_steps=8))).train()
     a, b = final_bank(cfg, "single"), final_bank(cfg, "two")
     assert a.keys() == b.keys()
     for k in a:  # equal up to the order of the fp32 additions (see README)
@@ -448,7 +449,7 @@ def test_config_that_differs_between_nodes_is_refused_on_both(two_ranks):
 def test_dropped_contributions_leave_their_modules_untouched(run_cfg):
     cfg = replace(run_cfg, outer=replace(run_cfg.outer, drop_prob=0.5),
                   train=replace(run_cfg.train, rounds=3))
-    exp = train(cfg)
+    exp = Run(cfg).train()
     outer = read_metrics(exp.dir / "metrics.jsonl", "outer")
     for rec in outer:
         dropped = set(rec["dropped"])

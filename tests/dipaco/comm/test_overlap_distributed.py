@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_distributed import final_bank, finish, launch, torchrun
 
-from dipaco.checkpoint.store import load_tensors, rank_files
+from dipaco.checkpoint.store import rank_files
 from dipaco.config import StreamingConfig, save_config
 from dipaco.metrics import read_metrics
-from dipaco.train.loop import train
-
-from test_distributed import final_bank, finish, launch, torchrun
+from dipaco.run import Run
+from dipaco.tensor_io import load_tensors
 
 STREAM = ("train.rounds=3", "train.inner_steps=4", "dist.check_replicas=true", "dist.timeout_s=60",
           "outer.sync=streaming", "outer.streaming.num_fragments=2", "outer.streaming.overlap_steps=1",
@@ -43,9 +43,9 @@ def run(cfg_file: Path, *overrides: str) -> str:
 def test_two_ranks_stream_the_same_bank_as_one_process(copied):
     cfg, cfg_file = copied
     run(cfg_file, *STREAM, "train.name=stream2")
-    single = train(replace(cfg, train=replace(cfg.train, name="stream1", rounds=3, inner_steps=4),
+    single = Run(replace(cfg, train=replace(cfg.train, name="stream1", rounds=3, inner_steps=4),
                            outer=replace(cfg.outer, sync="streaming", streaming=StreamingConfig(
-                               num_fragments=2, overlap_steps=1, mix_alpha=0.5))))
+                               num_fragments=2, overlap_steps=1, mix_alpha=0.5)))).train()
     a, b = final_bank(cfg, "stream1"), final_bank(cfg, "stream2")
     assert a.keys() == b.keys()
     for k in a:  # equal up to the order of the fp32 additions, as DiLoCo (README)

@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dipaco.errors import ConfigError, DataError
 from dipaco.data.packing import (
     IGNORE_INDEX,
     batch_eval_windows,
@@ -13,6 +12,7 @@ from dipaco.data.packing import (
     pack_documents,
     unscored_docs,
 )
+from dipaco.errors import ConfigError, DataError
 
 EOS, PAD = 0, 1
 

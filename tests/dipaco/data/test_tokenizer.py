@@ -4,8 +4,8 @@ import datasets
 import pytest
 import transformers
 
-from dipaco.errors import ConfigError, DataError
 from dipaco.data.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer, tokenize_corpus, train_tokenizer
+from dipaco.errors import ConfigError, DataError
 
 WORDS = "the model routes each document to a path of modules trained with local outer steps".split()
 

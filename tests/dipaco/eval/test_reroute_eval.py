@@ -5,15 +5,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from tiny import TINY
 
 from dipaco.cli import main
 from dipaco.errors import ConfigError
 from dipaco.eval.evaluate import validation_docs
-from dipaco.data.prepare import load_prepared
-from dipaco.eval.reroute_eval import REPORT, decision_points, parse_every, reroute_evaluate, window_paths
+from dipaco.eval.reroute_eval import REPORT, decision_points, parse_every, window_paths
+from dipaco.run import Run
 from dipaco.run_dir import RunDir
-
-from tiny import TINY
 
 
 def test_window_paths_follow_the_decisions():
@@ -26,9 +25,9 @@ def test_window_paths_follow_the_decisions():
 
 def test_reroute_eval_matches_eval_and_is_once_per_sequence_for_long_windows(served_run):
     evaluated = json.loads((RunDir(served_run.run.dir).experiment(served_run.train.name) / "eval.json").read_text())
-    docs, _ = validation_docs(served_run, load_prepared(served_run))
+    docs, _ = validation_docs(served_run.eval, Run(served_run).prepared())
     longest = max(len(d) for d in docs)
-    report = reroute_evaluate(served_run, [longest, 48])
+    report = Run(served_run).reroute_evaluate([longest, 48])
     once, long_w, short_w = report["results"]
     assert once["reroute_every"] is None and long_w["reroute_every"] == longest and short_w["reroute_every"] == 48
     for r in report["results"]:  # exactly evaluate.py's scored tokens
@@ -53,7 +52,7 @@ def test_eval_command_with_reroute_every(served_run, capsys):
 
 def test_reroute_needs_a_router(served_run):
     with pytest.raises(ConfigError, match="sharding=kmeans"):
-        reroute_evaluate(replace(served_run, train=replace(served_run.train, sharding="iid")), [64])
+        Run(replace(served_run, train=replace(served_run.train, sharding="iid"))).reroute_evaluate([64])
     with pytest.raises(ConfigError):
         parse_every("0")
     assert parse_every("128, 64,32") == [128, 64, 32]

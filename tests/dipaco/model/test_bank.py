@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from dipaco.model.bank import ModuleBank
 from dipaco.errors import CheckpointError
+from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
 
 

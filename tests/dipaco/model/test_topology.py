@@ -1,8 +1,8 @@
 import pytest
 
-from dipaco.config import load_config
 from dipaco.errors import ConfigError
 from dipaco.model.topology import Level, Topology, mixed_radix_decode, mixed_radix_encode, topology_from_config
+from dipaco.run import load_config
 
 
 def test_mixed_radix_round_trip():

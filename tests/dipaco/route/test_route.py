@@ -11,11 +11,9 @@ import pytest
 from dipaco.config import Config
 from dipaco.data.tokenizer import load_tokenizer
 from dipaco.errors import ConfigError, DataError
-from dipaco.eval.evaluate import evaluate_experiment
-from dipaco.route.assign import print_report, route
-from dipaco.route.reroute import reroute
+from dipaco.route.assign import print_report
+from dipaco.run import Run
 from dipaco.run_dir import RunDir
-from dipaco.train.loop import train
 from routing.quality import routing_report
 from routing.router import Router
 
@@ -27,7 +25,7 @@ def routed(cfg: Config, **route_kw) -> Config:
 @pytest.mark.parametrize("featurizer,method", [("lm_prefix", "kmeans"), ("tfidf_svd", "product")])
 def test_route_writes_shards_artifact_and_report_and_train_uses_them(run_cfg, featurizer, method):
     cfg = routed(run_cfg, featurizer=featurizer, method=method, svd_components=8, topk=2)
-    report = route(cfg)
+    report = Run(cfg).route()
     run = RunDir(cfg.run.dir)
     splits = datasets.load_from_disk(str(run.routing / "data"))
     train_paths = np.asarray(splits["train"]["path"])
@@ -43,10 +41,10 @@ def test_route_writes_shards_artifact_and_report_and_train_uses_them(run_cfg, fe
     router.check_fits(4)
     assert router.kind == ("kmeans" if method == "kmeans" else "product_kmeans")
 
-    exp = train(cfg)
+    exp = Run(cfg).train()
     sizes = [loop.sampler.sequences.shape[0] for loop in exp.loops.values()]
     assert all(s > 0 for s in sizes)
-    ev = evaluate_experiment(cfg)
+    ev = Run(cfg).evaluate()
     val_paths = np.asarray(splits["validation"]["path"])
     assert [r["docs"] for r in ev["paths"]] == np.bincount(val_paths, minlength=4).tolist()
 
@@ -65,63 +63,62 @@ def test_route_prints_the_max_min_shard_ratio_rounded(capsys):
 
 def test_train_with_kmeans_before_route_says_what_to_run(run_cfg):
     with pytest.raises(DataError, match="dipaco route"):
-        train(routed(run_cfg))
+        Run(routed(run_cfg)).train()
 
 
 def test_product_routing_needs_a_grid(run_cfg):
     cfg = routed(run_cfg, method="product")
     cfg = replace(cfg, topology=replace(cfg.topology, preset="moe:4"))
     with pytest.raises(ConfigError, match="grid"):
-        route(cfg)
+        Run(cfg).route()
 
 
 def test_reroute_reshards_and_training_resumes(run_cfg):
     cfg = routed(run_cfg, featurizer="lm_prefix", reroute_holdout=0.5)
     cfg = replace(cfg, train=replace(cfg.train, rounds=3))
-    route(cfg)
-    train(cfg, until_round=2)
-    report = reroute(cfg)
+    Run(cfg).route()
+    Run(cfg).train(until_round=2)
+    report = Run(cfg).reroute()
     assert report["router"] == "linear" and report["holdout_docs"] > 0
     assert Router.load(RunDir(cfg.run.dir).routing / "router").kind == "linear"
     # Sizes aim at uniform within the classifier's tolerance, and no shard is empty.
     assert min(report["train"]["docs_per_path"]) > 0
-    exp = train(cfg, resume=True)
+    exp = Run(cfg).train(resume=True)
     assert exp.checkpoints.latest().name == "round_000003"
 
 
 def test_reroute_of_one_experiment_is_refused_to_the_others_of_the_run(run_cfg):
     """`dipaco reroute` rewrites the run's routing; an experiment trained on the old routing must not
     resume, evaluate or serve on shards it never saw (the quality benchmark once did exactly that)."""
-    from dipaco.serve.pipeline import load_experiment, load_router
+    from dipaco.serve.pipeline import experiment_router, load_experiment
 
     cfg = routed(run_cfg, featurizer="lm_prefix", reroute_holdout=0.5)
     other = replace(cfg, train=replace(cfg.train, name="other", rounds=2))
     rerouted = replace(cfg, train=replace(cfg.train, name="rerouted", rounds=2))
-    route(cfg)
-    train(other, until_round=1)
-    train(rerouted, until_round=1)
-    evaluate_experiment(other)  # same routing: fine
-    reroute(rerouted)
+    Run(cfg).route()
+    Run(other).train(until_round=1)
+    Run(rerouted).train(until_round=1)
+    Run(other).evaluate()  # same routing: fine
+    Run(rerouted).reroute()
 
-    for job in (lambda: train(other, resume=True), lambda: evaluate_experiment(other), lambda: reroute(other),
-                lambda: load_router(load_experiment(other.run.dir, "other"))):
+    for job in (lambda: Run(other).train(resume=True), lambda: Run(other).evaluate(), lambda: Run(other).reroute(),
+                lambda: experiment_router(load_experiment(other.run.dir, "other"))):
         with pytest.raises(DataError, match="not the routing experiment 'other' was trained on"):
             job()
     # The re-routed experiment carries on on its new routing.
-    assert train(rerouted, resume=True).checkpoints.latest().name == "round_000002"
-    evaluate_experiment(rerouted)
+    assert Run(rerouted).train(resume=True).checkpoints.latest().name == "round_000002"
+    Run(rerouted).evaluate()
     # Routing again with the original settings restores the original routing, and `other` with it.
-    route(cfg)
-    assert train(other, resume=True).checkpoints.latest().name == "round_000002"
+    Run(cfg).route()
+    assert Run(other).train(resume=True).checkpoints.latest().name == "round_000002"
 
 
 def test_routing_sees_only_the_prefix_never_the_scored_tokens(run_cfg):
     # Regression: TF-IDF routing once read whole documents, so a validation document's path was
     # chosen from the very tokens its perplexity is measured on.
-    from dipaco.data.prepare import load_prepared
     from dipaco.route.assign import routing_context
 
-    prepared = load_prepared(run_cfg, routed=False)
+    prepared = Run(run_cfg).prepared(routed=False)
     prefix = run_cfg.data.prefix_tokens
     ds = prepared.validation.select(range(5))
     tail_changed = ds.map(lambda row: {"input_ids": row["input_ids"][:prefix] + [7] * 50})
@@ -134,13 +131,13 @@ IMPROVED = dict(layers=[1, 2], skip_tokens=2, transform="whiten_l2", metric="cos
 
 
 def test_improved_featurizer_with_top2_overlap_trains_and_serves_on_the_same_routes(run_cfg):
-    from dipaco.checkpoint.store import load_tensors
     from dipaco.route.assign import FEATURES
     from dipaco.route.shards import overlap_token_shares, overlapping_paths
     from dipaco.serve.pipeline import Pipeline
+    from dipaco.tensor_io import load_tensors
 
     cfg = routed(run_cfg, n_init=1, topk=2, **IMPROVED)
-    route(cfg)
+    Run(cfg).route()
     run = RunDir(cfg.run.dir)
     router = Router.load(run.routing / "router")
     assert router.featurizer == {"kind": "lm_prefix", "prefix_tokens": 16, "layers": [1, 2], "skip_tokens": 2}
@@ -149,7 +146,7 @@ def test_improved_featurizer_with_top2_overlap_trains_and_serves_on_the_same_rou
     splits = datasets.load_from_disk(str(run.routing / "data"))
     assert router.assign(stored["validation"]).tolist() == splits["validation"]["path"]
 
-    exp = train(cfg)
+    exp = Run(cfg).train()
     train_ds = splits["train"]
     two = overlapping_paths(train_ds, np.asarray(train_ds["path"]), 2)
     one = np.bincount(np.asarray(train_ds["path"]), minlength=4)
@@ -163,7 +160,7 @@ def test_improved_featurizer_with_top2_overlap_trains_and_serves_on_the_same_rou
                          // (single.data.seq_len * 4)))
 
     # Serving pools the same hidden states over the same tokens and applies the same transform.
-    evaluate_experiment(cfg)
+    Run(cfg).evaluate()
     pipe = Pipeline.from_run(cfg.run.dir, experiment=cfg.train.name)
     for i in range(5):
         ids = splits["validation"]["input_ids"][i]
@@ -173,7 +170,7 @@ def test_improved_featurizer_with_top2_overlap_trains_and_serves_on_the_same_rou
 
 
 def test_route_featurizer_options_are_checked_by_their_keys(run_cfg):
-    from dipaco.config import apply_overrides
+    from dipaco.run import apply_overrides
 
     with pytest.raises(ConfigError, match=r"route.skip_tokens: must be in \[0, data.prefix_tokens=16\)"):
         apply_overrides(run_cfg, ["route.skip_tokens=16"])
@@ -182,15 +179,15 @@ def test_route_featurizer_options_are_checked_by_their_keys(run_cfg):
     with pytest.raises(ConfigError, match="route.transform: 'zca' is not one of"):
         apply_overrides(run_cfg, ["route.transform=zca"])
     with pytest.raises(ConfigError, match="route.topk=2: overlapping shards need train.sharding=kmeans"):
-        train(apply_overrides(run_cfg, ["route.topk=2"]))
+        Run(apply_overrides(run_cfg, ["route.topk=2"])).train()
 
 
 def test_improved_featurizer_clusters_the_bbc_slice_more_topically_than_the_raw_one(run_cfg):
     """The tiny run's slice of the shared BBC corpus (5 topics), routed on the same 16-token prefix: the
     benchmark's improved featurizer (TF-IDF + SVD of the prefix, cosine) agrees with the topics more than
     the raw mean last hidden state of the pretrained model."""
-    raw = route(routed(run_cfg, n_init=2))["train"]["nmi"]
-    improved = route(routed(run_cfg, n_init=2, featurizer="tfidf_svd", svd_components=16, metric="cosine"))
+    raw = Run(routed(run_cfg, n_init=2)).route()["train"]["nmi"]
+    improved = Run(routed(run_cfg, n_init=2, featurizer="tfidf_svd", svd_components=16, metric="cosine")).route()
     print(f"NMI raw {raw:.3f}, improved {improved['train']['nmi']:.3f}")
     assert improved["train"]["nmi"] > raw
 
@@ -199,8 +196,8 @@ def test_doc_topics_routes_the_bbc_slice_more_topically_than_the_prefix_tfidf(ru
     """On the same 16-token prefix, topics learned from the whole training documents and read back by the
     word model agree with the BBC topics more than TF-IDF + SVD of the prefix itself (the improved
     featurizer of the test above). Validation documents are routed on their prefix only."""
-    tfidf = route(routed(run_cfg, n_init=2, featurizer="tfidf_svd", svd_components=16, metric="cosine"))
-    topics = route(routed(run_cfg, n_init=2, featurizer="doc_topics", svd_components=16, metric="cosine"))
+    tfidf = Run(routed(run_cfg, n_init=2, featurizer="tfidf_svd", svd_components=16, metric="cosine")).route()
+    topics = Run(routed(run_cfg, n_init=2, featurizer="doc_topics", svd_components=16, metric="cosine")).route()
     print(f"NMI tfidf prefix {tfidf['train']['nmi']:.3f} / {tfidf['validation']['nmi']:.3f}, "
           f"doc_topics {topics['train']['nmi']:.3f} / {topics['validation']['nmi']:.3f}")
     assert topics["featurizer"]["kind"] == "doc_topics" and topics["featurizer"]["topics"] == 4
@@ -215,22 +212,22 @@ def test_doc_topics_routes_the_bbc_slice_more_topically_than_the_prefix_tfidf(ru
 
 
 def test_route_doc_topics_options_are_checked(run_cfg):
-    from dipaco.config import apply_overrides
+    from dipaco.run import apply_overrides
 
     with pytest.raises(ConfigError, match="route.topics: must be 0"):
         apply_overrides(run_cfg, ["route.topics=1"])
     with pytest.raises(ConfigError, match="route.topic_smoothing: must be > 0"):
         apply_overrides(run_cfg, ["route.topic_smoothing=0"])
     with pytest.raises(ConfigError, match="route.featurizer=doc_topics: topics must be in"):
-        route(routed(run_cfg, featurizer="doc_topics", svd_components=8, topics=100000))
+        Run(routed(run_cfg, featurizer="doc_topics", svd_components=8, topics=100000)).route()
 
 
 def test_arrange_renumbers_the_same_clusters_so_alike_shards_share_modules(run_cfg):
     """route.arrange=similar keeps k-means' shards and only chooses which path each one becomes: the
     numbering with the lowest block-weighted Jensen-Shannon divergence between paths that share modules."""
-    from routing.arrange import arrangement_cost, js_divergences
     from dipaco.model.topology import Topology
     from dipaco.route.assign import cluster_token_counts
+    from routing.arrange import arrangement_cost, js_divergences
 
     def shards(report: dict) -> tuple[np.ndarray, np.ndarray, Router]:
         run = RunDir(run_cfg.run.dir)
@@ -239,16 +236,15 @@ def test_arrange_renumbers_the_same_clusters_so_alike_shards_share_modules(run_c
                 Router.load(run.routing / "router"))
 
     kw = dict(featurizer="doc_topics", svd_components=16, metric="cosine", n_init=1)
-    plain_train, plain_val, _ = shards(route(routed(run_cfg, **kw)))
-    report = route(routed(run_cfg, arrange="similar", **kw))
+    plain_train, plain_val, _ = shards(Run(routed(run_cfg, **kw)).route())
+    report = Run(routed(run_cfg, arrange="similar", **kw)).route()
     train_paths, val_paths, router = shards(report)
     perm = np.asarray(report["arrangement"]["perm"])
     assert router.meta["arrangement"]["mode"] == "similar"
     assert train_paths.tolist() == perm[plain_train].tolist()
     assert val_paths.tolist() == perm[plain_val].tolist()
 
-    from dipaco.data.prepare import load_prepared
-    prepared = load_prepared(run_cfg, routed=False)
+    prepared = Run(run_cfg).prepared(routed=False)
     dis = js_divergences(cluster_token_counts(prepared, plain_train, 4))
     shared = np.asarray(Topology.grid(run_cfg.model.num_layers, [2, 2]).shared_blocks())
     every = [arrangement_cost(np.asarray(p), shared, dis) for p in itertools.permutations(range(4))]
@@ -257,7 +253,7 @@ def test_arrange_renumbers_the_same_clusters_so_alike_shards_share_modules(run_c
 
 
 def test_arrange_needs_plain_kmeans(run_cfg):
-    from dipaco.config import apply_overrides
+    from dipaco.run import apply_overrides
 
     with pytest.raises(ConfigError, match="route.arrange=similar: needs route.method=kmeans"):
         apply_overrides(run_cfg, ["route.method=product", "route.arrange=similar"])
@@ -269,9 +265,9 @@ def test_reroute_keeps_overlapping_shards_top2_and_em_training_uses_them(run_cfg
     """With route.topk=2 the re-routed data carries the new router's two best paths (`paths_topk`), so
     overlapping shards follow every re-routing (here inside `dipaco train`, route.em_rounds)."""
     cfg = routed(run_cfg, featurizer="lm_prefix", n_init=1, reroute_holdout=0.5, topk=2, em_rounds=[1])
-    route(cfg)
+    Run(cfg).route()
     before = np.asarray(datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["train"]["paths_topk"])
-    exp = train(cfg)
+    exp = Run(cfg).train()
     assert exp.checkpoints.latest().name == "round_000002"
     train_ds = datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["train"]
     after = np.asarray(train_ds["paths_topk"])

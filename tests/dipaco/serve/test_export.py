@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dipaco.cli import main
 from dipaco.errors import DipacoError
-from dipaco.serve.export import PATH_INFO, export
 from dipaco.model.llama import build_model
+from dipaco.serve.export import PATH_INFO, export
 from dipaco.serve.pipeline import load_experiment
 
 TEXT = "The minister told reporters that the new rules would take effect next year."

@@ -10,8 +10,8 @@ import torch
 from dipaco.cli import main
 from dipaco.errors import CheckpointError, DipacoError
 from dipaco.model.llama import build_model
-from dipaco.serve.pipeline import Pipeline
 from dipaco.run_dir import RunDir
+from dipaco.serve.pipeline import Pipeline
 
 PROMPTS = [
     "The government said on Tuesday that the economy",
@@ -143,24 +143,21 @@ def test_generate_command(served_run, capsys):
 def test_text_router_reads_only_the_routing_prefix(served_run, tmp_path, featurizer):
     """A text featurizer's router sees the first prefix_tokens tokens, as `dipaco route` gave it (doc_topics
     learned its word model from whole training documents, but routes the prefix too); re-routing eval runs too."""
+    import shutil
     from dataclasses import replace
 
-    import shutil
-
-    from dipaco.eval.reroute_eval import reroute_evaluate
-    from dipaco.route.assign import route
-    from dipaco.train.loop import train
+    from dipaco.run import Run
 
     cfg = replace(served_run, run=replace(served_run.run, dir=str(copy_run(served_run, tmp_path))),
                   route=replace(served_run.route, featurizer=featurizer, svd_components=8),
                   eval=replace(served_run.eval, max_docs=3))
-    route(cfg)
+    Run(cfg).route()
     # The experiment was trained on the LM-prefix routing, which serving now refuses: train it anew.
     shutil.rmtree(RunDir(cfg.run.dir).experiment(cfg.train.name))
-    train(cfg)
+    Run(cfg).train()
     pipe = Pipeline.from_run(cfg.run.dir)
     assert pipe.router.featurizer["kind"] == featurizer
     val = datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["validation"]
     assert [pipe.route(t)[0] for t in val["text"]] == val["path"]
-    report = reroute_evaluate(cfg, [32])
+    report = Run(cfg).reroute_evaluate([32])
     assert report["featurizer"] == featurizer and report["results"][1]["decisions"] > 0

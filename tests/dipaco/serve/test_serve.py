@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dipaco.cli import main
-from dipaco.serve.pipeline import Pipeline
 from dipaco.serve.http import create_app  # imports FastAPI only when called
+from dipaco.serve.pipeline import Pipeline
 
 
 def needs_web():

@@ -9,7 +9,7 @@ import torch
 from dipaco.errors import CheckpointError
 from dipaco.model.topology import Topology
 from dipaco.sync.async_nesterov import AsyncNesterov, default_delay, dynamic_local_steps, staleness_summary
-from dipaco.train.ray_driver import TaskQueue
+from dipaco.train.task_queue import TaskQueue
 
 
 def one_module(delay: int, weights=None, lr=0.5, momentum=0.5, start=(1.0, 2.0)) -> AsyncNesterov:
@@ -154,3 +154,47 @@ def test_rounds_schedule_is_lock_step():
         queue.sent(t, 1.0)
         queue.applied(t)
     assert queue.dispatch(0).index == 1
+
+
+def test_a_round_of_arrivals_in_path_order_is_the_lock_step_step_bit_for_bit():
+    """The executors' outer step is the lock-step kernel: a 2x2 grid's round of arrivals (every path once,
+    in path order, token weights, outer.rescale and a larger embedding/head step) gives the bank and the
+    momentum DiLoCo gives, tensor for tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dipaco.comm.world import World
+    from dipaco.config import DistConfig, OuterConfig
+    from dipaco.model.bank import ModuleBank
+    from dipaco.sync import SyncContext
+    from dipaco.sync.diloco import DiLoCo
+    from dipaco.sync.nesterov import module_outer_lr
+
+    torch.manual_seed(0)
+    template = LlamaForCausalLM(LlamaConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8))
+    topo = Topology.from_preset("grid:2x2", 2)
+    outer = OuterConfig(lr=0.7, momentum=0.9, rescale="sqrt_paths", embedding_head_lr_scale=1.5)
+    weights = {0: 1234.0, 1: 987.0, 2: 1500.0, 3: 1111.0}
+    bank = ModuleBank(topo, template)
+    diloco = DiLoCo(SyncContext(outer, DistConfig(), 4, 3, 0, topo, bank, weights, [(0, 1, 2, 3)], World()))
+    through = {m.id: topo.paths_through(m.id) for m in topo.modules}
+    executors = {m: AsyncNesterov({m: bank.params[m].detach()}, {m: {p: weights[p] for p in through[m]}},
+                                  module_outer_lr(outer, topo, m), outer.momentum, {m: len(through[m])},
+                                  rescale=outer.rescale)
+                 for m in through}
+    gen = torch.Generator().manual_seed(1)
+    for r in range(3):
+        paths = {p: bank.compose(p, LlamaForCausalLM(template.config)) for p in range(4)}
+        with torch.no_grad():
+            for model in paths.values():  # a "round of training"
+                for prm in model.parameters():
+                    prm.add_(torch.randn(prm.shape, generator=gen) * 0.01)
+        start = {m.id: executors[m.id].version(m.id) for m in topo.modules}  # every task starts from the round's modules
+        for p in range(4):  # the executors take each path's change, in path order
+            for part, m in zip(topo.parts, topo.path_modules(p)):
+                delta = bank.params[m] - bank.path_vector(paths[p], part)
+                executors[m].apply(f"p{p}-r{r}", p, m, start[m], delta)
+        diloco.at(r, 4, paths)
+        for m in topo.modules:
+            assert torch.equal(executors[m.id].params[m.id], bank.params[m.id]), (r, m.name)
+            assert torch.equal(executors[m.id].momentum[m.id], diloco.nesterov.momentum(m.id)), (r, m.name)

@@ -2,16 +2,16 @@
 
 import pytest
 import torch
+from test_streaming import tiny_model
 
 from dipaco.comm.world import World
-from dipaco.config import Config, DelayedConfig, OuterConfig, TrainConfig, load_config
+from dipaco.config import Config, DelayedConfig, OuterConfig, TrainConfig
 from dipaco.errors import ConfigError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
+from dipaco.run import load_config
 from dipaco.sync import SyncContext, build_sync
 from dipaco.sync.delayed import DelayedDiLoCo
-
-from test_streaming import tiny_model
 
 
 def delayed(rounds: int, eager: bool, lr: float = 1.0, momentum: float = 0.0,
@@ -20,7 +20,8 @@ def delayed(rounds: int, eager: bool, lr: float = 1.0, momentum: float = 0.0,
     step = DelayedConfig(delay=1, eager=eager, lr=lr_delayed, momentum=momentum_delayed)
     cfg = Config(train=TrainConfig(inner_steps=4, rounds=rounds),
                  outer=OuterConfig(lr=lr, momentum=momentum, sync="delayed", delayed=step))
-    sync = build_sync(SyncContext(cfg, topo, ModuleBank(topo, tiny_model()), {0: 1.0}, [(0,)], World()))
+    sync = build_sync(SyncContext(cfg.outer, cfg.dist, cfg.train.inner_steps, cfg.train.rounds, cfg.run.seed, topo,
+                                  ModuleBank(topo, tiny_model()), {0: 1.0}, [(0,)], World()))
     assert isinstance(sync, DelayedDiLoCo)
     return sync
 

@@ -42,7 +42,9 @@ class OuterOptimizer:
     def step(self, paths, weights) -> dict[str, float]:
         if self.sync is None:  # the weights w_p are fixed for a run: the sync is built with the first ones
             everyone = [tuple(range(self.bank.topology.num_paths))]
-            ctx = SyncContext(Config(outer=self.cfg), self.bank.topology, self.bank, weights, everyone, World())
+            defaults = Config()
+            ctx = SyncContext(self.cfg, defaults.dist, defaults.train.inner_steps, defaults.train.rounds, 0,
+                              self.bank.topology, self.bank, weights, everyone, World())
             self.sync = DiLoCo(ctx)
         assert weights == self.sync.weights
         return self.sync.at(0, self.sync.sync_points()[-1], paths).norms

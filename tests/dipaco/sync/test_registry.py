@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dipaco.config import Config, OuterConfig, load_config
+from dipaco.config import OuterConfig
 from dipaco.errors import ConfigError
+from dipaco.run import Run, load_config
 from dipaco.sync import SYNCS, OuterSync, build_sync
 from dipaco.sync.diloco import DiLoCo
-from dipaco.train.loop import train
 
 
 class TwiceARound(OuterSync):
@@ -20,7 +20,7 @@ class TwiceARound(OuterSync):
 
     def __init__(self, ctx) -> None:
         self.diloco = DiLoCo(ctx)
-        self.inner_steps = ctx.cfg.train.inner_steps
+        self.inner_steps = ctx.inner_steps
         self.calls: list[tuple[int, int, list[int]]] = []
 
     def sync_points(self) -> tuple[int, ...]:
@@ -42,11 +42,11 @@ def test_a_registered_sync_is_called_at_its_sync_points_with_every_path_at_the_s
     monkeypatch.setitem(SYNCS, TwiceARound.name, TwiceARound)
     cfg = replace(run_cfg, outer=replace(run_cfg.outer, sync=TwiceARound.name),
                   train=replace(run_cfg.train, name="twice", rounds=2, inner_steps=6))
-    exp = train(cfg)
+    exp = Run(cfg).train()
     assert exp.sync.calls == [(r, o, [0, 1, 2, 3]) for r in range(2) for o in (3, 6)]
     assert all(loop.step == 12 for loop in exp.loops.values())
     # Two outer steps a round move the bank differently from DiLoCo's one.
-    diloco = train(replace(cfg, outer=replace(cfg.outer, sync="diloco"), train=replace(cfg.train, name="once")))
+    diloco = Run(replace(cfg, outer=replace(cfg.outer, sync="diloco"), train=replace(cfg.train, name="once"))).train()
     assert any(not torch.equal(a, b) for a, b in zip(exp.bank.params, diloco.bank.params))
 
 
@@ -54,4 +54,4 @@ def test_an_unknown_sync_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="outer.sync: 'nope' is not one of diloco"):
         load_config(None, ["outer.sync=nope"])
     with pytest.raises(ConfigError, match="outer.sync"):
-        build_sync(SimpleNamespace(cfg=Config(outer=OuterConfig(sync="nope"))))
+        build_sync(SimpleNamespace(outer=OuterConfig(sync="nope")))

@@ -8,13 +8,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.comm.world import World
-from dipaco.config import Config, DelayedConfig, OuterConfig, StreamingConfig, TrainConfig, load_config
+from dipaco.config import Config, DelayedConfig, OuterConfig, StreamingConfig, TrainConfig
 from dipaco.errors import ConfigError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
+from dipaco.run import Run, load_config
 from dipaco.sync import SyncContext, build_sync
 from dipaco.sync.streaming import StreamingDiLoCo, assign_fragments
-from dipaco.train.loop import train
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -29,7 +29,8 @@ def streaming(topo: Topology, inner_steps: int, rounds: int = 3, lr: float = 0.7
     bank = ModuleBank(topo, tiny_model())
     cfg = Config(train=TrainConfig(inner_steps=inner_steps, rounds=rounds),
                  outer=OuterConfig(lr=lr, momentum=momentum, sync="streaming", streaming=StreamingConfig(**stream)))
-    ctx = SyncContext(cfg, topo, bank, {p: 1.0 for p in range(topo.num_paths)}, [tuple(range(topo.num_paths))],
+    ctx = SyncContext(cfg.outer, cfg.dist, cfg.train.inner_steps, cfg.train.rounds, cfg.run.seed, topo, bank,
+                      {p: 1.0 for p in range(topo.num_paths)}, [tuple(range(topo.num_paths))],
                       World())
     sync = build_sync(ctx)
     assert isinstance(sync, StreamingDiLoCo)
@@ -133,15 +134,15 @@ def banks_equal(a, b) -> bool:
 @pytest.mark.slow
 def test_one_fragment_without_overlap_is_diloco_bit_for_bit_and_delay_zero_too(run_cfg):
     cfg = replace(run_cfg, train=replace(run_cfg.train, rounds=2, inner_steps=4))
-    diloco = train(replace(cfg, train=replace(cfg.train, name="diloco")))
-    one = train(replace(cfg, train=replace(cfg.train, name="one"), outer=replace(
-        cfg.outer, sync="streaming", streaming=StreamingConfig(num_fragments=1, overlap_steps=0, mix_alpha=0.0))))
-    zero = train(replace(cfg, train=replace(cfg.train, name="zero"), outer=replace(
-        cfg.outer, sync="delayed", delayed=replace(cfg.outer.delayed, delay=0))))
+    diloco = Run(replace(cfg, train=replace(cfg.train, name="diloco"))).train()
+    one = Run(replace(cfg, train=replace(cfg.train, name="one"), outer=replace(
+        cfg.outer, sync="streaming", streaming=StreamingConfig(num_fragments=1, overlap_steps=0, mix_alpha=0.0)))).train()
+    zero = Run(replace(cfg, train=replace(cfg.train, name="zero"), outer=replace(
+        cfg.outer, sync="delayed", delayed=replace(cfg.outer.delayed, delay=0)))).train()
     assert banks_equal(diloco, one) and banks_equal(diloco, zero)
     # and the syncs are not all the same thing: two overlapped fragments move the bank differently
-    two = train(replace(cfg, train=replace(cfg.train, name="two"), outer=replace(
-        cfg.outer, sync="streaming", streaming=StreamingConfig(num_fragments=2, overlap_steps=1))))
+    two = Run(replace(cfg, train=replace(cfg.train, name="two"), outer=replace(
+        cfg.outer, sync="streaming", streaming=StreamingConfig(num_fragments=2, overlap_steps=1)))).train()
     assert not banks_equal(diloco, two)
 
 
@@ -153,11 +154,11 @@ def test_one_fragment_without_overlap_is_diloco_bit_for_bit_and_delay_zero_too(r
 ])
 def test_resume_with_an_outer_gradient_in_flight_is_bit_exact(run_cfg, outer):
     cfg = replace(run_cfg, train=replace(run_cfg.train, rounds=3, inner_steps=4), outer=replace(run_cfg.outer, **outer))
-    whole = train(replace(cfg, train=replace(cfg.train, name="whole")))
+    whole = Run(replace(cfg, train=replace(cfg.train, name="whole"))).train()
     part = replace(cfg, train=replace(cfg.train, name="part"))
-    first = train(part, until_round=1)
+    first = Run(part).train(until_round=1)
     assert first.sync.in_flight  # stopped with an outer gradient in flight (a fragment, or round 1's)
-    resumed = train(part, resume=True)
+    resumed = Run(part).train(resume=True)
     assert banks_equal(whole, resumed)
     for p, loop in whole.loops.items():  # the paths too: mixing and restarts continued exactly
         assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), resumed.loops[p].model.parameters()))

@@ -15,14 +15,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.comm.world import DistEnv, World
-from dipaco.config import Config, DistConfig, OuterConfig, StreamingConfig, TrainConfig, load_config
+from dipaco.config import Config, DistConfig, OuterConfig, StreamingConfig, TrainConfig
 from dipaco.errors import ConfigError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
+from dipaco.run import Run, load_config
 from dipaco.sync import SyncContext, build_sync
 from dipaco.sync.nesterov import ModuleNesterov
 from dipaco.sync.slices import block_slices
-from dipaco.train.loop import train
 
 
 def model(layers: int, vocab: int, hidden: int = 4, intermediate: int = 8, heads: int = 1,
@@ -44,7 +44,8 @@ def make_sync(topo: Topology, template, by_rank=None, world=None, held=None, out
     cfg = Config(train=TrainConfig(inner_steps=inner_steps, rounds=rounds), dist=dist or DistConfig(),
                  outer=OuterConfig(lr=0.7, momentum=0.9, sync=outer, streaming=StreamingConfig(**stream)))
     by_rank = by_rank or [tuple(range(topo.num_paths))]
-    ctx = SyncContext(cfg, topo, bank, {p: 1.0 + p for p in range(topo.num_paths)}, by_rank, world or World())
+    ctx = SyncContext(cfg.outer, cfg.dist, cfg.train.inner_steps, cfg.train.rounds, cfg.run.seed, topo, bank,
+                      {p: 1.0 + p for p in range(topo.num_paths)}, by_rank, world or World())
     return build_sync(ctx)
 
 
@@ -184,9 +185,9 @@ def test_one_block_fragment_without_overlap_is_diloco_bit_for_bit(fragment):
 @pytest.mark.slow
 def test_one_block_fragment_without_overlap_trains_the_diloco_bank_end_to_end(run_cfg):
     cfg = replace(run_cfg, train=replace(run_cfg.train, rounds=2, inner_steps=4))
-    diloco = train(replace(cfg, train=replace(cfg.train, name="diloco")))
-    blocks = train(replace(cfg, train=replace(cfg.train, name="blocks"), outer=replace(
-        cfg.outer, sync="streaming", streaming=StreamingConfig(num_fragments=1, overlap_steps=0, fragment="blocks:1"))))
+    diloco = Run(replace(cfg, train=replace(cfg.train, name="diloco"))).train()
+    blocks = Run(replace(cfg, train=replace(cfg.train, name="blocks"), outer=replace(
+        cfg.outer, sync="streaming", streaming=StreamingConfig(num_fragments=1, overlap_steps=0, fragment="blocks:1")))).train()
     assert len(blocks.sync.slices) == 8  # embedding and head in 2 pieces each, 4 one-block modules
     assert all(torch.equal(x, y) for x, y in zip(diloco.bank.params, blocks.bank.params))
 
@@ -197,14 +198,14 @@ def test_resume_with_a_slice_in_flight_is_bit_exact(run_cfg):
     stream = StreamingConfig(num_fragments=2, overlap_steps=1, mix_alpha=0.5, fragment="blocks:1")
     cfg = replace(run_cfg, train=replace(run_cfg.train, rounds=3, inner_steps=4),
                   outer=replace(run_cfg.outer, sync="streaming", streaming=stream))
-    whole = train(replace(cfg, train=replace(cfg.train, name="whole")))
+    whole = Run(replace(cfg, train=replace(cfg.train, name="whole"))).train()
     part = replace(cfg, train=replace(cfg.train, name="part"))
-    first = train(part, until_round=1)
+    first = Run(part).train(until_round=1)
     flying = first.sync.in_flight
     assert flying is not None
     pieces = [first.sync.slices[i] for i in flying.slices]
     assert any(s.numel < first.bank.params[s.module].numel() for s in pieces)  # part of a module is in flight
-    resumed = train(part, resume=True)
+    resumed = Run(part).train(resume=True)
     assert all(torch.equal(a, b) for a, b in zip(whole.bank.params, resumed.bank.params))
     for p, loop in whole.loops.items():
         assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), resumed.loops[p].model.parameters()))

@@ -10,23 +10,21 @@ import torch
 from torch._dynamo.utils import counters
 
 from dipaco.comm.world import World
-from dipaco.data.prepare import load_prepared
-from dipaco.train.experiment import build_experiment
-from dipaco.train.loop import run_round
+from dipaco.run import build_trainer
 
 pytestmark = pytest.mark.slow
 
 
 def experiment(cfg, compile: bool):
     cfg = replace(cfg, train=replace(cfg.train, compile=compile, rounds=2, inner_steps=3))
-    return build_experiment(cfg, load_prepared(cfg), World(device=torch.device("cpu")))
+    return build_trainer(cfg, World(device=torch.device("cpu")))
 
 
 def test_compiled_paths_match_eager_and_compile_once(run_cfg):
     torch.manual_seed(0)
     eager = experiment(run_cfg, compile=False)
     for r in range(2):
-        run_round(eager, r)
+        eager.scheduler.run_round(r)
 
     torch._dynamo.reset()
     counters.clear()
@@ -38,7 +36,7 @@ def test_compiled_paths_match_eager_and_compile_once(run_cfg):
     assert graphs > 0
     compiled = experiment(run_cfg, compile=True)  # fresh loops and bank; the compile cache stays warm
     for r in range(2):
-        run_round(compiled, r)
+        compiled.scheduler.run_round(r)
     assert counters["stats"]["unique_graphs"] == graphs, "recompiled for another path or round"
 
     for loop in compiled.loops.values():

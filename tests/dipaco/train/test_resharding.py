@@ -16,16 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import dipaco.route.reroute as reroute_module
+import dipaco.train.reroute as reroute_module
 from dipaco.checkpoint.store import load_bank_state
 from dipaco.config import Config, save_config
 from dipaco.errors import ConfigError
 from dipaco.metrics import read_metrics
-from dipaco.route.assign import route
-from dipaco.route.reroute import reroute
-from dipaco.route.shards import current_fingerprint
+from dipaco.route.provenance import current_fingerprint
+from dipaco.run import Run
 from dipaco.run_dir import RunDir
-from dipaco.train.loop import train
 from dipaco.train.resharding import EM_RECORD, read_record
 
 REPO = Path(__file__).resolve().parents[3]
@@ -54,10 +52,10 @@ def em_run(prepared_run, tmp_path_factory):
     """A routed copy of the tiny run kept untrained (``pristine``), and one uninterrupted EM run of it."""
     root = tmp_path_factory.mktemp("em")
     shutil.copytree(prepared_run.run.dir, root / "pristine")
-    route(em_config(prepared_run, root / "pristine"))
+    Run(em_config(prepared_run, root / "pristine")).route()
     shutil.copytree(root / "pristine", root / "em")
     cfg = em_config(prepared_run, root / "em")
-    train(cfg)
+    Run(cfg).train()
     return prepared_run, root, cfg
 
 
@@ -82,11 +80,11 @@ def test_em_run_reroutes_at_its_points_and_equals_the_manual_sequence_bit_for_bi
 
     # The manual sequence, on an untouched copy of the same routed run, without route.em_rounds.
     manual = em_config(base, fresh_copy(root, "manual"), em_rounds=[])
-    train(manual, until_round=1)
-    reroute(manual)
-    train(manual, resume=True, until_round=3)
-    reroute(manual)
-    train(manual, resume=True)
+    Run(manual).train(until_round=1)
+    Run(manual).reroute()
+    Run(manual).train(resume=True, until_round=3)
+    Run(manual).reroute()
+    Run(manual).train(resume=True)
     assert_same_bank(final_bank(cfg), final_bank(manual))
     assert current_fingerprint(RunDir(manual.run.dir)) == fingerprints[-1]  # the same routing, file for file
 
@@ -94,7 +92,7 @@ def test_em_run_reroutes_at_its_points_and_equals_the_manual_sequence_bit_for_bi
 def test_em_run_prints_when_it_reroutes_and_how_many_documents_moved(em_run, capsys):
     base, root, _ = em_run
     cfg = em_config(base, fresh_copy(root, "printed"), em_rounds=[1], rounds=2)
-    train(cfg)
+    Run(cfg).train()
     out = capsys.readouterr().out
     moved = read_record(RunDir(cfg.run.dir).experiment(cfg.train.name))[0]["moved_train_docs_count"]
     assert "[em] round 1/2: re-routing every document on the paths' losses (route.em_rounds=[1])" in out
@@ -107,26 +105,26 @@ def test_resume_between_and_at_em_points_gives_the_uninterrupted_bank(em_run, mo
     base, root, reference = em_run
     cfg = em_config(base, fresh_copy(root, "resumed"), keep_checkpoints=4)  # keep_checkpoints: mutable on resume
     exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
-    train(cfg, until_round=2)  # between the points: round 1 re-routed
+    Run(cfg).train(until_round=2)  # between the points: round 1 re-routed
     assert [e["round"] for e in read_record(exp_dir)] == [1]
-    train(cfg, resume=True, until_round=3)  # stops at point 3's checkpoint; its re-routing comes on resume
+    Run(cfg).train(resume=True, until_round=3)  # stops at point 3's checkpoint; its re-routing comes on resume
     assert [e["round"] for e in read_record(exp_dir)] == [1]
 
     # Stopped right after the re-routing replaced the routing, before it recorded it as the experiment's.
     real = reroute_module.record_routing
 
-    def stop_after_the_swap(cfg_, exp_dir_, rerouting=None):
+    def stop_after_the_swap(run_dir_, exp_dir_, routed_, rerouting=None):
         if rerouting is None:
             raise KeyboardInterrupt
-        real(cfg_, exp_dir_, rerouting=rerouting)
+        real(run_dir_, exp_dir_, routed_, rerouting=rerouting)
 
     monkeypatch.setattr(reroute_module, "record_routing", stop_after_the_swap)
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, resume=True)
+        Run(cfg).train(resume=True)
     monkeypatch.setattr(reroute_module, "record_routing", real)
     assert [e["round"] for e in read_record(exp_dir)] == [1]
 
-    exp = train(cfg, resume=True)  # keeps that re-routing (not redone: its moved counts are the originals)
+    exp = Run(cfg).train(resume=True)  # keeps that re-routing (not redone: its moved counts are the originals)
     assert exp.checkpoints.latest().name == "round_000004"
     assert_same_bank(final_bank(reference), final_bank(cfg))
     ref_dir = RunDir(reference.run.dir).experiment(reference.train.name)
@@ -136,13 +134,13 @@ def test_resume_between_and_at_em_points_gives_the_uninterrupted_bank(em_run, mo
     # A checkpoint older than a re-routing done is refused; one at or after the last point resumes.
     with pytest.raises(ConfigError, match=r"re-routed after round 3 \(route.em_rounds\), later than this "
                                           r"checkpoint's round 2"):
-        train(cfg, resume_from=str(exp_dir / "checkpoints" / "round_000002"))
-    exp = train(cfg, resume_from=str(exp_dir / "checkpoints" / "round_000003"))
+        Run(cfg).train(resume_from=str(exp_dir / "checkpoints" / "round_000002"))
+    exp = Run(cfg).train(resume_from=str(exp_dir / "checkpoints" / "round_000003"))
     assert exp.checkpoints.latest().name == "round_000004"
     assert_same_bank(final_bank(reference), final_bank(cfg))
     # The schedule is fixed on resume.
     with pytest.raises(ConfigError, match=r"the config changed \(route.em_rounds: \[1, 3\] -> \[1, 2\]\)"):
-        train(replace(cfg, route=replace(cfg.route, em_rounds=[1, 2])), resume=True)
+        Run(replace(cfg, route=replace(cfg.route, em_rounds=[1, 2]))).train(resume=True)
 
 
 def test_a_fresh_em_run_forgets_the_record_of_an_experiment_without_checkpoints(em_run):
@@ -151,10 +149,10 @@ def test_a_fresh_em_run_forgets_the_record_of_an_experiment_without_checkpoints(
     exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
     exp_dir.mkdir(parents=True)
     (exp_dir / EM_RECORD).write_text(json.dumps({"done": [{"round": 1}]}))
-    train(cfg, until_round=1)
+    Run(cfg).train(until_round=1)
     assert not (exp_dir / EM_RECORD).exists()
     with pytest.raises(ConfigError, match="already has checkpoints"):
-        train(cfg)  # a fresh start over checkpoints is refused before anything is touched
+        Run(cfg).train()  # a fresh start over checkpoints is refused before anything is touched
 
 
 def torchrun_train(cfg_file: Path, *overrides: str) -> tuple[int, str]:

@@ -11,14 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tiny import TINY
 
-import dipaco.checkpoint.store as checkpoint
+import dipaco.tensor_io as checkpoint
 from dipaco.checkpoint.store import CheckpointManager, verify
 from dipaco.cli import main
 from dipaco.config import Config
-from dipaco.train.loop import train
-
-from tiny import TINY
+from dipaco.run import Run
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -33,20 +32,20 @@ def cli_args(cfg: Config, *extra: str) -> list[str]:
 
 def test_resume_with_a_relative_or_moved_run_dir(run_cfg, tmp_path, monkeypatch):
     absolute = Path(run_cfg.run.dir).resolve()
-    train(with_dir(run_cfg, absolute), until_round=1)
+    Run(with_dir(run_cfg, absolute)).train(until_round=1)
     monkeypatch.chdir(absolute.parent.parent)  # another cwd: the same run, spelled relatively
     relative = os.path.relpath(absolute)
     assert not Path(relative).is_absolute()
-    exp = train(with_dir(run_cfg, relative), resume=True, until_round=2)
+    exp = Run(with_dir(run_cfg, relative)).train(resume=True, until_round=2)
     assert exp.checkpoints.latest().name == "round_000002"
 
     moved = tmp_path / "elsewhere" / "run"
     shutil.move(str(absolute), str(moved))
-    exp = train(with_dir(run_cfg, moved), resume=True)  # continues the moved run
+    exp = Run(with_dir(run_cfg, moved)).train(resume=True)  # continues the moved run
     assert exp.checkpoints.latest().name == "round_000002" and exp.cfg.train.rounds == 2
     longer = replace(run_cfg, run=replace(run_cfg.run, dir=str(moved)), train=replace(run_cfg.train, rounds=3))
     with pytest.raises(Exception, match=r"train\.rounds: 2 -> 3"):  # a real change is still refused
-        train(longer, resume=True)
+        Run(longer).train(resume=True)
 
 
 def test_disk_full_during_a_checkpoint_is_one_line_and_resume_works(run_cfg, monkeypatch, capsys):
@@ -121,8 +120,8 @@ def test_a_ctrl_c_lost_inside_a_finalizer_still_stops_training_at_the_next_step(
                                                                                  sigint_from_a_terminal):
     # Python runs the SIGINT handler between any two bytecodes; inside a finalizer or a callback from C
     # the KeyboardInterrupt is printed as "Exception ignored" and lost. Here the step swallows it the same way.
+    from dipaco.paths.inner import InnerLoop
     from dipaco.runtime import sigint_stops_training
-    from dipaco.train.inner import InnerLoop
 
     real_step, calls = InnerLoop.train_step, []
 
@@ -138,6 +137,6 @@ def test_a_ctrl_c_lost_inside_a_finalizer_still_stops_training_at_the_next_step(
 
     monkeypatch.setattr(InnerLoop, "train_step", step)
     with pytest.raises(KeyboardInterrupt), sigint_stops_training():
-        train(run_cfg)
+        Run(run_cfg).train()
     assert len(calls) == 3  # the step that lost the interrupt finished; the next one did not start
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back

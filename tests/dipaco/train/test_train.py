@@ -5,13 +5,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dipaco.checkpoint.store import load_state, load_tensors
 from dipaco.config import Config
 from dipaco.errors import CheckpointError, ConfigError
-from dipaco.eval.evaluate import evaluate_experiment, evaluate_pretrained
 from dipaco.metrics import read_metrics
+from dipaco.run import Run
 from dipaco.run_dir import RunDir
-from dipaco.train.loop import train
+from dipaco.tensor_io import load_state, load_tensors
 
 
 def with_train(cfg: Config, **kw) -> Config:
@@ -34,10 +33,10 @@ def assert_same_tree(a, b, where=""):
 
 
 def test_resume_is_bit_exact(run_cfg):
-    straight = train(with_train(run_cfg, name="straight", rounds=4))
+    straight = Run(with_train(run_cfg, name="straight", rounds=4)).train()
     cfg = with_train(run_cfg, name="resumed", rounds=4)
-    train(cfg, until_round=2)
-    resumed = train(cfg, resume=True)
+    Run(cfg).train(until_round=2)
+    resumed = Run(cfg).train(resume=True)
 
     for a, b in zip(straight.bank.params, resumed.bank.params):
         assert torch.equal(a, b)
@@ -52,12 +51,12 @@ def test_resume_is_bit_exact(run_cfg):
 
 
 def test_training_lowers_validation_perplexity(run_cfg):
-    pretrained = evaluate_pretrained(run_cfg)
+    pretrained = Run(run_cfg).evaluate_pretrained()
     random_init = with_train(run_cfg, name="from_random", init="random", rounds=1, inner_steps=1)
-    train(random_init, until_round=0)  # builds the experiment, runs no round: no checkpoint
+    Run(random_init).train(until_round=0)  # builds the experiment, runs no round: no checkpoint
     cfg = with_train(run_cfg, rounds=3, inner_steps=10)
-    train(cfg)
-    report = evaluate_experiment(cfg)
+    Run(cfg).train()
+    report = Run(cfg).evaluate()
     assert report["overall"]["ppl"] < pretrained["overall"]["ppl"]
     assert report["overall"]["ppl"] < run_cfg.tokenizer.vocab_size  # far below a uniform guess
     # Every validation doc is routed to exactly one path, and per-path counts add up.
@@ -67,7 +66,7 @@ def test_training_lowers_validation_perplexity(run_cfg):
 
 
 def test_metrics_log_loss_throughput_and_outer_norms_per_module(run_cfg):
-    exp = train(run_cfg)
+    exp = Run(run_cfg).train()
     paths = read_metrics(exp.dir / "metrics.jsonl", "path")
     assert {(r["round"], r["path"]) for r in paths} == {(r, p) for r in (1, 2) for p in range(4)}
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in paths)
@@ -79,43 +78,43 @@ def test_metrics_log_loss_throughput_and_outer_norms_per_module(run_cfg):
 
 def test_checkpoints_keep_last_k_and_refuse_silent_overwrite(run_cfg):
     cfg = with_train(run_cfg, rounds=3, keep_checkpoints=2)
-    exp = train(cfg)
+    exp = Run(cfg).train()
     assert [p.name for p in exp.checkpoints.checkpoints()] == ["round_000002", "round_000003"]
     with pytest.raises(ConfigError, match="already has checkpoints"):
-        train(cfg)
+        Run(cfg).train()
 
 
 def test_corrupted_checkpoint_is_named_and_previous_stays_usable(run_cfg):
     cfg = with_train(run_cfg, rounds=3)
-    exp = train(cfg, until_round=2)
+    exp = Run(cfg).train(until_round=2)
     latest = exp.checkpoints.latest()
     bank_file = latest / "bank.safetensors"
     data = bytearray(bank_file.read_bytes())
     data[-10] ^= 0xFF
     bank_file.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"bank\.safetensors: corrupted.*round_000001"):
-        train(cfg, resume=True)
-    resumed = train(cfg, resume_from=str(exp.checkpoints.root / "round_000001"))
+        Run(cfg).train(resume=True)
+    resumed = Run(cfg).train(resume_from=str(exp.checkpoints.root / "round_000001"))
     assert resumed.checkpoints.latest().name == "round_000003"
 
 
 def test_truncated_checkpoint_file_is_reported(run_cfg):
-    exp = train(run_cfg, until_round=1)
+    exp = Run(run_cfg).train(until_round=1)
     inner = exp.checkpoints.latest() / "paths" / "path_002" / "inner.pt"
     inner.write_bytes(inner.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"path_002/inner\.pt: truncated"):
-        train(run_cfg, resume=True)
+        Run(run_cfg).train(resume=True)
 
 
 def test_resume_with_a_changed_config_is_refused(run_cfg):
-    train(run_cfg, until_round=1)
+    Run(run_cfg).train(until_round=1)
     changed = replace(run_cfg, outer=replace(run_cfg.outer, lr=0.5))
     with pytest.raises(ConfigError, match=r"outer\.lr: 0\.7 -> 0\.5"):
-        train(changed, resume=True)
+        Run(changed).train(resume=True)
 
 
 def test_checkpoint_holds_bank_outer_paths_and_state(run_cfg):
-    exp = train(run_cfg)
+    exp = Run(run_cfg).train()
     ckpt = exp.checkpoints.latest()
     bank = load_tensors(ckpt / "bank.safetensors")
     assert any(k.startswith("level1.1/") for k in bank)
@@ -128,7 +127,7 @@ def test_checkpoint_holds_bank_outer_paths_and_state(run_cfg):
 def test_empty_shard_is_a_clear_error(run_cfg):
     cfg = replace(run_cfg, topology=replace(run_cfg.topology, preset="moe:4096"))
     with pytest.raises(Exception, match="shard of path .* is empty"):
-        train(cfg)
+        Run(cfg).train()
     assert not RunDir(cfg.run.dir).experiment(cfg.train.name).joinpath("checkpoints").exists()
 
 
@@ -136,14 +135,14 @@ def test_a_round_checkpointed_but_not_yet_logged_is_logged_on_resume(run_cfg):
     # A worker killed after the checkpoint is renamed into place but before rank 0 logs the round
     # (the SIGKILL restart test hits this under load): the resumed run logs it from the checkpoint.
     cfg = with_train(run_cfg, name="unlogged", rounds=3)
-    exp = train(cfg, until_round=2)
+    exp = Run(cfg).train(until_round=2)
     log = exp.dir / "metrics.jsonl"
     kept = [line for line in log.read_text().splitlines() if '"round": 2' not in line]
     log.write_text("".join(line + "\n" for line in kept))
-    train(cfg, resume=True)
+    Run(cfg).train(resume=True)
     outer = [r["round"] for r in read_metrics(log, "outer")]
     assert outer == [1, 2, 3]
     assert sorted(r["round"] for r in read_metrics(log, "path")) == [1] * 4 + [2] * 4 + [3] * 4
     # A run resumed after a complete log does not log the round again.
-    train(cfg, resume=True)
+    Run(cfg).train(resume=True)
     assert [r["round"] for r in read_metrics(log, "outer")] == [1, 2, 3]

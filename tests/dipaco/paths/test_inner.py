@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.config import OptimConfig
+from dipaco.paths.inner import InnerLoop, InnerOptions, build_adamw
+from dipaco.paths.sampler import ShardSampler
 from dipaco.precision import resolve_precision
-from dipaco.train.inner import InnerLoop, InnerOptions, build_adamw
-from dipaco.train.sampler import ShardSampler
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, batch_size=4)
 

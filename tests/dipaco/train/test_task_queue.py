@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from dipaco.config import load_config
 from dipaco.errors import ConfigError
 from dipaco.model.topology import Topology
-from dipaco.train.ray_driver import check_staleness_bound, executor_groups, executor_outer_lr, worker_speeds
+from dipaco.run import load_config
+from dipaco.sync.async_nesterov import AsyncNesterov
+from dipaco.sync.nesterov import module_outer_lr
+from dipaco.train.task_queue import check_staleness_bound, executor_groups, worker_speeds
 
 ASYNC = ["train.driver=ray", "outer.sync=async_nesterov"]
 
@@ -42,30 +45,40 @@ def test_config_errors_name_the_key(overrides, message):
 
 def test_staleness_bound_must_allow_the_other_paths_of_a_module():
     topo = Topology.from_preset("grid:2x2", 2)  # the shared embedding and head: 4 paths each
-    check_staleness_bound(load_config(None, [*ASYNC, "ray.max_staleness=3"]), topo)
+    check_staleness_bound(load_config(None, [*ASYNC, "ray.max_staleness=3"]).ray.max_staleness, topo)
     with pytest.raises(ConfigError, match="ray.max_staleness: 2 is below 3"):
-        check_staleness_bound(load_config(None, [*ASYNC, "ray.max_staleness=2"]), topo)
+        check_staleness_bound(load_config(None, [*ASYNC, "ray.max_staleness=2"]).ray.max_staleness, topo)
 
 
 def test_workers_and_executor_groups():
-    assert worker_speeds(load_config(None, ASYNC), 4) == [1.0] * 4
-    assert worker_speeds(load_config(None, [*ASYNC, "ray.simulate_speeds=[1.0,0.25]"]), 4) == [1.0, 0.25]
-    assert worker_speeds(load_config(None, [*ASYNC, "ray.num_workers=2"]), 4) == [1.0, 1.0]
+    assert worker_speeds(load_config(None, ASYNC).ray, 4) == [1.0] * 4
+    assert worker_speeds(load_config(None, [*ASYNC, "ray.simulate_speeds=[1.0,0.25]"]).ray, 4) == [1.0, 0.25]
+    assert worker_speeds(load_config(None, [*ASYNC, "ray.num_workers=2"]).ray, 4) == [1.0, 1.0]
     assert executor_groups(6, None) == [[0], [1], [2], [3], [4], [5]]
     assert executor_groups(6, 4) == [[0, 4], [1, 5], [2], [3]]
     assert executor_groups(2, 5) == [[0], [1]]
 
 
-def test_executors_step_at_the_lock_step_outer_lr_of_their_module():
-    """outer.embedding_head_lr_scale and outer.rescale reach the executors as each module's lr; on a 2x2
-    grid the shared embedding and head have 4 paths through them, each level module 2."""
+def test_executors_take_the_lock_step_outer_lr_and_the_rescale_on_the_gradient():
+    """outer.embedding_head_lr_scale reaches each executor as its module's lr (module_outer_lr, the lock-step
+    rule); outer.rescale scales the outer gradient, as the lock-step sync does. On a 2x2 grid the shared
+    embedding and head have 4 paths through them, each level module 2: one round of arrivals is torch
+    SGD-Nesterov at the module's lr on sqrt(paths) times the weighted mean change."""
     topo = Topology.from_preset("grid:2x2", 2)
-    kinds = {m.id: m.part.kind for m in topo.modules}
     cfg = load_config(None, [*ASYNC, "outer.lr=0.5", "outer.embedding_head_lr_scale=1.5", "outer.rescale=sqrt_paths"])
-    lrs = {m: executor_outer_lr(cfg, topo, m) for m in kinds}
-    for m, kind in kinds.items():
-        expected = 0.5 * 1.5 * 2.0 if kind in ("embedding", "head") else 0.5 * 2 ** 0.5
-        assert lrs[m] == pytest.approx(expected), (kind, lrs[m])
-    inverse = load_config(None, [*ASYNC, "outer.lr=0.5", "outer.rescale=inv_sqrt_paths"])
-    assert sorted({executor_outer_lr(inverse, topo, m) for m in kinds}) == pytest.approx([0.25, 0.5 / 2 ** 0.5])
-    assert {executor_outer_lr(load_config(None, ASYNC), topo, m) for m in kinds} == {0.7}
+    gen = torch.Generator().manual_seed(0)
+    for module in topo.modules:
+        lr = module_outer_lr(cfg.outer, topo, module.id)
+        assert lr == pytest.approx(0.75 if module.part.kind in ("embedding", "head") else 0.5)
+        through = topo.paths_through(module.id)
+        weights = {p: 1.0 + p for p in through}
+        sync = AsyncNesterov({0: torch.zeros(3)}, {0: weights}, lr, 0.9, {0: len(through)}, rescale="sqrt_paths")
+        deltas = {p: torch.randn(3, generator=gen) for p in through}
+        for p in through:
+            sync.apply(f"p{p}", p, 0, 0, deltas[p])
+        ref = torch.nn.Parameter(torch.zeros(3))
+        sgd = torch.optim.SGD([ref], lr=lr, momentum=0.9, nesterov=True)
+        mean = sum(weights[p] * deltas[p] for p in through) / sum(weights.values())
+        ref.grad = mean * len(through) ** 0.5
+        sgd.step()
+        assert torch.allclose(sync.params[0], ref.detach(), atol=1e-6), module.name

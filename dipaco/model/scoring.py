@@ -7,8 +7,8 @@ count exactly the same tokens (see :mod:`dipaco.data.packing` for which tokens a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from dipaco.checkpoint.store import CheckpointManager, load_bank_state
-from dipaco.config import Config, apply_overrides
+from dipaco.config import Config
 from dipaco.metrics import read_metrics
+from dipaco.run import Run, apply_overrides
 
 ray = pytest.importorskip("ray", reason='the Ray driver needs Ray: pip install -e ".[ray]" (dev includes it)')
 
-from dipaco.train.ray_driver import ModuleExecutor, count_applied, executor_log_files, train_ray  # noqa: E402
+from dipaco.train.task_actors import ModuleExecutor, count_applied, executor_log_files  # noqa: E402
 
 ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", "run.progress=false", "ray.executors=2"]
 
@@ -60,10 +61,10 @@ def test_async_run_stops_resumes_and_evaluates(ray_session, run_cfg):
 
     cfg = with_overrides(run_cfg, "ray.simulate_speeds=[1.0,0.5]", "train.dynamic_local_steps=true",
                          "ray.max_staleness=4")
-    exp = train_ray(cfg, until_round=1)
+    exp = Run(cfg).train(until_round=1)
     first = completed_tasks(exp.dir)
     assert sum(t["steps"] for t in first) == 5 * 4  # one round's worth of inner steps
-    exp = train_ray(cfg, resume=True)
+    exp = Run(cfg).train(resume=True)
     tasks = completed_tasks(exp.dir)
     assert sum(t["steps"] for t in tasks) == 2 * 5 * 4  # the whole budget, nothing counted twice
     assert max(s for t in tasks for s in t["staleness"].values()) <= 4
@@ -109,7 +110,7 @@ def test_killed_worker_and_executor_lose_no_update(ray_session, run_cfg):
 
         threading.Thread(target=kill, daemon=True).start()
 
-    exp = train_ray(cfg, on_start=drill)
+    exp = Run(cfg).train(on_start=drill)
     assert killed == {"worker": 1, "executor": 1}
     assert read_metrics(exp.dir / "metrics.jsonl", "requeue")
     tasks = completed_tasks(exp.dir)
@@ -134,7 +135,7 @@ def test_an_executor_killed_as_a_run_checkpoint_starts_loses_nothing(ray_session
 
         run.checkpoint = killed_first
 
-    exp = train_ray(cfg, on_start=drill)
+    exp = Run(cfg).train(on_start=drill)
     assert killed
     tasks = completed_tasks(exp.dir)
     assert sum(t["steps"] for t in tasks) == 2 * 5 * 4
@@ -146,11 +147,10 @@ def test_an_executor_killed_as_a_run_checkpoint_starts_loses_nothing(ray_session
 def test_rounds_schedule_reproduces_diloco(ray_session, run_cfg, tmp_path):
     """ray.schedule=rounds with the default delay applies the same outer steps as outer.sync=diloco,
     per-module outer lrs included (a larger embedding/head step, the sqrt(paths) rescale)."""
-    from dipaco.train.loop import train
 
     per_module = ["outer.embedding_head_lr_scale=1.5", "outer.rescale=sqrt_paths"]
-    ray_exp = train_ray(with_overrides(run_cfg, "ray.schedule=rounds", "train.name=on_ray", *per_module))
-    sync_exp = train(apply_overrides(run_cfg, ["train.name=diloco", *per_module]))
+    ray_exp = Run(with_overrides(run_cfg, "ray.schedule=rounds", "train.name=on_ray", *per_module)).train()
+    sync_exp = Run(apply_overrides(run_cfg, ["train.name=diloco", *per_module])).train()
     on_ray = load_bank_state(CheckpointManager(ray_exp.dir / "checkpoints").latest())
     diloco = load_bank_state(CheckpointManager(sync_exp.dir / "checkpoints").latest())
     assert set(on_ray) == set(diloco)

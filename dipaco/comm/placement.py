@@ -7,7 +7,7 @@ it holds the modules of those paths, and the lowest rank holding a module writes
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from dipaco.comm.groups import module_ranks
 from dipaco.errors import ConfigError

@@ -11,18 +11,34 @@ changes which parameters are trained or their names, so the bank's name-based ma
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from dipaco.config import ModelConfig, OptimConfig
+from dipaco.errors import ConfigError, check_range
 from dipaco.model.llama import enable_activation_checkpointing
+from dipaco.paths.lr_schedule import build_scheduler
+from dipaco.paths.sampler import ShardSampler
 from dipaco.precision import Precision, resolve_precision
 from dipaco.runtime import raise_if_interrupted
-from dipaco.train.lr_schedule import build_scheduler
-from dipaco.train.sampler import ShardSampler
+
+
+def check_optim(key: str, optim: OptimConfig) -> None:
+    """An inner AdamW section (``key``: ``train.optim`` or ``pretrain.optim``, named in errors)."""
+    for name, low, high, closed in (("lr", 0.0, math.inf, False), ("beta1", 0.0, 1.0, False),
+                                    ("beta2", 0.0, 1.0, False), ("weight_decay", 0.0, math.inf, False),
+                                    ("min_lr_ratio", 0.0, 1.0, True), ("grad_clip", 0.0, math.inf, False)):
+        check_range(f"{key}.{name}", getattr(optim, name), low, high, high_closed=closed)
+    if not (math.isfinite(optim.eps) and optim.eps > 0):
+        raise ConfigError(f"{key}.eps: must be a finite number > 0, got {optim.eps}")
+    if optim.warmup_steps < 0:
+        raise ConfigError(f"{key}.warmup_steps: must be >= 0, got {optim.warmup_steps}")
+    if optim.batch_size <= 0:
+        raise ConfigError(f"{key}.batch_size: must be > 0, got {optim.batch_size}")
 
 
 @dataclass
@@ -39,7 +55,7 @@ class InnerStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @staticmethod
-    def combine(parts: list["InnerStats"]) -> "InnerStats":
+    def combine(parts: list[InnerStats]) -> InnerStats:
         """The stats of consecutive runs (segments of a round) as one."""
         if len(parts) == 1:
             return parts[0]
@@ -59,7 +75,7 @@ class InnerOptions:
     offload_inactive: bool = False
 
     @staticmethod
-    def from_config(section, model: ModelConfig, device: torch.device, key: str) -> "InnerOptions":
+    def from_config(section, model: ModelConfig, device: torch.device, key: str) -> InnerOptions:
         """From ``train`` or ``pretrain`` (``key`` names it in errors) and ``model``."""
         return InnerOptions(
             precision=resolve_precision(section.precision, device, f"{key}.precision"),
@@ -210,15 +226,15 @@ class InnerLoop:
                     # .item() syncs the device, so only at log points.
                     progress.set_postfix(loss=f"{recent.item() / ((i % log_every) + 1):.3f}", refresh=False)
                     recent.zero_()
-        loss = total.item() / max(steps, 1)  # syncs the device, so the time below is the steps' own
+        mean_loss = total.item() / max(steps, 1)  # syncs the device, so the time below is the steps' own
         seconds = time.perf_counter() - start
         swap += self._swap(to_home=False)
         return InnerStats(
             steps=steps,
-            loss=loss,
+            loss=mean_loss,
             tokens=steps * self.sampler.tokens_per_batch,
             seconds=seconds,
-            lr=self.scheduler.get_last_lr()[0],
+            lr=float(self.scheduler.get_last_lr()[0]),
             swap_seconds=swap,
         )
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dipaco.errors import DataError
-from dipaco.train.sampler import ShardSampler
+from dipaco.paths.sampler import ShardSampler
 
 
 def sequences(n: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dipaco.train.lr_schedule import build_scheduler, warmup_cosine
+from dipaco.paths.lr_schedule import build_scheduler, warmup_cosine
 
 
 def test_warmup_then_cosine_to_min_ratio():

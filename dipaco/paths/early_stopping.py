@@ -20,19 +20,19 @@ never write the same file.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from transformers import PreTrainedModel
 
 from dipaco.atomic import replacing, write_text
-from dipaco.checkpoint.store import load_model_params, save_tensors
 from dipaco.data.hashing import holdout_mask
 from dipaco.errors import CheckpointError
-from dipaco.eval.scoring import score_documents
 from dipaco.model.bank import ModuleBank
+from dipaco.model.scoring import score_documents
 from dipaco.precision import Precision
+from dipaco.tensor_io import load_model_params, save_tensors
 
 
 def early_stopping_holdout(ids: Sequence[str], fraction: float, seed: int) -> np.ndarray:
@@ -49,8 +49,8 @@ class PathEarlyStopping:
         self.dir = Path(directory)
         self.docs = heldout_docs
         self.model = scratch_model
-        self.score_args = dict(seq_len=seq_len, prefix_tokens=prefix_tokens, batch_size=batch_size, pad_id=pad_id,
-                               precision=precision)
+        self.seq_len, self.prefix_tokens, self.batch_size, self.pad_id = seq_len, prefix_tokens, batch_size, pad_id
+        self.precision = precision
         self.best: dict[int, dict] = {}
         for path in heldout_docs:
             record = self.dir / f"path_{path:03d}.json"
@@ -62,7 +62,8 @@ class PathEarlyStopping:
         ppl = {}
         model = self.model
         for path, docs in self.docs.items():
-            scores = score_documents(bank.compose(path, model), docs, **self.score_args)
+            scores = score_documents(bank.compose(path, model), docs, self.seq_len, self.prefix_tokens, self.batch_size,
+                                     self.pad_id, self.precision)
             ppl[path] = scores.perplexity
             best = self.best.get(path)
             if np.isfinite(ppl[path]) and (best is None or ppl[path] < best["ppl"]):

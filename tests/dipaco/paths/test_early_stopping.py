@@ -6,12 +6,11 @@ from dataclasses import replace
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dipaco.model.bank import ModuleBank
-from dipaco.train.early_stopping import PathEarlyStopping, early_stopping_holdout, load_best_path
-from dipaco.eval.evaluate import evaluate_experiment
 from dipaco.metrics import read_metrics
+from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
-from dipaco.train.loop import train
+from dipaco.paths.early_stopping import PathEarlyStopping, early_stopping_holdout, load_best_path
+from dipaco.run import Run
 
 
 def tiny() -> LlamaForCausalLM:
@@ -50,8 +49,8 @@ def test_holdout_mask_is_stable_and_near_the_fraction():
 
 def test_training_with_early_stopping_evaluates_best_paths(run_cfg):
     cfg = replace(run_cfg, train=replace(run_cfg.train, early_stopping_holdout=0.25, name="es"))
-    exp = train(cfg)
+    exp = Run(cfg).train()
     logged = read_metrics(exp.dir / "metrics.jsonl", "early_stopping")
     assert len(logged) == cfg.train.rounds and set(logged[0]["heldout_ppl"]) == {"0", "1", "2", "3"}
-    report = evaluate_experiment(replace(cfg, eval=replace(cfg.eval, early_stopping=True)))
+    report = Run(replace(cfg, eval=replace(cfg.eval, early_stopping=True))).evaluate()
     assert "early-stopped" in report["checkpoint"] and report["overall"]["scored_tokens"] > 0

@@ -11,68 +11,90 @@ best paths are stored too (``paths_topk``), so overlapping shards follow the re-
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import LlamaConfig
 
-from dipaco.checkpoint.experiment import experiment_checkpoint
-from dipaco.checkpoint.store import load_tensors
-from dipaco.config import Config
+from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
+from dipaco.config import RouteConfig
 from dipaco.data.hashing import holdout_mask
-from dipaco.data.prepare import load_prepared
+from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError, DataError
-from dipaco.eval.scoring import score_documents
 from dipaco.metrics import echo
 from dipaco.model.llama import build_model
+from dipaco.model.scoring import score_documents
+from dipaco.model.topology import Topology
+from dipaco.precision import Precision
+from dipaco.route.artifact import load_router
 from dipaco.route.assign import FEATURES, print_report, routing_summary, write_routing
-from dipaco.route.router import load_router
-from dipaco.route.shards import record_routing
+from dipaco.route.provenance import record_routing
 from dipaco.run_dir import RunDir
-from dipaco.precision import resolve_precision
-from dipaco.runtime import resolve_device, seed_everything
-from dipaco.train.pretrain import path_llama_config
+from dipaco.runtime import seed_everything
+from dipaco.tensor_io import load_tensors
 from routing.discriminative import fit_discriminative_router
 from routing.router import Router
 
 
-def reroute(cfg: Config, checkpoint: str | None = None, device: torch.device | None = None,
+@dataclass(frozen=True)
+class RerouteJob:
+    """What re-routing an experiment reads: its routing keys, the experiment, and how paths are scored."""
+
+    route: RouteConfig  # reroute_holdout, reroute_target, topk
+    run_dir: Path
+    name: str  # the experiment: <run.dir>/train/<name>
+    routed: bool  # it trains on routed shards (train.sharding=kmeans): nothing to re-route otherwise
+    topology: Topology
+    llama: LlamaConfig
+    seed: int
+    device: torch.device
+    precision: Precision  # of the paths' forward passes (eval.precision)
+    seq_len: int
+    prefix_tokens: int
+    batch_size: int  # eval.batch_size
+    deterministic: bool | None = None
+
+
+def reroute(job: RerouteJob, load_prepared: Callable[[], Prepared], checkpoint: str | None = None,
             hint: bool = True) -> dict:
     """Discriminative re-routing from the experiment's checkpoint; writes new routing in place.
-    ``device``: where the paths score (default: run.device); ``hint``: end with what to run next."""
-    device = device or resolve_device(cfg.run.device)
-    seed_everything(cfg.run.seed, device, cfg.run.deterministic)
-    if cfg.train.sharding != "kmeans":
+    ``load_prepared``: the routed splits; ``hint``: end with what to run next."""
+    seed_everything(job.seed, job.device, job.deterministic)
+    if not job.routed:
         raise ConfigError("dipaco reroute re-shards routed data: set train.sharding=kmeans (and run `dipaco route` first)")
-    run = RunDir(cfg.run.dir)
-    prepared = load_prepared(cfg, routed=True)
-    exp_dir, ckpt, topology, bank = experiment_checkpoint(cfg, prepared, checkpoint)
+    prepared = load_prepared()
+    run, topology = RunDir(job.run_dir), job.topology
+    exp_dir, ckpt = experiment_checkpoint(job.run_dir, job.name, job.routed, checkpoint)
+    bank = read_bank(ckpt, topology, job.llama)
     old = load_router(run, topology.num_paths)
     stored = load_tensors(run.routing / FEATURES)
 
     start = time.perf_counter()
-    mask = holdout_mask(prepared.train["id"], cfg.route.reroute_holdout, f"reroute:{cfg.run.seed}")
+    mask = holdout_mask(prepared.train["id"], job.route.reroute_holdout, f"reroute:{job.seed}")
     rows = np.flatnonzero(mask)
     docs = [prepared.train["input_ids"][int(i)] for i in rows]
     if len(docs) < topology.num_paths:
-        raise DataError(f"route.reroute_holdout={cfg.route.reroute_holdout} leaves {len(docs)} documents to score "
+        raise DataError(f"route.reroute_holdout={job.route.reroute_holdout} leaves {len(docs)} documents to score "
                         f"{topology.num_paths} paths; raise it")
-    model = build_model(path_llama_config(cfg, prepared), device=device)
-    precision = resolve_precision(cfg.eval.precision, device, "eval.precision")
+    model = build_model(job.llama, device=job.device)
     loglik = torch.empty(len(docs), topology.num_paths, dtype=torch.float64)
     for p in range(topology.num_paths):
-        scores = score_documents(bank.compose(p, model), docs, cfg.data.seq_len, cfg.data.prefix_tokens,
-                                 cfg.eval.batch_size, prepared.tokenizer.pad_token_id, precision)
+        scores = score_documents(bank.compose(p, model), docs, job.seq_len, job.prefix_tokens,
+                                 job.batch_size, prepared.tokenizer.pad_token_id, job.precision)
         loglik[:, p] = -torch.from_numpy(scores.nll)
     scored = torch.from_numpy(scores.tokens > 0)  # documents within the prefix carry no signal
     current = np.asarray(prepared.train["path"])
-    target = "uniform" if cfg.route.reroute_target == "uniform" else np.bincount(current, minlength=topology.num_paths).tolist()
+    target = "uniform" if job.route.reroute_target == "uniform" else np.bincount(current, minlength=topology.num_paths).tolist()
     # The classifier sees features as the old router did (after its transform) and keeps that transform.
     weight, bias = fit_discriminative_router(old.transformed(stored["train"][rows][scored]), loglik[scored], target)
     router = Router("linear", [topology.num_paths], weight=weight.float(), bias=bias.float(), featurizer=old.featurizer,
                     text_model=old.text_model, topology=topology.to_dict(), meta={"checkpoint": ckpt.name},
                     transform=old.transform)
     paths = {s: router.assign(stored[s]).numpy().astype(np.int64) for s in ("train", "validation")}
-    topk = router.assign_topk(stored["train"], cfg.route.topk).numpy() if cfg.route.topk > 1 else None
+    topk = router.assign_topk(stored["train"], job.route.topk).numpy() if job.route.topk > 1 else None
     best = loglik[scored].argmax(dim=1).numpy()
     seconds = time.perf_counter() - start
     report = routing_summary(router, paths, prepared, seconds, {
@@ -85,8 +107,8 @@ def reroute(cfg: Config, checkpoint: str | None = None, device: torch.device | N
     # The new fingerprint is noted as this experiment's own before the swap, so a stop in between leaves
     # the experiment resumable; once written, it is what the experiment trains on and the others are refused it.
     write_routing(run, prepared, router, paths, topk, {k: stored[k] for k in ("train", "validation")}, report,
-                  before_swap=lambda fingerprint: record_routing(cfg, exp_dir, rerouting=fingerprint))
-    record_routing(cfg, exp_dir)
+                  before_swap=lambda fingerprint: record_routing(job.run_dir, exp_dir, True, rerouting=fingerprint))
+    record_routing(job.run_dir, exp_dir, True)
     print_report(report)
     if hint:
         echo(f"[reroute] {report['moved_train_docs']:.1%} of train docs moved; continue with `dipaco train --resume`")

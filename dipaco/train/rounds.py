@@ -1,0 +1,157 @@
+"""The round scheduler: lock-step rounds of every path's inner steps and the outer sync, under torchrun.
+
+A single process is the world_size=1 case of the same code: its one rank owns every path and holds
+every module, so no module is communicated. Under ``torchrun`` every rank trains its own paths and
+holds only the modules they go through (DiPaCo, arXiv 2403.10616, section 2.3). The paths of a rank
+advance in segments: each runs up to the sync's next sync point, then the sync updates the modules
+and the path models (:mod:`dipaco.sync`)::
+
+    for point in sync.sync_points():            # offsets within the round, e.g. (inner_steps,) for DiLoCo
+        for p, loop in loops.items():           # this rank's paths, each up to the sync point
+            loop.run(point - done)
+        sync.at(round_index, point, models)     # outer step(s); writes the new modules into the paths
+
+Every path keeps its own model and AdamW state across rounds. After each round the ranks gather
+their reports and the trainer (:mod:`dipaco.train.trainer`) checkpoints the round, then logs it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from dipaco.comm.accounting import ddp_bytes
+from dipaco.comm.world import World
+from dipaco.metrics import MetricsLogger, echo
+from dipaco.model.bank import ModuleBank
+from dipaco.model.topology import Topology
+from dipaco.paths.early_stopping import PathEarlyStopping
+from dipaco.paths.inner import InnerLoop, InnerStats
+from dipaco.sync.base import OuterSync, SyncReport
+
+
+@dataclass
+class Progress:
+    """Work a scheduler completed that the trainer checkpoints, then logs: checkpoint ``index`` and what
+    every rank reported (kept in the checkpoint, so a restart logs what a crash left unlogged)."""
+
+    index: int
+    reports: list
+    info: dict = field(default_factory=dict)  # logged with the checkpoint event (the task scheduler's counts)
+
+
+class RoundScheduler:
+    """Lock-step rounds: every path of every rank does ``inner_steps`` steps, with the sync at its points."""
+
+    driver = "torchrun"
+
+    def __init__(self, sync: OuterSync, loops: Mapping[int, InnerLoop], bank: ModuleBank, topology: Topology,
+                 world: World, rounds: int, inner_steps: int, log_every: int = 10, progress: bool = True,
+                 early_stopping: PathEarlyStopping | None = None, comm_dtype: str = "fp32",
+                 report_dropped: bool = False) -> None:
+        self.sync, self.loops, self.bank, self.topology, self.world = sync, loops, bank, topology, world
+        self.rounds, self.inner_steps, self.log_every, self.progress = rounds, inner_steps, log_every, progress
+        self.early_stopping, self.comm_dtype, self.report_dropped = early_stopping, comm_dtype, report_dropped
+
+    def describe(self) -> str:
+        return f"{self.rounds} rounds x {self.inner_steps} inner steps"
+
+    def run(self, start: int, until_round: int) -> Iterator[Progress]:
+        """Rounds ``start`` .. ``until_round`` - 1; yields each one's reports, gathered from every rank."""
+        for r in range(start, until_round):
+            yield Progress(r + 1, self.world.all_gather_object(self.run_round(r), f"round {r + 1} report"))
+
+    def run_round(self, round_index: int) -> dict:
+        """This rank's paths, advanced in segments up to each sync point of the round; returns what rank 0 logs."""
+        start = time.perf_counter()
+        bar = tqdm(total=self.inner_steps * len(self.loops), desc=f"round {round_index + 1}/{self.rounds}",
+                   disable=not self.progress or self.world.rank != 0, dynamic_ncols=True, leave=False)
+        segments: dict[int, list[InnerStats]] = {p: [] for p in self.loops}
+        syncs: list[SyncReport] = []
+        done = 0
+        for point in self.sync.sync_points():
+            for p, loop in self.loops.items():
+                bar.set_description(f"round {round_index + 1}/{self.rounds} path {p}")
+                segments[p].append(loop.run(point - done, progress=bar, log_every=self.log_every))
+            done = point
+            syncs.append(self.sync.at(round_index, point, {p: loop.model for p, loop in self.loops.items()}))
+        bar.close()
+        records = []
+        for p, stats in segments.items():
+            total = InnerStats.combine(stats)
+            offload = {"swap_seconds": total.swap_seconds} if self.loops[p].offload is not None else {}
+            records.append(dict(step=self.loops[p].step, round=round_index + 1, path=p, loss=total.loss,
+                                tokens_per_s=total.tokens_per_s, lr=total.lr, tokens=total.tokens, **offload))
+        heldout_ppl = self.early_stopping.update(self.bank, round_index + 1) if self.early_stopping else {}
+        norms = {name: v for report in syncs for name, v in report.norms.items()}
+        dropped = sorted({p for report in syncs for p in report.dropped})
+        return {"paths": records, "norms": norms, "dropped": dropped, "heldout_ppl": heldout_ppl,
+                "comm": self._comm_record(syncs, time.perf_counter() - start)}
+
+    def _comm_record(self, syncs: list[SyncReport], round_s: float) -> dict:
+        steps = self.inner_steps * len(self.loops)
+        path_numel = sum(self.bank.numel(part) for part in self.topology.parts)
+        ddp = ddp_bytes(path_numel, steps, self.world.size)
+        ddp_peak = ddp_bytes(path_numel, 1, self.world.size)  # DDP syncs every step: one gradient all-reduce
+        sent = sum(s.stats.bytes_sent for s in syncs)
+        modules: dict[str, dict] = {}
+        for report in syncs:
+            for name, entry in report.stats.modules.items():
+                if name in modules:
+                    modules[name] = {**entry, "bytes_sent": modules[name]["bytes_sent"] + entry["bytes_sent"],
+                                     "bytes_received": modules[name]["bytes_received"] + entry["bytes_received"]}
+                else:
+                    modules[name] = entry
+        return {
+            "rank": self.world.rank, "world_size": self.world.size, "comm_dtype": self.comm_dtype,
+            "paths": list(self.loops), "inner_steps": steps,
+            "bytes_sent": sent, "bytes_received": sum(s.stats.bytes_received for s in syncs),
+            "check_bytes": sum(s.stats.check_bytes for s in syncs),
+            "peak_sync_bytes": max((s.stats.bytes_sent for s in syncs), default=0.0),
+            "sync_bytes": [s.stats.bytes_sent for s in syncs],  # per call of the sync, in order
+            "ddp_bytes": ddp, "ddp_over_sent": ddp / sent if sent else None, "ddp_peak_sync_bytes": ddp_peak,
+            "modules": modules,
+            "round_seconds": round_s, "outer_seconds": sum(s.seconds for s in syncs),
+            "comm_seconds": sum(s.comm_seconds for s in syncs),  # issuing and waiting for exchanges
+        }
+
+    def logged(self, records: list[dict], index: int) -> bool:
+        """Whether ``records`` (metrics.jsonl) hold round ``index``: its ``outer`` event is logged last but the comms."""
+        return any(r["event"] == "outer" and r.get("round") == index for r in records)
+
+    def log(self, metrics: MetricsLogger, index: int, reports: list[dict], info: dict, checkpoint_name: str) -> None:
+        """Rank 0 logs every rank's report of a completed (checkpointed) round."""
+        records = sorted((rec for rep in reports for rec in rep["paths"]), key=lambda rec: rec["path"])
+        for rec in records:
+            rec = dict(rec)
+            metrics.log("path", step=rec.pop("step"), **rec)
+        merged = {name: v for rep in reports for name, v in rep["norms"].items()}
+        norms = {m.name: merged[m.name] for m in self.topology.modules if m.name in merged}
+        extra = {"dropped": reports[0]["dropped"]} if self.report_dropped else {}
+        metrics.log("outer", step=index, round=index, outer_grad_norm=norms, **extra)
+        for rep in reports:
+            metrics.log("comm", step=index, round=index, **rep["comm"])
+        if self.early_stopping is not None:
+            heldout = {p: v for rep in reports for p, v in rep["heldout_ppl"].items()}
+            metrics.log("early_stopping", step=index, round=index, heldout_ppl=dict(sorted(heldout.items())))
+        loss_text = " ".join(f"p{rec['path']}={rec['loss']:.3f}" for rec in records)
+        comm_text = ""
+        if self.world.size > 1:
+            sent = max(rep["comm"]["bytes_sent"] for rep in reports)
+            comm_text = f" | comm {sent / 1e6:.2f} MB/rank ({self.comm_dtype})"
+        echo(f"[train] round {index}/{self.rounds} loss {loss_text}{comm_text} -> {checkpoint_name}")
+
+    def summary(self, metrics: MetricsLogger) -> None:
+        """Nothing beyond the rounds' records."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,175 @@
+"""The Ray actors of the task scheduler (:mod:`dipaco.train.tasks`), as plain classes: a path worker
+runs path tasks, a module executor applies the tasks' changes to its modules. The scheduler wraps
+them with ``ray.remote``; constructed again by Ray after a crash, an executor restores its own
+newest checkpoint (written in the store's format, :mod:`dipaco.checkpoint.store`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint, Snapshot, resolve_checkpoint, write_snapshot
+from dipaco.config import ModelConfig, TrainConfig
+from dipaco.model.bank import ModuleBank
+from dipaco.model.llama import build_model
+from dipaco.model.topology import Topology
+from dipaco.paths.inner import InnerLoop, InnerOptions
+from dipaco.paths.sampler import ShardSampler
+from dipaco.runtime import seed_everything
+from dipaco.sync.async_nesterov import ANCHOR, BUFFER, MOMENTUM, PARAMS, AsyncNesterov
+
+SYNC_PARTS = (MOMENTUM, BUFFER, ANCHOR)  # the executors' state a run checkpoint keeps besides the bank
+EXECUTORS_DIR = "executors"  # <experiment>/executors/run_<ms>/executor_NNN: each executor's own checkpoints
+
+
+class PathWorker:
+    """Runs path tasks: compose the path, ``steps`` AdamW steps, hand back its AdamW state and deltas."""
+
+    def __init__(self, worker: int, speed: float, seed: int, train: TrainConfig, model: ModelConfig, llama_config,
+                 topology: Topology, shards: dict[int, torch.Tensor], total_steps: int) -> None:
+        torch.set_num_threads(1)  # several workers share the machine's cores
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray sets the visible GPU
+        seed_everything(seed, self.device)
+        self.worker, self.speed, self.seed, self.train, self.topology = worker, speed, seed, train, topology
+        self.options = InnerOptions.from_config(train, model, self.device, "train")
+        self.shards, self.total_steps, self.llama_config = shards, total_steps, llama_config
+        self.models: dict[int, Any] = {}
+        self.bank = ModuleBank(topology, build_model(llama_config, seed=0, device=self.device))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, path: int, steps: int, inner_state: dict | None, *modules: torch.Tensor) -> tuple:
+        """Returns (stats, AdamW/schedule/data state, one delta theta_m - theta_{p,m} per part)."""
+        model = self.models.setdefault(path, build_model(self.llama_config, device=self.device))
+        module_ids = self.topology.path_modules(path)
+        with torch.no_grad():
+            for m, value in zip(module_ids, modules):
+                self.bank.params[m].copy_(value)
+        self.bank.load_path(path, model)
+        sampler = ShardSampler(self.shards[path], self.train.optim.batch_size, seed=self.seed * 7919 + path)
+        loop = InnerLoop(model, sampler, self.train.optim, self.total_steps, self.device, self.options)
+        if inner_state is not None:
+            loop.load_state_dict(inner_state)
+        start = time.perf_counter()
+        stats = loop.run(steps, log_every=max(steps, 1))
+        if self.speed < 1.0:  # a slower machine: the same work takes 1/speed as long
+            time.sleep(stats.seconds * (1.0 / self.speed - 1.0))
+        seconds = time.perf_counter() - start
+        deltas = [(self.bank.params[m] - self.bank.path_vector(model, part)).cpu()
+                  for part, m in zip(self.topology.parts, module_ids)]
+        meta = {"loss": stats.loss, "tokens": stats.tokens, "seconds": seconds, "compute_seconds": stats.seconds,
+                "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0, "lr": stats.lr, "step": loop.step,
+                "worker": self.worker}
+        return (meta, _to_cpu(loop.state_dict()), *deltas)
+
+
+def _to_cpu(state: Any) -> Any:
+    if torch.is_tensor(state):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: _to_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_cpu(v) for v in state)
+    return state
+
+
+class ModuleExecutor:
+    """The outer executor of a group of modules: their :class:`AsyncNesterov` and update log.
+
+    It checkpoints itself into ``root`` (the store's format) every ``every`` updates; constructed again
+    by Ray after a crash, it restores its newest checkpoint. ``saved`` (tensors by part, counters)
+    starts it from a run checkpoint instead of ``init``.
+    """
+
+    def __init__(self, names: dict[int, str], init: dict[int, torch.Tensor], path_weights: dict[int, dict[int, float]],
+                 lr: float | dict[int, float], momentum: float, delay: dict[int, int], root: str, every: int,
+                 config_yaml: str, saved: tuple[dict, dict] | None = None, rescale: str = "none") -> None:
+        torch.set_num_threads(1)
+        self.names, self.every, self.config_yaml = dict(names), every, config_yaml
+        self.sync = AsyncNesterov(init, path_weights, lr, momentum, delay, rescale)
+        self.checkpoints = CheckpointManager(root, keep=2)
+        self.restored_from = None
+        if self.checkpoints.latest() is not None:
+            ckpt = SavedCheckpoint(resolve_checkpoint(self.checkpoints))
+            parts = {part: ckpt.replicated(part, set(self.names.values())) for part in (PARAMS, *SYNC_PARTS)}
+            self.sync.load(parts, ckpt.state()["counters"], self.names)
+            self.restored_from = ckpt.root.name
+        else:
+            if saved is not None:
+                self.sync.load(saved[0], saved[1], self.names)
+            self._checkpoint()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def status(self) -> dict:
+        return {"updates": len(self.sync.log), "restored_from": self.restored_from}
+
+    def pull(self, module: int) -> torch.Tensor:
+        return self.sync.params[module].clone()
+
+    def push(self, task: str, path: int, module: int, start_version: int, delta: torch.Tensor) -> dict | None:
+        """Applies one task's delta to ``module`` (None: that task was already applied to it)."""
+        if self.restored_from is not None:
+            # Updates applied after the last checkpoint died with the previous actor and are being sent
+            # again; a task that pulled them may arrive first, naming a version this actor has not
+            # reached yet. Its delta is relative to what it pulled, so it applies as is, at staleness 0.
+            start_version = min(start_version, self.sync.version(module))
+        update = self.sync.apply(task, path, module, start_version, delta)
+        if update is not None and len(self.sync.log) % self.every == 0:
+            self._checkpoint()
+        return None if update is None else update.__dict__
+
+    def state(self) -> tuple[dict, dict]:
+        return self.sync.tensors(self.names), self.sync.counters()
+
+    def log(self) -> list[dict]:
+        return self.sync.counters()["log"]
+
+    def _checkpoint(self) -> None:
+        n = len(self.sync.log)
+        snapshot = Snapshot(parts=self.sync.tensors(self.names), config_yaml=self.config_yaml,
+                            state={"round": n, "counters": self.sync.counters(), "modules": self.names})
+        self.checkpoints.save(n, lambda d: write_snapshot(d, 0, snapshot, n))
+
+
+class ExecutorState:
+    """The checkpoint's sync component under this scheduler: every executor's momentum, pending changes
+    and anchors by module name, as of the last run checkpoint."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = set(names)
+        self.parts: dict[str, dict[str, torch.Tensor]] = {part: {} for part in SYNC_PARTS}
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.parts
+
+    def load_state(self, saved: Any) -> None:
+        self.parts = {part: saved.replicated(part, self.names) for part in SYNC_PARTS}
+
+
+def executor_log_files(exp_dir: Path) -> dict[str, list[dict]]:
+    """Every module's update log from its executor's newest checkpoint, for the newest run on Ray."""
+    runs = sorted((exp_dir / EXECUTORS_DIR).glob("run_*"))
+    logs: dict[str, list[dict]] = {}
+    for group_dir in sorted(p for p in runs[-1].iterdir() if p.is_dir()) if runs else []:
+        state = SavedCheckpoint(resolve_checkpoint(CheckpointManager(group_dir))).state()
+        for update in state["counters"]["log"]:
+            logs.setdefault(state["modules"][update["module"]], []).append(update)
+    return logs
+
+
+def count_applied(logs: Mapping[str, Sequence[dict]]) -> dict[tuple[str, str], int]:
+    """(module, task id) -> times applied, from executor update logs."""
+    counts: dict[tuple[str, str], int] = {}
+    for module, log in logs.items():
+        for update in log:
+            key = (module, update["task"])
+            counts[key] = counts.get(key, 0) + 1
+    return counts

@@ -1,0 +1,182 @@
+"""The trainer: start-up, resume, checkpoints, metrics and error handling, written once for both schedulers.
+
+It wires components that :func:`dipaco.run.build_trainer` (the composition root) built, and reads no
+config value itself:
+
+    shards (dipaco.route.shards) -> path models composed from the ModuleBank (dipaco.model.bank)
+      -> an InnerLoop per path of this rank (dipaco.paths.inner)
+      -> a scheduler: lock-step rounds with an outer sync (dipaco.train.rounds, dipaco.sync) under
+         torchrun, or the asynchronous task queue on Ray (dipaco.train.tasks)
+      -> checkpoints of the stateful components (dipaco.checkpoint.state) -> metrics (dipaco.metrics)
+
+A scheduler yields :class:`~dipaco.train.rounds.Progress` when it has completed work to keep: the
+trainer writes a checkpoint of every component, then has the scheduler log the work (``metrics.jsonl``
+on rank 0). A run stopped between the checkpoint and its log logs it when it resumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from dipaco.checkpoint.state import TrainingState
+from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint, resolve_checkpoint, write_snapshot
+from dipaco.comm.world import World
+from dipaco.config import Config, TrainConfig, check_resume, to_yaml
+from dipaco.errors import ConfigError, DistributedError
+from dipaco.metrics import MetricsLogger, echo, read_metrics
+from dipaco.model.bank import ModuleBank
+from dipaco.model.topology import Topology
+from dipaco.paths.inner import InnerLoop, check_optim
+from dipaco.route.provenance import check_routing, record_routing
+from dipaco.train.rounds import Progress
+
+
+def check_train(train: TrainConfig) -> None:
+    """The ``train`` section's own keys (its optimizer: :func:`dipaco.paths.inner.check_optim`)."""
+    for key in ("rounds", "inner_steps", "keep_checkpoints", "log_every"):
+        if getattr(train, key) <= 0:
+            raise ConfigError(f"train.{key}: must be > 0, got {getattr(train, key)}")
+    if not 0.0 <= train.early_stopping_holdout < 1.0:
+        raise ConfigError(f"train.early_stopping_holdout: must be in [0, 1), got {train.early_stopping_holdout}")
+    name = train.name
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ConfigError(f"train.name: must be a plain directory name (no '/', not '.' or '..'; it names "
+                          f"<run.dir>/train/<name>), got {name!r}")
+    check_optim("train.optim", train.optim)
+
+
+class Scheduler(Protocol):
+    """What the trainer needs of a scheduler (:class:`~dipaco.train.rounds.RoundScheduler`,
+    :class:`~dipaco.train.tasks.TaskScheduler`)."""
+
+    driver: str
+    sync: Any  # the checkpoint's sync component
+
+    def describe(self) -> str: ...
+
+    def run(self, start: int, until_round: int) -> Iterator[Progress]: ...
+
+    def log(self, metrics: MetricsLogger, index: int, reports: list, info: dict, checkpoint_name: str) -> None: ...
+
+    def logged(self, records: list[dict], index: int) -> bool: ...
+
+    def summary(self, metrics: MetricsLogger) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Trainer:
+    """One experiment as one rank trains it."""
+
+    cfg: Config  # the resolved config: written into every checkpoint and compared on resume, never read here
+    run_dir: Path
+    dir: Path  # <run.dir>/train/<name>
+    rounds: int  # train.rounds: the length of the run, which the LR schedule spans
+    routed: bool  # trains on routed shards (train.sharding=kmeans), whose routing is recorded and checked
+    topology: Topology
+    bank: ModuleBank  # the modules this rank's paths go through (all of them in a single process)
+    loops: dict[int, InnerLoop]  # this rank's path id -> its inner loop (model, AdamW, schedule, data cursor)
+    weights: dict[int, float]  # every path's outer weight w_p
+    by_rank: list[tuple[int, ...]]  # the paths of every rank
+    world: World  # this rank and the job's collectives (one rank in a single process)
+    scheduler: Scheduler
+    state: TrainingState
+    checkpoints: CheckpointManager
+
+    @property
+    def sync(self) -> Any:
+        return self.scheduler.sync
+
+    def train(self, resume: bool = False, resume_from: str | None = None, until_round: int | None = None) -> Trainer:
+        """Trains up to ``until_round`` (default: every round), from scratch or from a checkpoint."""
+        world = self.world
+        if world.rank == 0:
+            options = next(iter(self.loops.values())).options
+            speed = f"{options.precision.name} on {world.device}" + (", compiled" if options.compile else "")
+            ranks = "" if world.size == 1 else "; " + ", ".join(f"rank {r}: paths {list(ps)}"
+                                                               for r, ps in enumerate(self.by_rank))
+            echo(f"[train] {self.dir.name}: {self.topology.describe()}; {self.scheduler.describe()}; {speed}{ranks}")
+        start, resumed = self._start(resume, resume_from)
+        if world.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "config.yaml").write_text(to_yaml(self.cfg))
+            record_routing(self.run_dir, self.dir, self.routed)
+        stop = self.rounds if until_round is None else min(until_round, self.rounds)
+        metrics = MetricsLogger(self.dir) if world.rank == 0 else None
+        try:
+            if metrics is not None and resumed is not None:
+                self._log_unlogged(metrics, resumed)
+            for progress in self.scheduler.run(start, stop):
+                ckpt = self.checkpoints.save(progress.index, lambda d: self._write(d, progress), world)
+                if metrics is not None:  # logged once the work is checkpointed: a restarted round is not logged twice
+                    self._log(metrics, progress.index, progress.reports, progress.info, ckpt)
+            if metrics is not None:
+                self.scheduler.summary(metrics)
+        finally:
+            self.scheduler.close()
+            if metrics is not None:
+                metrics.close()
+        return self
+
+    def _start(self, resume: bool, resume_from: str | None) -> tuple[int, Path | None]:
+        """The index to start from and the checkpoint it comes from (None: a fresh start); every rank agrees."""
+        world = self.world
+        start, resumed, error = 0, None, None
+        restarted = world.env.restart_count > 0 and not (resume or resume_from)
+        try:
+            latest = self.checkpoints.latest()
+            if resume or resume_from or (restarted and latest is not None):
+                if restarted and world.rank == 0 and latest is not None:
+                    echo(f"[train] restart {world.env.restart_count} of the worker group: continuing from {latest.name}")
+                check_routing(self.run_dir, self.dir, self.routed)
+                start, resumed = self.restore(resume_from)
+            elif latest is not None:
+                raise ConfigError(f"{self.dir} already has checkpoints; pass --resume to continue it, "
+                                  f"or choose another train.name to start a new experiment")
+        except Exception as exc:  # shared with every rank, so none waits for a rank that gave up
+            error = exc
+        world.agree(error, "resuming")
+        starts = world.all_gather_object(start, "first round")
+        if len(set(starts)) > 1:
+            raise DistributedError(
+                f"ranks would start from different rounds ({starts}); run.dir must be on storage every rank sees")
+        return start, resumed
+
+    def restore(self, resume_from: str | None) -> tuple[int, Path]:
+        """Loads the newest (or the given) checkpoint; returns its index and the checkpoint.
+
+        Each rank verifies and reads the module states and its own paths only."""
+        own = tuple(f"paths/path_{p:03d}/" for p in self.loops)
+        ckpt = resolve_checkpoint(self.checkpoints, resume_from,
+                                  select=lambda rel: not rel.startswith("paths/") or rel.startswith(own))
+        check_resume(ckpt / "config.yaml", self.cfg)
+        state = self.state.restore(SavedCheckpoint(ckpt, self.world.rank, self.bank.device))
+        if self.world.rank == 0:
+            echo(f"[train] resumed from {ckpt} (round {state['round']})")
+        return int(state["round"]), ckpt
+
+    def _write(self, directory: Path, progress: Progress) -> list[Path]:
+        snapshot = self.state.snapshot(progress.index, progress.reports, progress.info, to_yaml(self.cfg))
+        return write_snapshot(directory, self.world.rank, snapshot, progress.index)
+
+    def _log(self, metrics: MetricsLogger, index: int, reports: list, info: dict, ckpt: Path) -> None:
+        self.scheduler.log(metrics, index, reports, info, ckpt.name)
+
+    def _log_unlogged(self, metrics: MetricsLogger, ckpt: Path) -> None:
+        """A checkpoint's work is logged after it is in place, so a worker killed in between leaves it
+        unlogged; the resumed run logs it from the reports the checkpoint kept."""
+        state = SavedCheckpoint(ckpt).state()
+        index, reports = int(state["round"]), state.get("reports")
+        logged = self.dir / "metrics.jsonl"
+        records = read_metrics(logged) if logged.is_file() else []
+        if index > 0 and not self.scheduler.logged(records, index) and reports is not None:
+            self._log(metrics, index, reports, state.get("checkpoint_info", {}), ckpt)
+
