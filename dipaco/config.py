@@ -9,7 +9,7 @@ every component's check at once, so a bad config fails before any job starts.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, List, Literal, Optional, get_args, get_type_hints
 
@@ -384,13 +384,6 @@ RESUME_FIXED = ("route.topk", "route.em_rounds")
 RESUME_FIXED_EM = ("route.reroute_holdout", "route.reroute_target")
 
 
-def _with_resolved_parts(cfg: Config) -> Config:
-    """A null embedding/head and the value it resolves to compute the same run (a run dir written
-    before the null existed holds "shared")."""
-    embedding, head = resolved_part_sharing(cfg.topology)
-    return replace(cfg, topology=replace(cfg.topology, embedding=embedding, head=head))
-
-
 def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTABLE,
                 keep: tuple[str, ...] | None = None) -> list[str]:
     """Keys whose values differ, as ``key: old -> new``, skipping keys that start with ``ignore``
@@ -398,7 +391,9 @@ def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTAB
     itself with route.em_rounds)."""
     if keep is None:
         keep = RESUME_FIXED + (RESUME_FIXED_EM if old.route.em_rounds or new.route.em_rounds else ())
-    a, b = (flatten(_with_resolved_parts(c)) for c in (old, new))
+    a, b = flatten(old), flatten(new)
+    for flat, cfg in ((a, old), (b, new)):  # a null embedding/head computes the run of the value it resolves to
+        flat["topology.embedding"], flat["topology.head"] = resolved_part_sharing(cfg.topology)
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))
