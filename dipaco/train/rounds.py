@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
@@ -31,16 +30,7 @@ from dipaco.model.topology import Topology
 from dipaco.paths.early_stopping import PathEarlyStopping
 from dipaco.paths.inner import InnerLoop, InnerStats
 from dipaco.sync.base import OuterSync, SyncReport
-
-
-@dataclass
-class Progress:
-    """Work a scheduler completed that the trainer checkpoints, then logs: checkpoint ``index`` and what
-    every rank reported (kept in the checkpoint, so a restart logs what a crash left unlogged)."""
-
-    index: int
-    reports: list
-    info: dict = field(default_factory=dict)  # logged with the checkpoint event (the task scheduler's counts)
+from dipaco.train.trainer import Progress
 
 
 class RoundScheduler:

@@ -42,9 +42,9 @@ from dipaco.model.topology import Topology
 from dipaco.paths.inner import InnerLoop
 from dipaco.sync.async_nesterov import PARAMS, default_delay, staleness_summary
 from dipaco.sync.nesterov import module_outer_lr
-from dipaco.train.rounds import Progress
 from dipaco.train.task_actors import EXECUTORS_DIR, SYNC_PARTS, ExecutorState, ModuleExecutor, PathWorker
 from dipaco.train.task_queue import Task, TaskQueue, check_staleness_bound, executor_groups, worker_speeds
+from dipaco.train.trainer import Progress
 
 RESTART_BACKOFF_S = 0.5  # wait before asking an actor Ray is restarting again
 

@@ -9,7 +9,7 @@ config value itself:
          torchrun, or the asynchronous task queue on Ray (dipaco.train.tasks)
       -> checkpoints of the stateful components (dipaco.checkpoint.state) -> metrics (dipaco.metrics)
 
-A scheduler yields :class:`~dipaco.train.rounds.Progress` when it has completed work to keep: the
+A scheduler yields :class:`Progress` when it has completed work to keep: the
 trainer writes a checkpoint of every component, then has the scheduler log the work (``metrics.jsonl``
 on rank 0). A run stopped between the checkpoint and its log logs it when it resumes.
 """
@@ -17,7 +17,7 @@ on rank 0). A run stopped between the checkpoint and its log logs it when it res
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,7 +31,6 @@ from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
 from dipaco.paths.inner import InnerLoop, check_optim
 from dipaco.route.provenance import check_routing, record_routing
-from dipaco.train.rounds import Progress
 
 
 def check_train(train: TrainConfig) -> None:
@@ -46,6 +45,16 @@ def check_train(train: TrainConfig) -> None:
         raise ConfigError(f"train.name: must be a plain directory name (no '/', not '.' or '..'; it names "
                           f"<run.dir>/train/<name>), got {name!r}")
     check_optim("train.optim", train.optim)
+
+
+@dataclass
+class Progress:
+    """Work a scheduler completed that the trainer checkpoints, then logs: checkpoint ``index`` and what
+    every rank reported (kept in the checkpoint, so a restart logs what a crash left unlogged)."""
+
+    index: int
+    reports: list
+    info: dict = field(default_factory=dict)  # logged with the checkpoint event (the task scheduler's counts)
 
 
 class Scheduler(Protocol):
