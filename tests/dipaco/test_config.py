@@ -90,6 +90,16 @@ def test_saved_config_reloads_identically(tmp_path):
         ("train.name=.", "train.name"),
         ("train.name=a/../../b", "train.name"),
         ("train.name=''", "train.name"),
+        # values the schema's types accept and the components refuse (issue 34)
+        ("outer.momentum=5", "outer.momentum"),
+        ("model.rope_theta=nan", "model.rope_theta"),
+        ("model.init_std=-1", "model.init_std"),
+        ("dist.timeout_s=nan", "dist.timeout_s"),
+        ("route.balance_slack=nan", "route.balance_slack"),
+        ("route.topic_smoothing=nan", "route.topic_smoothing"),
+        ("run.seed=-1", "run.seed"),
+        ("run.seed=4294967296", "run.seed"),
+        ("run.device=foo", "run.device"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
