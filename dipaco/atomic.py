@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dipaco.errors import DipacoError
+
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
@@ -32,8 +34,12 @@ def replacing(final: str | Path) -> Iterator[Path]:
     _remove(tmp)
     try:
         yield tmp
-    except BaseException:
+    except BaseException as exc:
         _remove(tmp)
+        if isinstance(exc, OSError):  # a full disk, a read-only directory: one line, nothing lost
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise DipacoError(f"could not write {final}: {exc.strerror or exc}{where}; {final} is as it was "
+                              f"before: free the space (or fix the permission) and run the command again") from None
         raise
     if final.is_dir() and not final.is_symlink():
         old = final.with_name(f".{final.name}.old")

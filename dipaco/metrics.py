@@ -2,20 +2,27 @@
 
 Every record has an ``event`` (e.g. ``pretrain``, ``path``, ``outer``, ``eval``) and a wall-clock
 ``time``; the JSONL file is the source of truth and is appended to, so a resumed run keeps its history.
+
+A record is one ``write`` of one whole line to a file opened for appending. When the write fails
+(a full disk), the file is cut back to where it was, so it never holds half a line, and the error
+says so; a line cut by a crash (SIGKILL mid-write) is dropped when the file is opened again.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from dipaco.errors import DataError, DipacoError
 
-def _tensorboard_writer(log_dir: Path):
+
+def _tensorboard_writer(log_dir: Path) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is an optional extra
@@ -27,13 +34,22 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        _drop_torn_line(self._fd)
         self._tb = _tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
 
     def log(self, event: str, step: int | None = None, **values: Any) -> None:
         record = {"event": event, "time": round(time.time(), 3), **({"step": step} if step is not None else {}), **values}
-        self._file.write(json.dumps(record, default=_jsonable) + "\n")
-        self._file.flush()
+        line = (json.dumps(record, default=_jsonable) + "\n").encode("utf-8")
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            os.ftruncate(self._fd, end)  # no half line: the log is as it was before this record
+            raise DipacoError(f"could not append to {self.path}: {exc.strerror or exc}; it is as it was before "
+                              f"this record: free the space and continue with --resume") from None
         if self._tb is not None and step is not None:
             self._log_scalars(event, step, values)
 
@@ -49,9 +65,23 @@ class MetricsLogger:
                 self._tb.add_scalar(f"{prefix}/{key}{suffix}", value, step)
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
         if self._tb is not None:
             self._tb.close()
+
+
+def _drop_torn_line(fd: int) -> None:
+    """Cuts the file back to just after its last newline: a record a crash cut in the middle is dropped."""
+    size = keep = os.lseek(fd, 0, os.SEEK_END)
+    while keep > 0:
+        start = max(0, keep - (1 << 16))
+        newline = os.pread(fd, keep - start, start).rfind(b"\n")
+        if newline >= 0:
+            keep = start + newline + 1
+            break
+        keep = start
+    if keep != size:
+        os.ftruncate(fd, keep)
 
 
 def _jsonable(value: Any) -> Any:
@@ -66,6 +96,20 @@ def echo(message: str) -> None:
 
 
 def read_metrics(path: str | Path, event: str | None = None) -> list[dict]:
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
+    """The records of a ``metrics.jsonl`` (of ``event`` only, if given). A last line without its newline
+    (a write a crash cut) is left out; any other line that is not a JSON object is an error naming it."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    complete = lines[:-1]  # the last element is "" for a file ending in a newline, else a torn record
+    records = []
+    for number, line in enumerate(complete, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise DataError(f"{path}:{number}: not a JSON record ({line[:60]!r})") from None
+        if not isinstance(record, dict) or "event" not in record:
+            raise DataError(f"{path}:{number}: not a metrics record ({line[:60]!r})")
+        records.append(record)
     return [r for r in records if event is None or r["event"] == event]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from dipaco.atomic import write_text
 from dipaco.checkpoint.state import TrainingState
 from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint, resolve_checkpoint, write_snapshot
 from dipaco.comm.world import World
@@ -116,7 +117,7 @@ class Trainer:
         start, resumed = self._start(resume, resume_from)
         if world.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "config.yaml").write_text(to_yaml(self.cfg))
+            write_text(self.dir / "config.yaml", to_yaml(self.cfg))  # replaced whole: a full disk keeps the old one
             record_routing(self.run_dir, self.dir, self.routed)
         stop = self.rounds if until_round is None else min(until_round, self.rounds)
         metrics = MetricsLogger(self.dir) if world.rank == 0 else None

@@ -1,0 +1,27 @@
+"""metrics.jsonl never holds half a record: a torn last line (a crash mid-write) is left out by the reader
+and cut away when the log is opened again; a line that is not a record elsewhere is an error naming it."""
+
+import pytest
+
+from dipaco.errors import DataError
+from dipaco.metrics import MetricsLogger, read_metrics
+
+
+def test_a_torn_last_record_is_skipped_then_cut_away(tmp_path):
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log("path", step=1, loss=2.5)
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b'{"event": "outer", "step": 1, "outer_grad_no')  # a write a SIGKILL cut
+    assert [r["event"] for r in read_metrics(tmp_path / "metrics.jsonl")] == ["path"]
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log("outer", step=1)
+    log.close()
+    assert [r["event"] for r in read_metrics(tmp_path / "metrics.jsonl")] == ["path", "outer"]
+    assert (tmp_path / "metrics.jsonl").read_bytes().count(b"outer_grad_no") == 0
+
+
+def test_a_broken_line_inside_the_log_is_named(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"event": "path"}\nnot json\n{"event": "outer"}\n')
+    with pytest.raises(DataError, match=r"metrics\.jsonl:2: not a JSON record"):
+        read_metrics(tmp_path / "metrics.jsonl")
