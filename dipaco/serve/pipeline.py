@@ -44,7 +44,6 @@ from transformers import LlamaForCausalLM
 from transformers.generation import (
     LogitsProcessor,
     LogitsProcessorList,
-    TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
@@ -154,14 +153,30 @@ class SeededSampler(LogitsProcessor):
         self.generator = generator
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float(), dim=-1)
+        probs = torch.softmax(scores.double(), dim=-1)
         token = torch.multinomial(probs, num_samples=1, generator=self.generator)
         out = torch.full_like(scores, -math.inf)
         return out.scatter_(1, token, 0.0)
 
 
+class SafeTemperature(LogitsProcessor):
+    """scores / T, computed as (scores - max) / T in float64: the best token scores 0, the others a
+    non-positive number that may round to -inf but never to NaN, for any T > 0 down to the smallest
+    positive double (a tiny T is then greedy decoding, its limit). Dividing the raw scores (as
+    ``TemperatureLogitsWarper`` does) overflows to inf - inf = NaN below T ~ 1e-37."""
+
+    def __init__(self, temperature: float) -> None:
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise DipacoError(f"temperature must be a finite number > 0 to sample, got {temperature}")
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.double()
+        return (scores - scores.max(dim=-1, keepdim=True).values) / self.temperature
+
+
 def sampling_processors(temperature: float, top_p: float, top_k: int, seed: int, device) -> LogitsProcessorList:
-    processors: list[LogitsProcessor] = [TemperatureLogitsWarper(temperature)]
+    processors: list[LogitsProcessor] = [SafeTemperature(temperature)]
     if top_k > 0:
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:

@@ -75,6 +75,21 @@ def test_seeded_sampling_reproduces_and_leaves_the_global_rng_alone(pipe):
     assert unseeded.seed is not None
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-45, 1e-12])
+def test_a_tiny_temperature_samples_the_greedy_tokens(pipe, temperature):
+    """T -> 0 is greedy decoding: a tiny positive temperature (issue 34: 1e-45 and 1e-300 raised NaN
+    probabilities) samples exactly the greedy continuation, whatever the seed."""
+    greedy = pipe.generate(PROMPTS[0], max_new_tokens=6)
+    for seed in (0, 1):
+        assert pipe.generate(PROMPTS[0], max_new_tokens=6, temperature=temperature, seed=seed).text == greedy.text
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 0.7, 1.0, 5.0, 100.0])
+def test_sampling_works_across_the_temperature_range(pipe, temperature):
+    out = pipe.generate(PROMPTS[1], max_new_tokens=6, temperature=temperature, top_p=0.9, top_k=20, seed=3)
+    assert out.completion_tokens > 0 and isinstance(out.text, str)
+
+
 def test_invalid_generation_arguments_are_clear_errors(pipe):
     for kwargs, match in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
                           (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k"), (dict(path=4), "0..3")]:
