@@ -303,6 +303,8 @@ def abuse_requests(prompt: str, caps: dict) -> dict:
         "prompt_over_tokens": ("/v1/generate", j({"prompt": " x" * (caps["max_prompt_tokens"] + 1)}), {422}),
         "too_many_new_tokens": ("/v1/generate", j({"prompt": prompt, "max_new_tokens": seq_len}), {422}),
         "nan_temperature": ("/v1/generate", b'{"prompt": "hello", "temperature": NaN}', {422}),
+        "tiny_temperature": ("/v1/generate", j({"prompt": prompt, "max_new_tokens": 4, "temperature": 1e-45}), {200}),
+        "denormal_temperature": ("/v1/generate", j({"prompt": prompt, "max_new_tokens": 4, "temperature": 5e-324}), {200}),
         "inf_top_p": ("/v1/generate", b'{"prompt": "hello", "top_p": Infinity}', {422}),
         "inf_max_new_tokens": ("/v1/generate", b'{"prompt": "hello", "max_new_tokens": -Infinity}', {422}),
         "overflow_seed": ("/v1/generate", b'{"prompt": "hello", "temperature": 1, "seed": 1e999}', {422}),
