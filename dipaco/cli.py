@@ -11,10 +11,12 @@
     dipaco generate --run runs/demo "prompt"             route the prompt, run its one path
     dipaco export   --run runs/demo --path 3 --out DIR    a path as a standalone HF model directory
     dipaco serve    --run runs/demo --port 8000           HTTP API: /v1/route, /v1/generate, /v1/paths
+    dipaco config show [--config FILE] [key=value ...]    every key of the config and its value
 
 The inference commands take ``--run RUN_DIR`` instead: they use the experiment's stored config.
 
 Problems with the user's input (config, data, checkpoints) print one ``error:`` line and exit 2.
+Nothing heavy is imported before the arguments are parsed, so ``dipaco --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from dipaco.config import PRECISIONS
 from dipaco.errors import DipacoError
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # dipaco.config.PrecisionName, without importing the schema here
 
 if TYPE_CHECKING:
     from dipaco.run import Run
@@ -90,6 +93,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     print(f"tokens: {out.prompt_tokens} prompt + {out.completion_tokens} generated ({out.finish_reason}), "
           f"{out.latency_ms:.0f} ms" + (f", seed {out.seed}" if out.seed is not None else ""))
     print(f"text: {args.prompt}{out.text}")
+    print(f"completion: {out.text}")  # what /v1/generate returns as "text"
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
@@ -104,7 +108,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     serve(args.run, host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
           cache_size=args.cache_size, max_prompt_tokens=args.max_prompt_tokens,
           max_new_tokens_cap=args.max_new_tokens_cap, device=args.device, max_body_bytes=args.max_body_bytes,
-          precision=args.precision)
+          precision=args.precision, body_timeout_s=args.body_timeout_s)
 
 
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -114,29 +118,42 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(uses_config=False)
 
 
+def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:  # noqa: ANN001 (argparse's private subparsers type)
+    """A subcommand whose help shows its one-line summary and every option's default."""
+    return sub.add_parser(name, help=summary, description=summary[:1].upper() + summary[1:] + ".",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0..65535)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dipaco", description="Train DiPaCo (Distributed Path Composition) language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare", help="load the corpus, split it, train the tokenizer and tokenize")
+    p = _command(sub, "prepare", "load the corpus, split it, train the tokenizer and tokenize")
     p.set_defaults(func=_cmd_prepare)
-    p = sub.add_parser("pretrain", help="train the dense path-sized model that initialises every module")
+    p = _command(sub, "pretrain", "train the dense path-sized model that initialises every module")
     p.set_defaults(func=_cmd_pretrain)
 
-    p = sub.add_parser("route", help="featurize documents, fit (balanced/product) k-means, write routed shards")
+    p = _command(sub, "route", "featurize documents, fit (balanced/product) k-means, write routed shards")
     p.set_defaults(func=_cmd_route)
-    p = sub.add_parser("reroute", help="discriminative re-routing from the experiment's checkpoint (then train --resume)")
+    p = _command(sub, "reroute", "discriminative re-routing from the experiment's checkpoint (then train --resume)")
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help="score paths from this checkpoint instead of the newest")
     p.set_defaults(func=_cmd_reroute)
 
-    p = sub.add_parser("train", help="train the paths: inner AdamW rounds and per-module Nesterov outer steps")
+    p = _command(sub, "train", "train the paths: inner AdamW rounds and per-module Nesterov outer steps")
     p.add_argument("--resume", action="store_true", help="continue from the experiment's newest checkpoint")
     p.add_argument("--resume-from", metavar="CKPT_DIR", help="continue from this checkpoint directory")
     p.add_argument("--until-round", type=int, metavar="N",
                    help="stop after round N (the LR schedule still spans train.rounds); continue later with --resume")
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("eval", help="validation perplexity per path and overall, routing prefix excluded")
+    p = _command(sub, "eval", "validation perplexity per path and overall, routing prefix excluded")
     p.add_argument("--checkpoint", metavar="CKPT_DIR", help="evaluate this checkpoint instead of the newest")
     p.add_argument("--pretrained", action="store_true", help="evaluate the pretrained dense model instead")
     p.add_argument("--reroute-every", metavar="W[,W...]",
@@ -144,13 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "next to once-per-document routing -> reroute_eval.json")
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("report", help="print a table of every evaluated model in the run directory")
+    p = _command(sub, "report", "print a table of every evaluated model in the run directory")
     p.set_defaults(func=_cmd_report)
 
     for name in ("prepare", "pretrain", "route", "reroute", "train", "eval", "report"):
         _add_config_args(sub.choices[name])
 
-    p = sub.add_parser("generate", help="route a prompt to its path and continue it with that path alone")
+    p = _command(sub, "generate", "route a prompt to its path and continue it with that path alone")
     _add_run_args(p)
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--path", type=int, help="use this path instead of routing (required without a router)")
@@ -164,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward-pass precision: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16")
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("export", help="write a path (or every path) as a standalone Hugging Face model directory")
+    p = _command(sub, "export", "write a path (or every path) as a standalone Hugging Face model directory")
     _add_run_args(p)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--path", type=int, help="the path to export")
@@ -172,10 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("serve", help="HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate")
+    p = _command(sub, "serve", "HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate")
     _add_run_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free one)")
+    p.add_argument("--body-timeout-s", type=float, default=10.0,
+                   help="a request body not fully received this many seconds after the request started is a 408")
     p.add_argument("--cache-size", type=int, default=4, help="composed path models kept in memory (LRU)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longer prompts are refused (422); default: the experiment's data.seq_len, and larger "
@@ -189,14 +208,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="auto", choices=PRECISIONS,
                    help="forward-pass precision: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16")
     p.set_defaults(func=_cmd_serve)
+
+    p = _command(sub, "config", "print the resolved config: every key, with its default unless the file or an override sets it")
+    p.add_argument("action", choices=["show"])
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_config, uses_config=False)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from dipaco.runtime import quiet_library_progress_bars, sigint_stops_training
+def _cmd_config(args: argparse.Namespace) -> None:
+    from dipaco.config import merge_config, to_yaml
 
-    args = build_parser().parse_args(argv)
-    try:
+    print(to_yaml(merge_config(args.config, args.overrides)), end="")
+
+
+def _close_progress_bars() -> None:
+    """Closes the live tqdm bars, so a last line printed after them starts a line of its own."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = None
+    try:  # the imports below are inside: a Ctrl-C while they load is one line too
+        args = build_parser().parse_args(argv)
+        command = args.command
+        if args.func is _cmd_config:  # the schema alone: answers without loading torch
+            args.func(args)
+            return 0
+        from dipaco.runtime import quiet_library_progress_bars, sigint_stops_training
+
         with sigint_stops_training():
             if not getattr(args, "uses_config", True):  # generate / export / serve: the run's stored config
                 quiet_library_progress_bars()
@@ -212,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C (SIGINT): one line, no traceback; 130 = 128 + SIGINT, as shells report it
-        hint = "; continue with --resume" if args.command == "train" else ""
-        print(f"interrupted: dipaco {args.command} stopped{hint}", file=sys.stderr)
+        if "tqdm" in sys.modules:
+            _close_progress_bars()
+        hint = "; continue with --resume" if command == "train" else ""
+        print(f"interrupted: dipaco{f' {command}' if command else ''} stopped{hint}", file=sys.stderr)
         return 130
     return 0
 

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, List, Literal, Optional, get_args, get_type_hints
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dipaco.errors import ConfigError
@@ -292,26 +293,50 @@ def merge_config(path: str | Path | None = None, overrides: list[str] | None = N
     """Schema (or ``base``) <- YAML file <- dotlist overrides. Unknown keys, wrong types and values
     outside a ``Literal`` raise :class:`ConfigError` naming the full key; values are not checked
     further here (:func:`dipaco.run.load_config` does that)."""
+    where = None
     try:
         merged = OmegaConf.structured(base)
         if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file not found: {path}")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            where = f"in {path}"
+            merged = OmegaConf.merge(merged, _read_yaml(Path(path)))
         if overrides:
+            where = "on the command line"
             bad = [o for o in overrides if "=" not in o]
             if bad:
                 raise ConfigError(f"overrides must look like key=value, got: {' '.join(bad)}")
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_omegaconf_message(exc, path)) from None
+        raise ConfigError(_omegaconf_message(exc, where)) from None
     return cfg  # type: ignore[return-value]
 
 
-def _omegaconf_message(exc: OmegaConfBaseException, path: str | Path | None) -> str:
+def _read_yaml(path: Path) -> Any:
+    """A config file's mapping; a missing file, bytes that are not UTF-8, YAML that does not parse or
+    a document that is not a mapping of sections are a ConfigError naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); a config is a YAML file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        doc = OmegaConf.create(text)  # omegaconf's YAML loader: 1e-3 is a float, as in every other config path
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
+    if not isinstance(doc, DictConfig):
+        raise ConfigError(f"{path}: a config is a mapping of sections (run:, data:, train:, ...), not a list")
+    return doc
+
+
+def _omegaconf_message(exc: OmegaConfBaseException, where: str | None) -> str:
     key = getattr(exc, "full_key", None) or "config"
-    where = f" (in {path})" if path else ""
+    where = f" ({where})" if where else ""
     msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
     choices = _literal_choices(msg)
     if choices is not None:  # "Invalid value 'x', expected one of ['a', 'b']" -> "'x' is not one of a, b"

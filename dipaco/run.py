@@ -112,7 +112,8 @@ class Run:
                        shard_column=cfg.train.shard_column, seed=cfg.run.seed, topology=self.topology(),
                        llama=path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len),
                        seq_len=cfg.data.seq_len, prefix_tokens=cfg.data.prefix_tokens,
-                       device=resolve_device(cfg.run.device), inner_steps=cfg.train.inner_steps)
+                       device=resolve_device(cfg.run.device), inner_steps=cfg.train.inner_steps,
+                       progress=cfg.run.progress)
 
     # --- the jobs -----------------------------------------------------------------------------------------
     def prepare(self) -> dict:
@@ -186,7 +187,8 @@ class Run:
         cfg = self.cfg
         prepared = self.prepared(routed=False)
         return evaluate_pretrained(cfg.eval, Path(cfg.run.dir), self.pretrained(prepared), prepared, cfg.data.seq_len,
-                                   cfg.data.prefix_tokens, cfg.pretrain.steps, resolve_device(cfg.run.device))
+                                   cfg.data.prefix_tokens, cfg.pretrain.steps, resolve_device(cfg.run.device),
+                                   progress=cfg.run.progress)
 
     def reroute_evaluate(self, every: Sequence[int], checkpoint: str | None = None) -> dict:
         cfg = self.cfg
@@ -220,8 +222,9 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     mine = by_rank[world.rank]
 
     llama = path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len)
-    init = (load_pretrained(RunDir(cfg.run.dir).pretrain, llama) if train.init == "pretrained"
-            else build_model(llama, seed=cfg.run.seed))
+    init = (load_pretrained(RunDir(cfg.run.dir).pretrain, llama,
+                            hint="run `dipaco pretrain` first, or set train.init=random")
+            if train.init == "pretrained" else build_model(llama, seed=cfg.run.seed))
     bank = ModuleBank(topology, init.to(device), modules={m for p in mine for m in topology.path_modules(p)})
     options = InnerOptions.from_config(train, cfg.model, device, "train")
     loops = {}

@@ -274,11 +274,22 @@ def _find_presplit(split_names: list[str]) -> tuple[str, str] | None:
     return (train, validation) if train and validation else None
 
 
+def _shortened(names: list[str], width: int = 24, count: int = 4) -> str:
+    cut = [repr(n if len(n) <= width else n[: width - 3] + "...") for n in names[:count]]
+    return ", ".join(cut) + (f", ... ({len(names)} columns)" if len(names) > count else "")
+
+
 def _append_columns(
     docs: _Docs, ds: datasets.Dataset, spec: CorpusSpec, split: str | None, use_split_column: bool
 ) -> None:
     columns = ds.column_names
     if spec.text_field not in columns:
+        if any(len(c) > 40 or len(c.split()) >= 5 for c in columns):  # a first row of text, not of names
+            raise DataError(
+                f"corpus {spec.source!r} has no text column {spec.text_field!r}, and its first row looks like data "
+                f"({_shortened(columns)}), not column names: a CSV without a header row? Name its columns with "
+                f"data.csv_columns, e.g. data.csv_columns=[label,title,text]"
+            )
         raise DataError(
             f"corpus {spec.source!r} has no text column {spec.text_field!r}; available columns: {', '.join(columns)}. "
             "Set data.text_field to one of them."

@@ -73,10 +73,10 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
     check_data(data)
     check_tokenizer(tokenizer_cfg)
     run = RunDir(run_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
     echo(f"[prepare] loading corpus {data.corpus!r}")
-    corpus, stats = load_corpus_with_stats(corpus_spec(data))
+    corpus, stats = load_corpus_with_stats(corpus_spec(data))  # before the run directory: a bad corpus leaves none
     echo(f"[prepare] {len(corpus['train'])} train / {len(corpus['validation'])} validation documents")
+    run.root.mkdir(parents=True, exist_ok=True)
 
     # Written next to the old tokenizer and data and swapped at the end: a failure never destroys a good prepare.
     with replacing(run.tokenizer) as tmp_tok, replacing(run.data) as tmp_data:

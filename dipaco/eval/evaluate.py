@@ -15,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 from transformers import LlamaConfig, PreTrainedModel
 
 from dipaco.atomic import write_text
 from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
 from dipaco.config import EvalConfig
+from dipaco.data.packing import eval_windows
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError
 from dipaco.metrics import echo
@@ -51,6 +53,7 @@ class EvalJob:
     prefix_tokens: int
     device: torch.device
     inner_steps: int  # train.inner_steps: a checkpoint's steps per path, for the report
+    progress: bool = True  # run.progress: a bar over the evaluation windows
 
     @property
     def routed(self) -> bool:
@@ -105,16 +108,20 @@ def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None
     model = build_model(job.llama, device=job.device)
     precision = resolve_precision(job.eval.precision, job.device, "eval.precision")
     per_path, nll_total, tok_total = [], 0.0, 0
+    bar = tqdm(total=len(eval_windows(docs, job.seq_len, job.prefix_tokens)), desc=f"eval {job.name}", unit="window",
+               disable=not job.progress, dynamic_ncols=True, leave=False)
     for p in range(topology.num_paths):
         members = np.flatnonzero(routes == p)
+        bar.set_postfix(path=p)
         scores = score_documents(
             load_eval_path(job, bank, p, model), [docs[int(i)] for i in members], job.seq_len,
-            job.prefix_tokens, job.eval.batch_size, prepared.tokenizer.pad_token_id, precision,
+            job.prefix_tokens, job.eval.batch_size, prepared.tokenizer.pad_token_id, precision, bar.update,
         )
         per_path.append({"path": p, "modules": [topology.modules[m].name for m in topology.path_modules(p)],
                          **_summary(scores, members.size)})
         nll_total += float(scores.nll.sum())
         tok_total += int(scores.tokens.sum())
+    bar.close()
     report = {
         "experiment": job.name,
         "checkpoint": ckpt.name + (" (early-stopped paths)" if job.eval.early_stopping else ""),
@@ -134,13 +141,16 @@ def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None
 
 
 def evaluate_pretrained(section: EvalConfig, run_dir: Path, model: PreTrainedModel, prepared: Prepared, seq_len: int,
-                        prefix_tokens: int, steps: int, device: torch.device) -> dict:
+                        prefix_tokens: int, steps: int, device: torch.device, progress: bool = True) -> dict:
     """The dense pretrained ``model`` on all validation docs (the initialisation every module starts from)."""
     check_eval(section)
     model = model.to(device)
     docs, _ = validation_docs(section, prepared)
-    scores = score_documents(model, docs, seq_len, prefix_tokens, section.batch_size,
-                             prepared.tokenizer.pad_token_id, resolve_precision(section.precision, device, "eval.precision"))
+    with tqdm(total=len(eval_windows(docs, seq_len, prefix_tokens)), desc="eval pretrained", unit="window",
+              disable=not progress, dynamic_ncols=True, leave=False) as bar:
+        scores = score_documents(model, docs, seq_len, prefix_tokens, section.batch_size,
+                                 prepared.tokenizer.pad_token_id,
+                                 resolve_precision(section.precision, device, "eval.precision"), bar.update)
     n = sum(p.numel() for p in model.parameters())
     report = {
         "experiment": "pretrained",

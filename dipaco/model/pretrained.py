@@ -28,12 +28,12 @@ def path_llama_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, se
     return llama_config(model, len(tokenizer), seq_len, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
-def load_pretrained(directory: str | Path, want: LlamaConfig) -> LlamaForCausalLM:
+def load_pretrained(directory: str | Path, want: LlamaConfig, hint: str = "run `dipaco pretrain` first") -> LlamaForCausalLM:
     """The model ``dipaco pretrain`` saved in ``directory``, checked to have the architecture ``want`` and
-    exactly its tensors."""
+    exactly its tensors; ``hint``: what to do when there is none."""
     directory = Path(directory)
     if not (directory / "config.json").is_file():
-        raise DataError(f"{directory}: no pretrained model; run `dipaco pretrain` first")
+        raise DataError(f"{directory}: no pretrained model; {hint}")
     try:
         have = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

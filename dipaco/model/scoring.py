@@ -7,7 +7,7 @@ count exactly the same tokens (see :mod:`dipaco.data.packing` for which tokens a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,11 +68,15 @@ def score_documents(
     batch_size: int,
     pad_id: int,
     precision: Precision | None = None,
+    on_batch: Callable[[int], object] | None = None,
 ) -> Scores:
-    """Summed NLL over each document's scored tokens (after the prefix) under ``model``."""
+    """Summed NLL over each document's scored tokens (after the prefix) under ``model``; ``on_batch`` is
+    called with the number of evaluation windows of each batch done (a progress bar's ``update``)."""
     nll = torch.zeros(len(docs), dtype=torch.float64)
     windows = eval_windows(docs, seq_len, prefix_tokens)
-    for _, batch, token_nll in window_nll(model, windows, batch_size, pad_id, precision):
+    for idx, batch, token_nll in window_nll(model, windows, batch_size, pad_id, precision):
         nll.index_add_(0, batch.doc_index, token_nll.sum(dim=1).double().cpu())
+        if on_batch is not None:
+            on_batch(len(idx))
     tokens = np.array([count_scored_tokens(len(d), prefix_tokens) for d in docs], dtype=np.int64)
     return Scores(nll.numpy(), tokens)

@@ -37,10 +37,23 @@ def routing_fingerprint(paths: dict[str, np.ndarray], router_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def read_record(path: Path) -> dict | None:
+    """A JSON record of a run (None when there is none); one that is not a JSON object is a DataError
+    naming the file, whose fix is to write it again."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable ({exc}); it is written by the job that made it: run that again") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}: not a JSON object; it is written by the job that made it: run that again")
+    return record
+
+
 def routed_info(run: RunDir) -> dict | None:
     """What ``dipaco route`` recorded next to the routed splits (None before it ran)."""
-    info_path = run.routing / "data" / ROUTED_INFO
-    return json.loads(info_path.read_text()) if info_path.is_file() else None
+    return read_record(run.routing / "data" / ROUTED_INFO)
 
 
 def current_fingerprint(run: RunDir) -> str | None:
@@ -50,8 +63,11 @@ def current_fingerprint(run: RunDir) -> str | None:
 
 
 def _recorded(exp_dir: Path) -> dict | None:
-    record = exp_dir / EXPERIMENT_ROUTING
-    return json.loads(record.read_text()) if record.is_file() else None
+    record = read_record(exp_dir / EXPERIMENT_ROUTING)
+    if record is not None and not isinstance(record.get("fingerprint"), str):
+        raise DataError(f"{exp_dir / EXPERIMENT_ROUTING}: no routing fingerprint in it; delete it to train on the "
+                        f"run's routing as it is now")
+    return record
 
 
 def record_routing(run_dir: str | Path, exp_dir: Path, routed: bool, rerouting: str | None = None) -> None:

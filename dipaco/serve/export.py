@@ -41,6 +41,8 @@ def export_path(loaded: LoadedExperiment, path: int, out: str | Path, model=None
     out = Path(out)
     if out.exists() and not (out / PATH_INFO).is_file():
         raise DipacoError(f"{out} exists and is not a dipaco export; choose an empty or new directory")
+    if out.exists():
+        echo(f"[export] replacing the earlier export in {out}")
     model = model if model is not None else build_model(loaded.llama_config(use_cache=True), seed=0)
     loaded.bank.load_path(path, model)
     with replacing(out) as tmp:

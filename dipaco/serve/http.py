@@ -36,8 +36,10 @@ Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 
 # No `from __future__ import annotations`: FastAPI reads the endpoint annotations at runtime,
 # and the request models are local to create_app.
+import asyncio
 import json
 import math
+import socket
 from pathlib import Path
 
 from dipaco.errors import DipacoError
@@ -81,16 +83,26 @@ def resolve_caps(seq_len: int, max_prompt_tokens: int | None, max_new_tokens_cap
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is a 413 before the application reads it.
+    """ASGI middleware: a request body over ``max_bytes`` is a 413 before the application reads it, and
+    one that has not fully arrived ``timeout_s`` after the request started is a 408.
 
     A ``Content-Length`` above the limit is refused from the headers, so none of the body is read
     (uvicorn discards what arrives after the response). Otherwise the body is read here, at most
     ``max_bytes`` of it, and handed on whole; a chunked body is refused as soon as it passes the limit.
+    A client that stalls mid-body (slowloris) holds its connection for ``timeout_s`` at most.
     """
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, timeout_s: float = 10.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def _timed_out(self, send) -> None:
+        body = json.dumps({"detail": f"the request body did not arrive within {self.timeout_s:g} s"}).encode()
+        await send({"type": "http.response.start", "status": 408,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
     async def _too_large(self, send) -> None:
         body = json.dumps({"detail": f"the request body is larger than this server's limit of {self.max_bytes} "
@@ -113,8 +125,13 @@ class BodyLimit:
                     await self._too_large(send)
                     return
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                await self._timed_out(send)
+                return
             if message["type"] != "http.request":  # the client went away
                 return
             chunk = message.get("body", b"")
@@ -154,7 +171,7 @@ def json_safe(value):
 
 
 def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None,
-               max_body_bytes: int | None = None):
+               max_body_bytes: int | None = None, body_timeout_s: float = 10.0):
     """The FastAPI application serving ``pipeline`` with these request caps.
 
     ``max_prompt_tokens`` and ``max_new_tokens_cap`` default to the experiment's ``data.seq_len``
@@ -222,7 +239,7 @@ def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new
         seed: int | None
 
     app = FastAPI(title="dipaco", summary="DiPaCo single-path inference: route a prompt, run one path")
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     app.state.caps = {"max_prompt_tokens": max_prompt_tokens, "max_prompt_chars": max_prompt_chars,
                       "max_new_tokens_cap": max_new_tokens_cap, "max_body_bytes": max_body_bytes}
 
@@ -291,21 +308,46 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, experi
           checkpoint: str | None = None, cache_size: int = DEFAULT_CACHE_SIZE,
           max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None,
           device: str = "cpu", log_level: str = "info", max_body_bytes: int | None = None,
-          precision: str = "auto") -> None:
-    """Loads the run (a bad one is a DipacoError before any socket opens), then serves until stopped."""
+          precision: str = "auto", body_timeout_s: float = 10.0) -> None:
+    """Binds ``host:port`` and loads the run (a port in use or a bad run is one DipacoError), then serves
+    until stopped."""
     _import_web()
     import uvicorn
 
-    pipeline = Pipeline.from_run(run_dir, experiment=experiment, checkpoint=checkpoint, device=device, precision=precision,
-                                 cache_size=cache_size)
-    app = create_app(pipeline, max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
-                     max_body_bytes=max_body_bytes)
-    info = pipeline.describe()
-    caps = app.state.caps
-    echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}; "
-         f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
-         f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes)")
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
-    server.run()
-    if not server.started:  # e.g. the port is taken: uvicorn logged why
+    sock = listening_socket(host, port)  # before loading: a port in use fails at once
+    try:
+        pipeline = Pipeline.from_run(run_dir, experiment=experiment, checkpoint=checkpoint, device=device, precision=precision,
+                                     cache_size=cache_size)
+        app = create_app(pipeline, max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
+                         max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+        info = pipeline.describe()
+        caps = app.state.caps
+        echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}; "
+             f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
+             f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes)")
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
         raise DipacoError(f"the server could not start on {host}:{port}")
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``; one that cannot be (a port in use, out of range, a host this machine
+    is not) is a DipacoError naming it, where uvicorn would exit on its own with a log line."""
+    if not 0 <= port <= 65535:
+        raise DipacoError(f"--port: {port} is not a TCP port (0..65535)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise DipacoError(f"--host: cannot listen on {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise DipacoError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock

@@ -485,6 +485,8 @@ class Pipeline:
         if not ids:
             raise DipacoError("the prompt is empty: it has no tokens to continue")
         scores = None
+        if path is None and self.router is None and self.num_paths == 1:
+            path = 0  # one path (a dense run): nothing to choose
         if path is None:
             path, scores = self._route(prompt, ids)
         else:

@@ -63,5 +63,6 @@ def pretrain(run: RunConfig, section: PretrainConfig, model_cfg: ModelConfig, pr
         model.save_pretrained(tmp)  # safetensors by default
         prepared.tokenizer.save_pretrained(tmp)
         Path(tmp / "run_config.yaml").write_text(config_yaml)
-    echo(f"[pretrain] loss {stats.loss:.3f}, {stats.tokens_per_s:,.0f} tok/s, {time.perf_counter() - start:.0f}s -> "
+    echo(f"[pretrain] mean loss over the {steps} steps {stats.loss:.3f}, {stats.tokens_per_s:,.0f} tok/s, "
+         f"{time.perf_counter() - start:.0f}s -> "
          f"{run_dir.pretrain}")

@@ -38,6 +38,7 @@ from dipaco.errors import ConfigError, DataError
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.route.assign import REPORT
 from dipaco.route.provenance import current_fingerprint, pending_rerouting, record_routing
+from dipaco.route.provenance import read_record as read_json
 from dipaco.run_dir import RunDir
 from dipaco.train.trainer import Trainer
 
@@ -87,7 +88,10 @@ def check_em(route: RouteConfig, train: TrainConfig, num_paths: int) -> None:
 def read_record(exp_dir: Path) -> list[dict]:
     """The re-routings this experiment has done: ``{"round", "fingerprint", "moved_train_docs", ...}``."""
     file = exp_dir / EM_RECORD
-    return json.loads(file.read_text())["done"] if file.is_file() else []
+    record = read_json(file) or {"done": []}
+    if not isinstance(record.get("done"), list):
+        raise DataError(f"{file}: no list of re-routings in it")
+    return record["done"]
 
 
 def checkpoint_round(ckpt: Path) -> int | None:
@@ -169,7 +173,7 @@ def reshard(plan: EMPlan, world: World, point: int, ckpt: Path) -> None:
 def _reroute(plan: EMPlan, point: int, ckpt: Path) -> None:
     run, exp_dir = RunDir(plan.run_dir), plan.exp_dir
     pending = pending_rerouting(exp_dir)
-    report = json.loads((run.routing / REPORT).read_text()) if (run.routing / REPORT).is_file() else {}
+    report = read_json(run.routing / REPORT) or {}
     written = pending is not None and pending == current_fingerprint(run)
     if written and Path(report.get("checkpoint", "")).name == ckpt.name:  # this point's, from this checkpoint
         echo(f"[em] round {point}: keeping the re-routing from {ckpt.name} written before the stop")

@@ -42,9 +42,9 @@ def check_train(train: TrainConfig) -> None:
     if not 0.0 <= train.early_stopping_holdout < 1.0:
         raise ConfigError(f"train.early_stopping_holdout: must be in [0, 1), got {train.early_stopping_holdout}")
     name = train.name
-    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
-        raise ConfigError(f"train.name: must be a plain directory name (no '/', not '.' or '..'; it names "
-                          f"<run.dir>/train/<name>), got {name!r}")
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0") or len(name.encode()) > 200:
+        raise ConfigError(f"train.name: must be a plain directory name of at most 200 bytes (no '/', not '.' or "
+                          f"'..'; it names <run.dir>/train/<name>), got {name if len(name) < 60 else name[:57] + '...'!r}")
     check_optim("train.optim", train.optim)
 
 

@@ -110,3 +110,58 @@ def test_unknown_corpus_name_is_one_line_without_hub_access(tmp_path, capsys):
     assert main(["prepare", *TINY, f"run.dir={tmp_path / 'run'}", "data.corpus=no_such_corpus_name"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: data.corpus: 'no_such_corpus_name' is not a builtin corpus") and "data.hub=true" in err
+
+
+def test_help_loads_no_torch_and_config_show_prints_every_key(tmp_path):
+    """Issue 34: `dipaco --help` took 6-18 s because it imported torch; `dipaco config show` did not exist."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dipaco.cli import main\n"
+            "for argv in (['--help'], ['train', '--help'], ['config', 'show', 'train.rounds=7']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.rstrip().endswith("NO-TORCH")
+    assert "--until-round" in out and "(default: None)" in out  # subcommand help shows every option's default
+    assert "rounds: 7" in out and "inner_steps: 50" in out and "comm_dtype: fp32" in out
+
+
+@pytest.mark.parametrize("text, needle", [
+    (b"train:\n\trounds: 2\n", "not valid YAML at line 2"),
+    (b"train: [1, 2\n", "not valid YAML"),
+    (b"- run\n- train\n", "a config is a mapping of sections"),
+    (b"train:\n  name: \xff\xfe\n", "not UTF-8 text"),
+])
+def test_a_config_file_that_is_not_a_yaml_mapping_is_one_line(tmp_path, capsys, text, needle):
+    (tmp_path / "bad.yaml").write_bytes(text)
+    assert main(["train", "--config", str(tmp_path / "bad.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_an_override_typo_is_placed_on_the_command_line(tmp_path, capsys):
+    (tmp_path / "my.yaml").write_text("train:\n  rounds: 2\n")
+    assert main(["train", "--config", str(tmp_path / "my.yaml"), "train.rouns=3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.rouns" in err and "(on the command line)" in err and "my.yaml" not in err
+
+
+def test_ctrl_c_while_the_imports_load_is_one_line(tmp_path, sigint_from_a_terminal):
+    """Issue 34: a Ctrl-C in the first second, while torch and transformers import, printed a traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "dipaco", "train", f"run.dir={tmp_path / 'run'}"], cwd=repo,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    time.sleep(0.4)  # python is up (its SIGINT handler installed); torch is still importing
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["interrupted: dipaco train stopped; continue with --resume"], err

@@ -100,6 +100,7 @@ def test_saved_config_reloads_identically(tmp_path):
         ("run.seed=-1", "run.seed"),
         ("run.seed=4294967296", "run.seed"),
         ("run.device=foo", "run.device"),
+        ("train.name=" + "x" * 300, "train.name"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

@@ -56,3 +56,19 @@ def test_reroute_needs_a_router(served_run):
     with pytest.raises(ConfigError):
         parse_every("0")
     assert parse_every("128, 64,32") == [128, 64, 32]
+
+
+def test_eval_shows_its_progress(served_run, capsys, tmp_path):
+    """Issue 34: `dipaco eval` was silent for over a minute; with run.progress it draws a bar over its windows."""
+    import shutil
+
+    from dipaco.cli import main
+
+    from tiny import TINY
+
+    run_dir = shutil.copytree(served_run.run.dir, tmp_path / "run")  # its eval.json is the session's
+    args = [*TINY, f"run.dir={run_dir}", f"data.corpus={served_run.data.corpus}", "train.sharding=kmeans",
+            "route.featurizer=lm_prefix", "route.n_init=1", "run.progress=true", "eval.max_docs=4"]
+    assert main(["eval", *args]) == 0
+    err = capsys.readouterr().err
+    assert f"eval {served_run.train.name}" in err and "window" in err

@@ -1,6 +1,7 @@
 """Single-path inference: routing a prompt, composing its path, generating, the path cache, bad runs."""
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
@@ -10,6 +11,7 @@ import torch
 from dipaco.cli import main
 from dipaco.errors import CheckpointError, DipacoError
 from dipaco.model.llama import build_model
+from dipaco.run import Run
 from dipaco.run_dir import RunDir
 from dipaco.serve.pipeline import Pipeline
 
@@ -176,3 +178,30 @@ def test_text_router_reads_only_the_routing_prefix(served_run, tmp_path, featuri
     assert [pipe.route(t)[0] for t in val["text"]] == val["path"]
     report = Run(cfg).reroute_evaluate([32])
     assert report["featurizer"] == featurizer and report["results"][1]["decisions"] > 0
+
+
+def test_a_damaged_experiment_record_is_one_error_line(served_run, tmp_path, capsys):
+    """Issue 34: a truncated train/<name>/config.yaml, or garbage in routing.json, ended in a traceback."""
+    run = copy_run(served_run, tmp_path)
+    exp_dir = RunDir(run).experiment(served_run.train.name)
+    config = exp_dir / "config.yaml"
+    config.write_text(config.read_text()[:200] + "\n  - [\n")
+    assert main(["generate", "--run", str(run), "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "config.yaml: not valid YAML" in err and err.count("\n") == 1
+    shutil.copy(Path(served_run.run.dir) / "train" / served_run.train.name / "config.yaml", config)
+    (exp_dir / "routing.json").write_text("{garbage")
+    assert main(["generate", "--run", str(run), "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "routing.json: unreadable" in err and err.count("\n") == 1
+
+
+def test_a_one_path_experiment_needs_no_path(served_run, tmp_path):
+    """Issue 34: a dense (one-path) experiment has no router, and generate asked for --path anyway."""
+    run = copy_run(served_run, tmp_path)
+    dense = replace(served_run, run=replace(served_run.run, dir=str(run)),
+                    topology=replace(served_run.topology, preset="dense"),
+                    train=replace(served_run.train, name="dense", sharding="iid", rounds=1))
+    Run(dense).train()
+    out = Pipeline.from_run(run, experiment="dense").generate(PROMPTS[0], max_new_tokens=3)
+    assert out.path == 0 and out.scores is None and out.completion_tokens > 0

@@ -152,6 +152,38 @@ def test_serve_with_a_bad_run_exits_nonzero(tmp_path, capsys):
     assert "run directory not found" in capsys.readouterr().err
 
 
+def test_a_port_in_use_or_out_of_range_is_one_error_line(served_run, capsys):
+    """Issue 34: --port 99999 and a taken port ended in a traceback and uvicorn's own exit 3."""
+    needs_web()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        assert main(["serve", "--run", str(served_run.run.dir), "--port", str(taken.getsockname()[1])]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot listen on 127.0.0.1:") and err.count("\n") == 1 and "Traceback" not in err
+    finally:
+        taken.close()
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", "--run", str(served_run.run.dir), "--port", "99999"])
+    assert stop.value.code == 2 and "99999 is not a TCP port" in capsys.readouterr().err
+
+
+def test_a_stalled_request_body_is_closed_with_408(pipe):
+    """Issue 34: bodies that stopped arriving held their connections forever."""
+    needs_web()
+    with running(create_app(pipe, body_timeout_s=0.5)) as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            start = time.monotonic()
+            answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 5
+        finally:
+            sock.close()
+
+
 # --- hardening: abusive requests cost no more than valid ones ----------------------------------------
 BIG = 4 * 1024 * 1024  # far over any body limit of the tiny run
 
