@@ -72,8 +72,11 @@ def _cmd_eval(run: Run, args: argparse.Namespace) -> None:
         run.evaluate(checkpoint=args.checkpoint)
 
 
-def _cmd_report(run: Run, args: argparse.Namespace) -> None:
-    print(run.report())
+def _cmd_report(args: argparse.Namespace) -> None:
+    from dipaco.config import merge_config
+    from dipaco.eval.report import comparison_table  # JSON only: the table answers without loading torch
+
+    print(comparison_table(merge_config(args.config, args.overrides).run.dir))
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the imports below are inside: a Ctrl-C while they load is one line too
         args = build_parser().parse_args(argv)
         command = args.command
-        if args.func is _cmd_config:  # the schema alone: answers without loading torch
+        if args.func in (_cmd_config, _cmd_report):  # the schema and JSON alone: they answer without loading torch
             args.func(args)
             return 0
         from dipaco.runtime import quiet_library_progress_bars, sigint_stops_training

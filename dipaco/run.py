@@ -28,7 +28,8 @@ from dipaco.comm.world import DistEnv, World, check_dist, check_same_config, det
 from dipaco.config import Config, EvalConfig, check_resume, flatten, merge_config, to_yaml
 from dipaco.data.prepare import Prepared, check_data, check_tokenizer, load_prepared, prepare
 from dipaco.errors import DataError
-from dipaco.eval.evaluate import EvalJob, check_eval, comparison_table, evaluate_experiment, evaluate_pretrained
+from dipaco.eval.evaluate import EvalJob, check_eval, evaluate_experiment, evaluate_pretrained
+from dipaco.eval.report import comparison_table
 from dipaco.eval.reroute_eval import reroute_evaluate
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model, check_model

@@ -82,6 +82,8 @@ def build_run(run_dir: Path) -> Path:
     quiet_library_progress_bars()
     cfg = load_config(REPO / "configs" / "demo.yaml", [
         f"run.dir={run_dir}", "run.progress=false", "pretrain.steps=30", "train.rounds=1", "train.inner_steps=5",
+        # the path size the recorded figures used (the demo's own paths are smaller since issue 34)
+        "model.num_layers=4", "model.hidden_size=128", "model.intermediate_size=384", "model.num_heads=4",
     ])
     run = Run(cfg)
     for job in (run.prepare, run.pretrain, run.route, run.train, run.evaluate):

@@ -71,7 +71,7 @@ class Size:
 
 
 SIZES = {
-    # configs/demo.yaml's path
+    # the README demo's path until issue 34 shrank it (kept: docs/benchmarks.md's figures use it)
     "demo": Size(layers=4, hidden=128, intermediate=384, heads=4, vocab=4096, seq_len=128, batch=16),
     # a GPT-2-small-class path: 134M parameters with a 32k vocabulary
     "125m": Size(layers=12, hidden=768, intermediate=2048, heads=12, vocab=32000, seq_len=1024, batch=16),

@@ -24,6 +24,7 @@ from dipaco.config import EvalConfig
 from dipaco.data.packing import eval_windows
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError
+from dipaco.eval.report import REPORT
 from dipaco.metrics import echo
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
@@ -34,7 +35,6 @@ from dipaco.precision import resolve_precision
 from dipaco.route.shards import assign_paths
 from dipaco.run_dir import RunDir
 
-REPORT = "eval.json"
 
 
 @dataclass(frozen=True)
@@ -179,31 +179,3 @@ def print_path_table(report: dict) -> None:
         echo(f"{row['path']:>6} {' '.join(row['modules']):<36} {row['docs']:>6} {row['scored_tokens']:>9} {row['ppl']:>9.2f}")
     o = report["overall"]
     echo(f"{'all':>6} {'':<36} {o['docs']:>6} {o['scored_tokens']:>9} {o['ppl']:>9.2f}")
-
-
-def training_compute(report: dict) -> int:
-    """Paths x steps per path x parameters per path: training FLOPs up to a constant (each step of
-    each path is a forward and backward pass over the same number of tokens)."""
-    return report["num_paths"] * report["steps_per_path"] * report["params_per_path"]
-
-
-def comparison_table(run_dir: str | Path) -> str:
-    """One row per evaluated model of a run: the pretrained init and every experiment, with the compute
-    each trained for beside its steps per path (relative: to the cheapest experiment)."""
-    run = RunDir(run_dir)
-    reports = [run.pretrain / REPORT] + [e / REPORT for e in run.experiments()]
-    rows = [json.loads(p.read_text()) for p in reports if p.is_file()]
-    trained = [training_compute(r) for r in rows if r["experiment"] != "pretrained" and training_compute(r) > 0]
-    unit = min(trained) if trained else None
-    header = (f"{'model':<18} {'topology':<44} {'params/path':>11} {'params total':>12} {'steps/path':>10} "
-              f"{'compute':>9} {'relative':>8} {'val ppl':>9}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        compute = training_compute(r)
-        relative = f"{compute / unit:.3g}x" if unit and r["experiment"] != "pretrained" else "-"
-        lines.append(
-            f"{r['experiment']:<18} {r['topology']:<44} {r['params_per_path']:>11,} {r['params_total']:>12,} "
-            f"{r['steps_per_path']:>10} {compute:>9.3g} {relative:>8} {r['overall']['ppl']:>9.2f}"
-        )
-    lines.append("compute = paths x steps/path x params/path; relative to the cheapest experiment")
-    return "\n".join(lines)

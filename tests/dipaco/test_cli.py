@@ -128,6 +128,37 @@ def test_help_loads_no_torch_and_config_show_prints_every_key(tmp_path):
     assert "rounds: 7" in out and "inner_steps: 50" in out and "comm_dtype: fp32" in out
 
 
+def _eval_row(experiment: str, paths: int, ppl: float) -> str:
+    return json.dumps({"experiment": experiment, "topology": f"{paths} paths", "num_paths": paths, "steps_per_path": 10,
+                       "params_per_path": 100, "params_total": 100 * paths, "overall": {"ppl": ppl}})
+
+
+def test_report_reads_json_only_and_a_broken_eval_json_is_one_line(tmp_path):
+    """`dipaco report` loaded torch and every component (10 s of CPU in `make demo`) to print a table of
+    JSON files; a malformed eval.json was a KeyError traceback."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    for sub, row in (("pretrain", _eval_row("pretrained", 1, 300.0)), ("train/dense", _eval_row("dense", 1, 200.0)),
+                     ("train/grid", _eval_row("grid", 4, 150.0))):
+        (run_dir / sub).mkdir(parents=True)
+        (run_dir / sub / "eval.json").write_text(row)
+    code = ("import sys\nfrom dipaco.cli import main\n"
+            f"rc = main(['report', 'run.dir={run_dir}'])\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)\n")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo).stdout
+    assert out.rstrip().endswith("NO-TORCH 0")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:5]}
+    assert rows["grid"][-2:] == ["4x", "150.00"] and rows["dense"][-2:] == ["1x", "200.00"]
+
+    (run_dir / "train" / "grid" / "eval.json").write_text('{"experiment": "grid"}')
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo)
+    assert done.stdout.rstrip().endswith("2") and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: ") and "grid/eval.json is not an eval report" in done.stderr
+
+
 @pytest.mark.parametrize("text, needle", [
     (b"train:\n\trounds: 2\n", "not valid YAML at line 2"),
     (b"train: [1, 2\n", "not valid YAML"),

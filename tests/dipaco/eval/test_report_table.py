@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dipaco.eval.evaluate import REPORT, comparison_table
+from dipaco.eval.report import REPORT, comparison_table
 
 
 def write_report(path, name, paths, steps, params, ppl):
