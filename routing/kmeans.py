@@ -19,7 +19,8 @@ centroids are L2-normalised and the same squared distance is used (it equals 2 -
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +35,21 @@ METRICS = ("euclidean", "cosine")
 
 # Rows per chunk are chosen so one (rows, k) distance block has about this many floats (16 MB).
 CHUNK_ELEMENTS = 1 << 22
+
+Log = Callable[[str], None]
+LOG_EVERY_S = 10.0  # a long fit reports its iterations this often, so a large corpus never goes silent
+
+
+class _Throttled:
+    """Passes a message on to `log` when LOG_EVERY_S have passed since the last one (or none is set)."""
+
+    def __init__(self, log: Log | None):
+        self.log, self.last = log, time.monotonic()
+
+    def __call__(self, message: Callable[[], str]) -> None:
+        if self.log is not None and time.monotonic() - self.last >= LOG_EVERY_S:
+            self.log(message())
+            self.last = time.monotonic()
 
 
 # ----------------------------------------------------------------------------------------
@@ -149,14 +165,16 @@ def _update_centers(
 
 
 def _lloyd(
-    x: torch.Tensor, x_sq: torch.Tensor, centers: torch.Tensor, max_iter: int, tol: float, cosine: bool
+    x: torch.Tensor, x_sq: torch.Tensor, centers: torch.Tensor, max_iter: int, tol: float, cosine: bool,
+    report: _Throttled,
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     prev = math.inf
     it = 0
-    for _ in range(1, max_iter + 1):
+    for it in range(1, max_iter + 1):
         labels, dists = nearest(x, centers, x_sq)
         inertia = float(dists.sum(dtype=torch.float64))
         centers = _update_centers(x, labels, dists, centers.shape[0], cosine)
+        report(lambda: f"k-means iteration {it}/{max_iter}: inertia {inertia:.6g}")
         # Relative inertia change; the inertia is of the centres before this update.
         if abs(prev - inertia) <= tol * max(inertia, 1e-30):
             break
@@ -174,13 +192,14 @@ def _minibatch(
     tol: float,
     cosine: bool,
     gen: torch.Generator,
+    report: _Throttled,
 ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """Minibatch k-means (Sculley 2010): each centre is the running mean of the points it won."""
     n, k = x.shape[0], centers.shape[0]
     counts = torch.zeros(k, dtype=x.dtype, device=x.device)
     prev = math.inf
     epoch = 0
-    for _ in range(1, max_iter + 1):
+    for epoch in range(1, max_iter + 1):
         perm = torch.randperm(n, generator=gen, device=gen.device).to(x.device)
         total = 0.0
         for s in range(0, n, batch_size):
@@ -199,6 +218,7 @@ def _minibatch(
         if never.numel():  # centres no point has chosen yet: restart at far points of the last batch
             never = never[: dists.numel()]
             centers[never] = xb[dists.topk(never.numel()).indices]
+        report(lambda: f"minibatch k-means epoch {epoch}/{max_iter}: inertia {total:.6g}")
         if abs(prev - total) <= tol * max(total, 1e-30):
             break
         prev = total
@@ -217,11 +237,13 @@ def kmeans(
     batch_size: int | None = None,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    log: Log | None = None,
 ) -> KMeansResult:
     """Cluster `features` (N, D) into k clusters; deterministic for a given seed and device.
 
     Stops when the relative change of inertia between iterations is <= tol, or after
-    max_iter iterations (epochs in minibatch mode, `batch_size` not None).
+    max_iter iterations (epochs in minibatch mode, `batch_size` not None). `log` gets a line per
+    fit and, during a long one, a line every LOG_EVERY_S seconds.
     """
     x = prepare(as_features(features), metric).to(device)
     n = x.shape[0]
@@ -235,18 +257,23 @@ def kmeans(
     x_sq = (x * x).sum(1)
     gen = torch.Generator(device=x.device).manual_seed(seed)
     best: KMeansResult | None = None
-    for _ in range(n_init):
+    report = _Throttled(log)
+    for init in range(n_init):
+        start = time.monotonic()
         if batch_size is None:
             centers = kmeans_plus_plus(x, x_sq, k, gen)
-            centers, labels, inertia, it = _lloyd(x, x_sq, centers, max_iter, tol, cosine)
+            centers, labels, inertia, it = _lloyd(x, x_sq, centers, max_iter, tol, cosine, report)
         else:
             # Seed on a sample: k-means++ over all of a huge N would cost more than the fit.
             m = min(n, max(3 * batch_size, 10 * k))
             sample = torch.randperm(n, generator=gen, device=gen.device)[:m].to(x.device)
             centers = kmeans_plus_plus(x[sample], x_sq[sample], k, gen)
             centers, labels, inertia, it = _minibatch(
-                x, x_sq, centers, batch_size, max_iter, tol, cosine, gen
+                x, x_sq, centers, batch_size, max_iter, tol, cosine, gen, report
             )
+        if log is not None:
+            log(f"k-means k={k} on {n:,} x {x.shape[1]}, start {init + 1}/{n_init}: {it} "
+                f"{'epochs' if batch_size else 'iterations'}, inertia {inertia:.6g}, {time.monotonic() - start:.1f}s")
         if best is None or inertia < best.inertia:
             best = KMeansResult(centers.cpu(), labels.cpu(), inertia, it, metric)
     assert best is not None
@@ -296,6 +323,7 @@ def balanced_kmeans(
     n_iter: int = 20,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    log: Log | None = None,
     **kmeans_kwargs,
 ) -> BalancedKMeansResult:
     """Plain k-means, then alternate balanced assignment and centroid update.
@@ -306,20 +334,26 @@ def balanced_kmeans(
     """
     x = prepare(as_features(features), metric).to(device)
     tol = kmeans_kwargs.get("tol", 1e-4)
-    base = kmeans(x, k, metric=metric, seed=seed, device=device, **kmeans_kwargs)
+    base = kmeans(x, k, metric=metric, seed=seed, device=device, log=log, **kmeans_kwargs)
+    start, report = time.monotonic(), _Throttled(log)
     centers = base.centroids.to(x.device)
     labels = balanced_assign(x, centers, slack, metric, min_fraction).to(x.device)
     inertia = float(((x - centers[labels]) ** 2).sum(dtype=torch.float64))
     it = 0
-    for _ in range(1, n_iter + 1):
+    for it in range(1, n_iter + 1):
         dists = ((x - centers[labels]) ** 2).sum(1)
         centers = _update_centers(x, labels, dists, k, metric == "cosine")
         new = balanced_assign(x, centers, slack, metric, min_fraction).to(x.device)
         prev, inertia = inertia, float(((x - centers[new]) ** 2).sum(dtype=torch.float64))
         done = torch.equal(new, labels) or prev - inertia <= tol * inertia
         labels = new
+        report(lambda: f"balanced k-means round {it}/{n_iter}: inertia {inertia:.6g}")
         if done:
             break
+    if log is not None:
+        change = inertia / base.inertia - 1 if base.inertia > 0 else 0.0
+        log(f"balanced k-means (slack {slack}): {it} rounds, inertia {inertia:.6g} ({change:+.1%} against "
+            f"plain k-means), {time.monotonic() - start:.1f}s")
     return BalancedKMeansResult(
         centers.cpu(), labels.cpu(), inertia, it, metric, unbalanced_inertia=base.inertia
     )

@@ -85,7 +85,8 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
             tokenizer.save_pretrained(tmp_tok)
         else:
             echo(f"[prepare] training a byte-level BPE tokenizer, vocab {tokenizer_cfg.vocab_size}")
-            tokenizer = train_tokenizer(corpus["train"]["text"], tokenizer_cfg.vocab_size, tmp_tok, show_progress=progress)
+            tokenizer = train_tokenizer(corpus["train"]["text"], tokenizer_cfg.vocab_size, tmp_tok, show_progress=progress,
+                                        log=lambda line: echo(f"[prepare] {line}"))
 
         tokenized = tokenize_corpus(corpus, tokenizer)
         short = sum(n <= data.prefix_tokens for n in tokenized["validation"]["num_tokens"])

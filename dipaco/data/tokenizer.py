@@ -15,7 +15,8 @@ exactly the tokens of the whole text; another tokenizer (``tokenizer.path``) may
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import datasets
@@ -28,6 +29,7 @@ EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]  # ids 0 and 1
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
+LOG_EVERY_S = 10.0  # while the trainer reads a large corpus, a line this often
 MAX_PIECE_CHARS = 1 << 20  # longer texts are tokenized in pieces of at most this many characters
 _CUT = re.compile(r"(?<=\S) (?=\S)")  # a single space between two non-space characters
 
@@ -53,11 +55,14 @@ def text_pieces(text: str, max_chars: int | None = None) -> Iterator[str]:
 
 
 def train_tokenizer(
-    texts: Iterable[str], vocab_size: int, out_dir: str | Path, show_progress: bool = True
+    texts: Iterable[str], vocab_size: int, out_dir: str | Path, show_progress: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> transformers.PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `texts`, save it to `out_dir` and return it.
 
-    The same texts in the same order give the same vocabulary and merges.
+    The same texts in the same order give the same vocabulary and merges. `log` gets a line every
+    LOG_EVERY_S seconds while the texts are read, one when the merges start and one at the end: the
+    trainer's own bar (`show_progress`) is drawn only on a terminal.
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ConfigError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least {MIN_VOCAB_SIZE}")
@@ -72,17 +77,24 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )
-    n_texts = 0
+    n_texts, start = 0, time.monotonic()
+    say = log or (lambda line: None)
 
     def counted(items: Iterable[str]) -> Iterable[str]:
         nonlocal n_texts
+        last = time.monotonic()
         for text in items:
             n_texts += 1
             yield from text_pieces(text)  # a whole huge text at once costs gigabytes in the trainer
+            if time.monotonic() - last >= LOG_EVERY_S:
+                say(f"BPE: read {n_texts:,} texts, {time.monotonic() - start:.0f}s")
+                last = time.monotonic()
+        say(f"BPE: read {n_texts:,} texts in {time.monotonic() - start:.1f}s; computing the merges")
 
     backend.train_from_iterator(counted(texts), trainer=trainer)
     if n_texts == 0:
         raise DataError("cannot train a tokenizer on no texts")
+    say(f"BPE: {backend.get_vocab_size():,} tokens in {time.monotonic() - start:.1f}s")
 
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,

@@ -36,7 +36,6 @@ from dipaco.route.shards import assign_paths
 from dipaco.run_dir import RunDir
 
 
-
 @dataclass(frozen=True)
 class EvalJob:
     """What evaluation reads: the experiment, how its documents are routed, and how they are scored."""

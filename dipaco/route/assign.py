@@ -321,7 +321,7 @@ def route(job: RouteJob, prepared: Prepared, topology: Topology) -> dict:
         features["train"], radices, metric=job.route.metric, slack=job.route.balance_slack,
         min_fraction=job.route.min_shard_fraction, featurizer=spec,
         text_model=text_model, topology=topology.to_dict(), seed=job.seed, n_init=job.route.n_init, max_iter=job.route.max_iter,
-        transform=transform,
+        transform=transform, log=lambda line: echo(f"[route] {line}"),
     )
     router, train_paths = arrange_paths(job, topology, prepared, router, np.asarray(fitted_paths, dtype=np.int64))
     paths: dict[str, np.ndarray] = {"train": train_paths,

@@ -89,3 +89,31 @@ def test_bad_input():
         kmeans(x, 2, metric="manhattan")
     with pytest.raises(ValueError, match="2-D"):
         kmeans(torch.randn(5), 2)
+
+
+@pytest.mark.parametrize("batch_size", [None, 256])
+def test_n_iter_counts_the_iterations_run(batch_size):
+    """n_iter (stored in the router's meta) was always 0: the loop never updated it."""
+    x, _ = make_blobs(n_per=100, k=4, dim=8, seed=2)
+    assert kmeans(x, 4, max_iter=1, batch_size=batch_size, seed=0).n_iter == 1
+    converged = kmeans(x, 4, max_iter=300, batch_size=batch_size, seed=0).n_iter
+    assert 2 <= converged < 300
+
+
+def test_a_fit_reports_each_start_and_the_iterations_of_a_long_one(monkeypatch):
+    """Issue 34: the k-means inside `dipaco route` printed nothing, however long it ran."""
+    import routing.kmeans as km
+    from routing.kmeans import balanced_kmeans
+
+    x, _ = make_blobs(n_per=100, k=4, dim=8, seed=2)
+    lines: list[str] = []
+    balanced_kmeans(x, 4, 0.1, n_init=2, seed=0, log=lines.append)
+    starts = [line for line in lines if line.startswith("k-means k=4 on 400 x 8, start ")]
+    assert len(starts) == 2 and "iterations, inertia" in starts[0]
+    assert lines[-1].startswith("balanced k-means (slack 0.1): ") and "against plain k-means" in lines[-1]
+    assert not any("iteration 1/" in line for line in lines)  # a fast fit: no per-iteration lines
+
+    monkeypatch.setattr(km, "LOG_EVERY_S", 0.0)  # a fit as long as the reporting interval
+    lines.clear()
+    res = kmeans(x, 4, seed=0, log=lines.append)
+    assert [f"k-means iteration {i}/300" for i in range(1, res.n_iter + 1)] == [line.split(":")[0] for line in lines[:-1]]

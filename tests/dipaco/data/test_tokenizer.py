@@ -53,6 +53,23 @@ def test_training_is_deterministic(tokenizer_dir, tmp_path):
     assert first["model"]["merges"] == second["model"]["merges"]
 
 
+def test_training_reports_reading_merging_and_the_end(tokenizer_dir, tmp_path, monkeypatch):
+    """Issue 34: BPE training printed nothing off a terminal, however large the corpus."""
+    import dipaco.data.tokenizer as tok
+
+    lines: list[str] = []
+    train_tokenizer(texts(), vocab_size=300, out_dir=tmp_path / "a", show_progress=False, log=lines.append)
+    assert lines[0].startswith("BPE: read 200 texts in ") and lines[0].endswith("; computing the merges")
+    assert lines[1].startswith("BPE: 300 tokens in ") and len(lines) == 2
+
+    monkeypatch.setattr(tok, "LOG_EVERY_S", 0.0)  # a corpus that takes the whole interval to read
+    lines.clear()
+    train_tokenizer(texts(), vocab_size=300, out_dir=tmp_path / "b", show_progress=False, log=lines.append)
+    assert [line.split(",")[0] for line in lines[:200]] == [f"BPE: read {i} texts" for i in range(1, 201)]
+    same = json.loads((tmp_path / "b" / "tokenizer.json").read_text())["model"]
+    assert same["merges"] == json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["merges"]
+
+
 def test_training_learns_merges(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
     assert len(tok("the model routes")["input_ids"]) < len("the model routes")

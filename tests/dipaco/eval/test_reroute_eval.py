@@ -62,9 +62,9 @@ def test_eval_shows_its_progress(served_run, capsys, tmp_path):
     """Issue 34: `dipaco eval` was silent for over a minute; with run.progress it draws a bar over its windows."""
     import shutil
 
-    from dipaco.cli import main
-
     from tiny import TINY
+
+    from dipaco.cli import main
 
     run_dir = shutil.copytree(served_run.run.dir, tmp_path / "run")  # its eval.json is the session's
     args = [*TINY, f"run.dir={run_dir}", f"data.corpus={served_run.data.corpus}", "train.sharding=kmeans",

@@ -115,7 +115,8 @@ def test_ctrl_c_is_one_line_and_exit_130(run_cfg, sigint_from_a_terminal, progre
             proc.kill()
     assert proc.returncode == 130, err
     # split on "\n" only: a bar redraws with "\r", so the line must not carry a bar's text before it (issue 34)
-    assert "Traceback" not in err and err.rstrip("\n").split("\n")[-1] == "interrupted: dipaco train stopped; continue with --resume"
+    last_line = err.rstrip("\n").split("\n")[-1]
+    assert "Traceback" not in err and last_line == "interrupted: dipaco train stopped; continue with --resume"
     if not progress:
         assert len(err.strip().splitlines()) == 1, err
 
