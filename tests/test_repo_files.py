@@ -39,6 +39,18 @@ def test_ci_runs_make_test_requiring_end_to_end_tests_and_fails_with_it(tmp_path
     assert proc.returncode == 3, proc.stdout + proc.stderr  # nothing after a failed `make test` runs
 
 
+def test_the_readme_install_without_make_is_what_make_test_runs():
+    """Issue 34: the README's commands without make lacked the `bench` extra and `-rs`."""
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    make_extras = re.findall(r'pip install --quiet -e "\.\[([\w,]+)\]"', makefile)
+    readme_extras = re.findall(r'^pip install -e "\.\[([\w,]+)\]"', readme, re.MULTILINE)
+    assert make_extras and readme_extras == make_extras
+    make_pytest = re.findall(r"\$\(PY\) -m pytest([^\n]*)", makefile)
+    readme_pytest = re.findall(r"^python -m pytest([^#\n]*)", readme, re.MULTILINE)
+    assert make_pytest and [a.split() for a in readme_pytest] == [a.split() for a in make_pytest]
+
+
 def test_readme_points_a_clone_only_at_what_it_has():
     text = (REPO / "README.md").read_text(encoding="utf-8")
     # Outside the repository only ../shared/data is mentioned, as optional (benchmarks).

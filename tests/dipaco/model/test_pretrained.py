@@ -47,3 +47,17 @@ def test_a_damaged_pretrained_model_is_one_error_line(run_cfg, capsys, how, mess
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
         assert re.search(message, err), err
+
+
+def test_loading_models_draws_no_library_bar(run_cfg, served_run, capsys):
+    """Issue 34: transformers' "Loading weights" bars leaked into generate, export and eval. The models are
+    now read through safetensors, so the only bar left is eval's own (run.progress=true)."""
+    assert main(["eval", "--pretrained", *args(run_cfg), "run.progress=true"]) == 0
+    err = capsys.readouterr().err
+    bars = [piece for piece in re.split(r"[\r\n]", err) if "%|" in piece]
+    assert bars and all(bar.startswith("eval ") for bar in bars), err[-2000:]
+    assert "Loading" not in err
+
+    assert main(["generate", "--run", served_run.run.dir, "hello", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "completion:" in out and "%|" not in err and "Loading" not in err, err
