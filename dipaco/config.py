@@ -424,11 +424,3 @@ def config_diff(old: Config, new: Config, ignore: tuple[str, ...] = RESUME_MUTAB
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k) and (k in keep or not k.startswith(ignore))
     ]
-
-
-def check_resume(saved: Path, cfg: Config) -> None:
-    """Refuses to resume a run whose saved config (``saved``) differs from ``cfg`` in a key that
-    changes what the run computes (:func:`config_diff`)."""
-    diff = config_diff(merge_config(saved), cfg)
-    if diff:
-        raise ConfigError(f"cannot resume {saved.parent}: the config changed ({'; '.join(diff)})")

@@ -25,9 +25,9 @@ from dipaco.checkpoint.state import TrainingState
 from dipaco.checkpoint.store import CheckpointManager
 from dipaco.comm.placement import check_world_size, module_writers, paths_by_rank
 from dipaco.comm.world import DistEnv, World, check_dist, check_same_config, detect_env, init_world, rank_device
-from dipaco.config import Config, EvalConfig, check_resume, flatten, merge_config, to_yaml
+from dipaco.config import Config, EvalConfig, config_diff, flatten, merge_config, to_yaml
 from dipaco.data.prepare import Prepared, check_data, check_tokenizer, load_prepared, prepare
-from dipaco.errors import DataError
+from dipaco.errors import ConfigError, DataError
 from dipaco.eval.evaluate import EvalJob, check_eval, evaluate_experiment, evaluate_pretrained
 from dipaco.eval.report import comparison_table
 from dipaco.eval.reroute_eval import reroute_evaluate
@@ -173,7 +173,7 @@ class Run:
             if cfg.route.em_rounds:  # EM-style re-sharding: segments up to each point, re-route, continue
                 exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
                 plan = EMPlan(points=list(cfg.route.em_rounds), rounds=cfg.train.rounds, run_dir=Path(cfg.run.dir),
-                              exp_dir=exp_dir, check_resume=lambda ckpt: check_resume(ckpt / "config.yaml", cfg),
+                              exp_dir=exp_dir, check_resume=self.check_resume,
                               reroute=lambda ckpt: self.reroute(str(ckpt), device=str(world.device), hint=False))
                 return train_em(plan, world, resume, resume_from, until_round, segment)
             return segment(resume, resume_from, until_round)
@@ -200,6 +200,14 @@ class Run:
 
     def report(self) -> str:
         return comparison_table(self.cfg.run.dir)
+
+    def check_resume(self, checkpoint: Path) -> None:
+        """Refuses to resume from a checkpoint whose saved config differs from this run's in a key that
+        changes what the run computes (:func:`dipaco.config.config_diff`)."""
+        saved = checkpoint / "config.yaml"
+        diff = config_diff(merge_config(saved), self.cfg)
+        if diff:
+            raise ConfigError(f"cannot resume {checkpoint}: the config changed ({'; '.join(diff)})")
 
 
 def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler], None] | None = None) -> Trainer:
@@ -254,9 +262,9 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     writers = module_writers(topology, by_rank)
     state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held if writers[m] == world.rank), loops,
                           scheduler.sync, scheduler, world.rank, by_rank)
-    return Trainer(cfg=cfg, run_dir=Path(cfg.run.dir), dir=exp_dir, rounds=train.rounds,
-                   routed=train.sharding == "kmeans", topology=topology, bank=bank, loops=loops, weights=weights,
-                   by_rank=by_rank, world=world, scheduler=scheduler, state=state,
+    return Trainer(config_yaml=to_yaml(cfg), check_resume=Run(cfg).check_resume, run_dir=Path(cfg.run.dir), dir=exp_dir,
+                   rounds=train.rounds, routed=train.sharding == "kmeans", topology=topology, bank=bank, loops=loops,
+                   weights=weights, by_rank=by_rank, world=world, scheduler=scheduler, state=state,
                    checkpoints=CheckpointManager(exp_dir / "checkpoints", keep=train.keep_checkpoints))
 
 

@@ -58,21 +58,36 @@ def test_no_import_cycle_lazy_imports_included():
     assert len(edges) > 50 and cycles == []
 
 
+def _is_config(annotation: ast.expr | None) -> bool:
+    """``Config``, or a union/optional with it (``Config | None``)."""
+    return annotation is not None and any(isinstance(n, ast.Name) and n.id == "Config" for n in ast.walk(annotation))
+
+
 def config_signatures() -> dict[str, list[str]]:
-    """file -> the functions (and methods) of dipaco/ with a parameter annotated ``Config``."""
+    """file -> the functions (and methods) of dipaco/ with a parameter annotated ``Config``, and the classes
+    with a ``Config`` field (a dataclass's generated ``__init__`` takes it: ``Class.__init__``)."""
     found: dict[str, list[str]] = {}
     for path in sorted((REPO / "dipaco").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
-                if any(isinstance(a.annotation, ast.Name) and a.annotation.id == "Config" for a in args):
+                if any(_is_config(a.annotation) for a in args):
                     found.setdefault(str(path.relative_to(REPO)), []).append(node.name)
+            elif isinstance(node, ast.ClassDef) and path.name != "config.py":
+                if any(isinstance(f, ast.AnnAssign) and _is_config(f.annotation) for f in node.body):
+                    found.setdefault(str(path.relative_to(REPO)), []).append(f"{node.name}.__init__")
     return found
 
 
 def test_only_the_composition_root_takes_the_whole_config():
     """Components get their sections; the whole Config goes to the composition root (dipaco/run.py)
-    and to the schema's own operations (dipaco/config.py: merge, diff, resume check)."""
-    outside = {f: sorted(names) for f, names in config_signatures().items() if f != "dipaco/config.py"}
+    and to the schema's own comparison (dipaco/config.py: config_diff). A dataclass with a Config field
+    counts: the trainer held one until it was given the config's text and the root's resume check."""
+    found = config_signatures()
+    # Serving's root: Pipeline.from_run reads a trained experiment's stored config.yaml, whole, into this.
+    assert found.pop("dipaco/serve/pipeline.py") == ["LoadedExperiment.__init__"]
+    outside = {f: sorted(names) for f, names in found.items() if f != "dipaco/config.py"}
     assert outside == {"dipaco/run.py": ["__init__", "apply_overrides", "build_trainer", "check_config"]}
+    assert found.get("dipaco/config.py") == ["config_diff"]  # the schema's own comparison of two configs
+    assert sum(map(len, found.values())) <= 5  # issue 32's bound, on the training side

@@ -16,7 +16,7 @@ on rank 0). A run stopped between the checkpoint and its log logs it when it res
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,7 +25,7 @@ from dipaco.atomic import write_text
 from dipaco.checkpoint.state import TrainingState
 from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint, resolve_checkpoint, write_snapshot
 from dipaco.comm.world import World
-from dipaco.config import Config, TrainConfig, check_resume, to_yaml
+from dipaco.config import TrainConfig
 from dipaco.errors import ConfigError, DistributedError
 from dipaco.metrics import MetricsLogger, echo, read_metrics
 from dipaco.model.bank import ModuleBank
@@ -86,7 +86,8 @@ class Scheduler(Protocol):
 class Trainer:
     """One experiment as one rank trains it."""
 
-    cfg: Config  # the resolved config: written into every checkpoint and compared on resume, never read here
+    config_yaml: str  # the resolved config: written into the experiment and into every checkpoint
+    check_resume: Callable[[Path], None]  # from the composition root: refuses a checkpoint whose config differs
     run_dir: Path
     dir: Path  # <run.dir>/train/<name>
     rounds: int  # train.rounds: the length of the run, which the LR schedule spans
@@ -117,7 +118,7 @@ class Trainer:
         start, resumed = self._start(resume, resume_from)
         if world.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            write_text(self.dir / "config.yaml", to_yaml(self.cfg))  # replaced whole: a full disk keeps the old one
+            write_text(self.dir / "config.yaml", self.config_yaml)  # replaced whole: a full disk keeps the old one
             record_routing(self.run_dir, self.dir, self.routed)
         stop = self.rounds if until_round is None else min(until_round, self.rounds)
         metrics = MetricsLogger(self.dir) if world.rank == 0 else None
@@ -167,14 +168,14 @@ class Trainer:
         own = tuple(f"paths/path_{p:03d}/" for p in self.loops)
         ckpt = resolve_checkpoint(self.checkpoints, resume_from,
                                   select=lambda rel: not rel.startswith("paths/") or rel.startswith(own))
-        check_resume(ckpt / "config.yaml", self.cfg)
+        self.check_resume(ckpt)
         state = self.state.restore(SavedCheckpoint(ckpt, self.world.rank, self.bank.device))
         if self.world.rank == 0:
             echo(f"[train] resumed from {ckpt} (round {state['round']})")
         return int(state["round"]), ckpt
 
     def _write(self, directory: Path, progress: Progress) -> list[Path]:
-        snapshot = self.state.snapshot(progress.index, progress.reports, progress.info, to_yaml(self.cfg))
+        snapshot = self.state.snapshot(progress.index, progress.reports, progress.info, self.config_yaml)
         return write_snapshot(directory, self.world.rank, snapshot, progress.index)
 
     def _log(self, metrics: MetricsLogger, index: int, reports: list, info: dict, ckpt: Path) -> None:
