@@ -51,12 +51,14 @@ class DataConfig:
     empty_docs: Literal["error", "skip"] = "error"
     seq_len: int = 128  # packed training sequence length and eval window length
     prefix_tokens: int = 32  # routing context; never scored at evaluation
+    num_proc: int = 1  # prepare: tokenizer processes (datasets.map num_proc); > 1 pays off from ~100k documents
 
 
 @dataclass
 class TokenizerConfig:
     path: Optional[str] = None  # an existing tokenizer directory; None trains a byte-level BPE
     vocab_size: int = 4096
+    train_docs: Optional[int] = 20_000  # BPE trained on at most this many training documents (a fixed random sample); null = all
 
 
 @dataclass
@@ -226,6 +228,10 @@ class RouteConfig:
     # EM-style re-sharding in `dipaco train`: after each of these rounds, re-route every document on the
     # paths' losses (as `dipaco reroute`) and continue on the new shards; [] = off (dipaco.train.resharding)
     em_rounds: List[int] = field(default_factory=list)
+    # k-means is fitted on at most this many training documents (a seeded sample); every document is then
+    # assigned in chunks under the same capacity bounds; null = fit on all
+    fit_docs: Optional[int] = 200_000
+    chunk_docs: int = 65_536  # documents featurized and assigned per chunk (bounds routing's memory)
 
 
 @dataclass

@@ -3,6 +3,7 @@
     <run.dir>/
       data/           tokenized train/validation splits (HF datasets, Arrow) + prepare.json
       tokenizer/      HF fast tokenizer
+      prepare.work/   a running or killed `dipaco prepare`'s finished steps (removed when it succeeds)
       pretrain/       the dense path-sized model (save_pretrained) that initialises every module
       routing/        router artifact and routed splits (`dipaco route`)
       train/<name>/   one experiment: config.yaml, metrics.jsonl, checkpoints/, eval.json
@@ -24,6 +25,10 @@ class RunDir:
     @property
     def tokenizer(self) -> Path:
         return self.root / "tokenizer"
+
+    @property
+    def prepare_work(self) -> Path:
+        return self.root / "prepare.work"
 
     @property
     def pretrain(self) -> Path:

@@ -13,8 +13,10 @@ Sources (`CorpusSpec.source`):
 Pipeline: load -> pick and rename columns -> strip headers -> empty documents (error or skip)
 -> duplicate ids -> train/validation split -> optional max_docs subsample.
 
-The corpus is held in memory as Python lists while it is checked and split; this trainer
-targets corpora of up to a few GB, and plain lists keep every step short and obvious.
+The corpus is never held in memory as one list: it is read batch by batch into Arrow files (the
+datasets cache, or ``work_dir``), which are memory-mapped. What stays in memory is a few numpy
+numbers per document (its id hash, split and emptiness: 10 bytes), so the split, the duplicate-id
+check and the max_docs sample scale to tens of millions of documents.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import importlib.util
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
+import numpy as np
 
 from dipaco.errors import ConfigError, DataError
 
@@ -44,6 +49,9 @@ SPLIT_BY_SOURCE = "source splits"  # CorpusStats.split_method values (a third: "
 SPLIT_BY_HASH = "hash of id"
 _HEADER_END = re.compile(r"\r?\n[ \t]*\r?\n")  # the first blank line
 DEFAULT_LABEL_FIELD = "label"  # used when the corpus has such a column; any other name must be a column
+_TRAIN, _VALIDATION, _UNSPLIT = 0, 1, -1  # the `split` work column
+_WORK_COLUMNS = ["split", "hash", "empty", "crc"]  # computed while reading, dropped from the result
+_BATCH = 10_000  # rows per batch while reading: bounds the memory of a step, not of the corpus
 
 
 @dataclass
@@ -76,31 +84,7 @@ class CorpusStats:
     n_skipped_empty: int  # dropped because empty_docs="skip"
     n_dropped_max_docs: int  # left out by the max_docs subsample
     split_method: str  # SPLIT_BY_SOURCE, SPLIT_BY_HASH or "split column '<split_field>'"
-
-
-@dataclass
-class _Docs:
-    """The corpus as parallel lists, in load order. split[i] is "train", "validation" or None (not yet split)."""
-
-    ids: list[str]
-    texts: list[str]
-    labels: list[str | None] | None
-    splits: list[str | None]
-
-    def select(self, keep: list[int]) -> _Docs:
-        return _Docs(
-            ids=[self.ids[i] for i in keep],
-            texts=[self.texts[i] for i in keep],
-            labels=None if self.labels is None else [self.labels[i] for i in keep],
-            splits=[self.splits[i] for i in keep],
-        )
-
-    def to_dataset(self, rows: list[int]) -> datasets.Dataset:
-        columns: dict[str, list] = {"id": [self.ids[i] for i in rows], "text": [self.texts[i] for i in rows]}
-        if self.labels is not None:
-            columns["label"] = [self.labels[i] for i in rows]
-        features = datasets.Features({name: datasets.Value("string") for name in columns})
-        return datasets.Dataset.from_dict(columns, features=features)
+    fingerprint: str = ""  # of the documents and their split: ids' hashes and texts' CRC-32, in order
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -123,41 +107,66 @@ def is_validation(doc_id: str, validation_fraction: float) -> bool:
 # ----------------------------------------------------------------------------- public API
 
 
-def load_corpus(spec: CorpusSpec) -> datasets.DatasetDict:
+def load_corpus(spec: CorpusSpec, work_dir: str | Path | None = None) -> datasets.DatasetDict:
     """Load, check and split a corpus. See `load_corpus_with_stats` for what happens."""
-    return load_corpus_with_stats(spec)[0]
+    return load_corpus_with_stats(spec, work_dir)[0]
 
 
-def load_corpus_with_stats(spec: CorpusSpec) -> tuple[datasets.DatasetDict, CorpusStats]:
-    """Load, check and split a corpus; also report how many documents were split, skipped or dropped."""
+def load_corpus_with_stats(
+    spec: CorpusSpec, work_dir: str | Path | None = None
+) -> tuple[datasets.DatasetDict, CorpusStats]:
+    """Load, check and split a corpus; also report how many documents were split, skipped or dropped.
+
+    ``work_dir``: where the normalized columns are written (Arrow files); without one they go to the
+    datasets cache of the source, or stay in memory for an in-memory source.
+    """
     _check_spec(spec)
     raw = _load_raw(spec)
-    docs, split_method = _collect_docs(raw, spec)
-
-    if spec.strip_headers:
-        docs.texts = [strip_header(text) for text in docs.texts]
-    docs, n_skipped = _handle_empty_docs(docs, spec)
-    _check_unique_ids(docs.ids)
+    docs, split_method = _normalized(raw, spec, None if work_dir is None else Path(work_dir))
+    hashes = _numpy_column(docs, "hash")
+    empty = _numpy_column(docs, "empty")
+    keep = _handle_empty_docs(docs, empty, spec)
+    _check_unique_ids(docs, hashes[keep], keep)
 
     if split_method == SPLIT_BY_HASH:
-        docs.splits = ["validation" if is_validation(i, spec.validation_fraction) else "train" for i in docs.ids]
-    train = [i for i, s in enumerate(docs.splits) if s == "train"]
-    validation = [i for i, s in enumerate(docs.splits) if s == "validation"]
+        is_val = (hashes >> np.uint64(32)).astype(np.float64) / 2**32 < spec.validation_fraction
+    else:
+        is_val = _numpy_column(docs, "split") == _VALIDATION
+    train, validation = keep[~is_val[keep]], keep[is_val[keep]]
     _check_both_splits(train, validation, split_method, spec)
 
     n_before = len(train) + len(validation)
     if spec.max_docs is not None and spec.max_docs < n_before:
-        train, validation = _subsample(docs.ids, train, validation, spec.max_docs)
+        train, validation = _subsample(hashes, train, validation, spec.max_docs)
 
-    corpus = datasets.DatasetDict(train=docs.to_dataset(train), validation=docs.to_dataset(validation))
+    fingerprint = _fingerprint(hashes, _numpy_column(docs, "crc"), train, validation)
+    docs = docs.remove_columns(_WORK_COLUMNS)
+    corpus = datasets.DatasetDict(train=docs.select(train), validation=docs.select(validation))
     stats = CorpusStats(
         n_train=len(train),
         n_validation=len(validation),
-        n_skipped_empty=n_skipped,
+        n_skipped_empty=int(empty.sum()) if spec.empty_docs == "skip" else 0,
         n_dropped_max_docs=n_before - len(train) - len(validation),
         split_method=split_method,
+        fingerprint=fingerprint,
     )
     return corpus, stats
+
+
+def _fingerprint(hashes: np.ndarray, crcs: np.ndarray, train: np.ndarray, validation: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    for rows in (train, validation):
+        digest.update(len(rows).to_bytes(8, "little"))
+        digest.update(hashes[rows].tobytes())
+        digest.update(crcs[rows].tobytes())
+    return digest.hexdigest()[:16]
+
+
+def first_by_hash(hashes: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` of ``rows`` first in order of their documents' id hash, back in corpus order: a
+    deterministic sample that does not depend on how the corpus is ordered."""
+    order = np.argsort(hashes[rows], kind="stable")
+    return np.sort(rows[order[:n]])
 
 
 def strip_header(text: str) -> str:
@@ -186,24 +195,28 @@ def _check_spec(spec: CorpusSpec) -> None:
             raise ConfigError(f"data.csv_columns: only for csv data, but data.format={spec.format!r}")
 
 
-def _handle_empty_docs(docs: _Docs, spec: CorpusSpec) -> tuple[_Docs, int]:
-    empty = [i for i, text in enumerate(docs.texts) if not text.strip()]
-    if not empty:
-        return docs, 0
-    if spec.empty_docs == "error":
+def _handle_empty_docs(docs: datasets.Dataset, empty: np.ndarray, spec: CorpusSpec) -> np.ndarray:
+    """Rows to keep: all of them, or the non-empty ones with empty_docs=skip; an error lists the empty ones."""
+    rows = np.flatnonzero(empty)
+    if rows.size and spec.empty_docs == "error":
         what = "empty or whitespace-only after header stripping" if spec.strip_headers else "empty or whitespace-only"
         raise DataError(
-            f"{len(empty)} document(s) in {spec.source!r} are {what}: {_listing([docs.ids[i] for i in empty])}. "
+            f"{rows.size} document(s) in {spec.source!r} are {what}: {_listing(_ids_of(docs, rows), rows.size)}. "
             "Set data.empty_docs=skip to drop them."
         )
-    empty_set = set(empty)
-    return docs.select([i for i in range(len(docs.ids)) if i not in empty_set]), len(empty)
+    return np.flatnonzero(~empty)
 
 
-def _check_unique_ids(ids: list[str]) -> None:
+def _check_unique_ids(docs: datasets.Dataset, hashes: np.ndarray, rows: np.ndarray) -> None:
+    """Equal ids have equal hashes: only rows whose 64-bit hash repeats are compared by id."""
+    order = np.argsort(hashes, kind="stable")
+    repeats = hashes[order][1:] == hashes[order][:-1]
+    if not repeats.any():
+        return
+    suspects = np.sort(rows[np.union1d(order[1:][repeats], order[:-1][repeats])])
     seen: set[str] = set()
     duplicates: dict[str, None] = {}  # a dict keeps first-seen order for the message
-    for doc_id in ids:
+    for doc_id in docs.select(suspects)["id"]:
         if doc_id in seen:
             duplicates[doc_id] = None
         seen.add(doc_id)
@@ -211,14 +224,18 @@ def _check_unique_ids(ids: list[str]) -> None:
         raise DataError(f"{len(duplicates)} document id(s) occur more than once: {_listing(list(duplicates))}")
 
 
-def _check_both_splits(train: list[int], validation: list[int], split_method: str, spec: CorpusSpec) -> None:
-    if train and validation:
+def _ids_of(docs: datasets.Dataset, rows: np.ndarray) -> list[str]:
+    return docs.select(rows[:_MAX_LISTED])["id"]
+
+
+def _check_both_splits(train: np.ndarray, validation: np.ndarray, split_method: str, spec: CorpusSpec) -> None:
+    if len(train) and len(validation):
         return
     n = len(train) + len(validation)
-    missing = "train" if not train else "validation"
+    missing = "train" if not len(train) else "validation"
     if split_method == SPLIT_BY_HASH:
         hint = (
-            f"validation_fraction={spec.validation_fraction} is too {'small' if not validation else 'large'} "
+            f"validation_fraction={spec.validation_fraction} is too {'small' if not len(validation) else 'large'} "
             f"for {n} document(s)"
         )
     else:
@@ -226,33 +243,31 @@ def _check_both_splits(train: list[int], validation: list[int], split_method: st
     raise DataError(f"corpus {spec.source!r} has an empty {missing} split: {hint}")
 
 
-def _listing(ids: list[str]) -> str:
+def _listing(ids: list[str], total: int | None = None) -> str:
+    """The first ids, quoted, and how many more there are of ``total`` (default: of ``ids``)."""
+    total = len(ids) if total is None else total
     shown = ", ".join(repr(i) for i in ids[:_MAX_LISTED])
-    return shown + (f", ... ({len(ids) - _MAX_LISTED} more)" if len(ids) > _MAX_LISTED else "")
+    return shown + (f", ... ({total - _MAX_LISTED} more)" if total > _MAX_LISTED else "")
 
 
 # ----------------------------------------------------------------------------- splitting
 
 
 def _subsample(
-    ids: list[str], train: list[int], validation: list[int], max_docs: int
-) -> tuple[list[int], list[int]]:
+    hashes: np.ndarray, train: np.ndarray, validation: np.ndarray, max_docs: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Keep max_docs documents, shared between the splits in proportion, first in hash order of id."""
     n_validation = round(max_docs * len(validation) / (len(train) + len(validation)))
     n_validation = min(max(n_validation, 1), len(validation), max_docs - 1)
-    return _first_by_hash(ids, train, max_docs - n_validation), _first_by_hash(ids, validation, n_validation)
-
-
-def _first_by_hash(ids: list[str], rows: list[int], n: int) -> list[int]:
-    chosen = sorted(rows, key=lambda i: stable_hash(ids[i]))[:n]
-    return sorted(chosen)  # back in corpus order
+    return first_by_hash(hashes, train, max_docs - n_validation), first_by_hash(hashes, validation, n_validation)
 
 
 # ----------------------------------------------------------------------------- columns
 
 
-def _collect_docs(raw: datasets.DatasetDict, spec: CorpusSpec) -> tuple[_Docs, str]:
-    """Read id/text/label and any existing split out of the loaded splits; also say how the split is made."""
+def _normalized(raw: datasets.DatasetDict, spec: CorpusSpec, work_dir: Path | None) -> tuple[datasets.Dataset, str]:
+    """Every loaded split as one dataset of id/text[/label] plus the work columns (``_WORK_COLUMNS``);
+    also say how the split is made. Written batch by batch: the corpus is never one list in memory."""
     presplit = _find_presplit(list(raw))
     if presplit is not None:
         parts: list[tuple[datasets.Dataset, str | None]] = [(raw[presplit[0]], "train"), (raw[presplit[1]], "validation")]
@@ -262,10 +277,86 @@ def _collect_docs(raw: datasets.DatasetDict, spec: CorpusSpec) -> tuple[_Docs, s
         use_split_column = spec.split_field is not None and all(spec.split_field in ds.column_names for ds, _ in parts)
         split_method = f"split column {spec.split_field!r}" if use_split_column else SPLIT_BY_HASH
 
-    docs = _Docs(ids=[], texts=[], labels=[], splits=[])
-    for ds, split in parts:
-        _append_columns(docs, ds, spec, split, use_split_column)
+    for ds, _ in parts:
+        _check_columns(ds, spec)
+    with_labels = spec.label_field is not None and all(spec.label_field in ds.column_names for ds, _ in parts)
+    features = datasets.Features({"id": datasets.Value("string"), "text": datasets.Value("string"),
+                                  **({"label": datasets.Value("string")} if with_labels else {}),
+                                  "split": datasets.Value("int8"), "hash": datasets.Value("uint64"),
+                                  "empty": datasets.Value("bool"), "crc": datasets.Value("uint32")})
+    normalized, offset = [], 0
+    for number, (ds, split) in enumerate(parts):
+        rows = _Rows(spec, ds.features, split, use_split_column, with_labels, offset)
+        cache = None if work_dir is None else str(work_dir / f"corpus-{number}.arrow")
+        normalized.append(ds.map(rows, batched=True, batch_size=_BATCH, with_indices=True, features=features,
+                                 remove_columns=ds.column_names, cache_file_name=cache, load_from_cache_file=False,
+                                 desc="Reading corpus"))
+        offset += len(ds)
+    docs = normalized[0] if len(normalized) == 1 else datasets.concatenate_datasets(normalized)
     return docs, split_method
+
+
+@dataclass
+class _Rows:
+    """The batch function of `_normalized`: a part's rows as id/text[/label] and the work columns."""
+
+    spec: CorpusSpec
+    features: datasets.Features
+    split: str | None
+    use_split_column: bool
+    with_labels: bool
+    offset: int  # row index of the part's first row across all loaded splits, so default ids stay unique
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, Any]:
+        spec = self.spec
+        texts = [t or "" for t in batch[spec.text_field]]  # a null text is an empty document
+        if spec.strip_headers:
+            texts = [strip_header(t) for t in texts]
+        if spec.id_field is not None and spec.id_field in batch:
+            ids = [str(i) for i in batch[spec.id_field]]
+        else:
+            ids = [str(self.offset + i) for i in indices]
+        splits: list[str | None]
+        if self.use_split_column:
+            splits = [_split_from_value(v, spec) for v in batch[str(spec.split_field)]]
+        else:
+            splits = [self.split] * len(texts)
+        out: dict[str, Any] = {"id": ids, "text": texts}
+        if self.with_labels:
+            out["label"] = _as_strings(batch[str(spec.label_field)], self.features[str(spec.label_field)])
+        out["split"] = [_VALIDATION if s == "validation" else _TRAIN if s == "train" else _UNSPLIT for s in splits]
+        out["hash"] = np.array([stable_hash(i) for i in ids], dtype=np.uint64)  # >= 2**63: not a Python->Arrow int
+        out["empty"] = [not t.strip() for t in texts]
+        out["crc"] = [zlib.crc32(t.encode("utf-8", "surrogatepass")) for t in texts]
+        return out
+
+
+def _check_columns(ds: datasets.Dataset, spec: CorpusSpec) -> None:
+    """The text column exists and holds strings, ids are never null, the label column is a column."""
+    columns = ds.column_names
+    if spec.text_field not in columns:
+        if any(len(c) > 40 or len(c.split()) >= 5 for c in columns):  # a first row of text, not of names
+            raise DataError(
+                f"corpus {spec.source!r} has no text column {spec.text_field!r}, and its first row looks like data "
+                f"({_shortened(columns)}), not column names: a CSV without a header row? Name its columns with "
+                f"data.csv_columns, e.g. data.csv_columns=[label,title,text]"
+            )
+        raise DataError(
+            f"corpus {spec.source!r} has no text column {spec.text_field!r}; available columns: {', '.join(columns)}. "
+            "Set data.text_field to one of them."
+        )
+    feature = ds.features[spec.text_field]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")):
+        raise DataError(f"column {spec.text_field!r} of {spec.source!r} does not hold strings ({feature})")
+    if spec.id_field is not None and spec.id_field in columns:
+        nulls = ds.data.column(spec.id_field).null_count
+        if nulls:
+            raise DataError(f"{nulls} row(s) of {spec.source!r} have no {spec.id_field!r}")
+    if spec.label_field is not None and spec.label_field != DEFAULT_LABEL_FIELD and spec.label_field not in columns:
+        raise DataError(
+            f"data.label_field: corpus {spec.source!r} has no column {spec.label_field!r}; available columns: "
+            f"{', '.join(columns)}. Set data.label_field to one of them, or to null for no labels."
+        )
 
 
 def _find_presplit(split_names: list[str]) -> tuple[str, str] | None:
@@ -279,58 +370,15 @@ def _shortened(names: list[str], width: int = 24, count: int = 4) -> str:
     return ", ".join(cut) + (f", ... ({len(names)} columns)" if len(names) > count else "")
 
 
-def _append_columns(
-    docs: _Docs, ds: datasets.Dataset, spec: CorpusSpec, split: str | None, use_split_column: bool
-) -> None:
-    columns = ds.column_names
-    if spec.text_field not in columns:
-        if any(len(c) > 40 or len(c.split()) >= 5 for c in columns):  # a first row of text, not of names
-            raise DataError(
-                f"corpus {spec.source!r} has no text column {spec.text_field!r}, and its first row looks like data "
-                f"({_shortened(columns)}), not column names: a CSV without a header row? Name its columns with "
-                f"data.csv_columns, e.g. data.csv_columns=[label,title,text]"
-            )
-        raise DataError(
-            f"corpus {spec.source!r} has no text column {spec.text_field!r}; available columns: {', '.join(columns)}. "
-            "Set data.text_field to one of them."
-        )
-    texts = ds[spec.text_field][:]
-    if any(t is not None and not isinstance(t, str) for t in texts):
-        feature = ds.features[spec.text_field]
-        raise DataError(f"column {spec.text_field!r} of {spec.source!r} does not hold strings ({feature})")
-    docs.texts.extend(t or "" for t in texts)  # a null text is an empty document
-
-    if spec.id_field is not None and spec.id_field in columns:
-        ids = _as_strings(ds, spec.id_field)
-        if None in ids:
-            raise DataError(f"{ids.count(None)} row(s) of {spec.source!r} have no {spec.id_field!r}")
-        docs.ids.extend(str(i) for i in ids)
-    else:
-        start = len(docs.ids)  # row index across all loaded splits, so ids stay unique
-        docs.ids.extend(str(start + i) for i in range(len(ds)))
-
-    if spec.label_field is not None and spec.label_field != DEFAULT_LABEL_FIELD and spec.label_field not in columns:
-        raise DataError(
-            f"data.label_field: corpus {spec.source!r} has no column {spec.label_field!r}; available columns: "
-            f"{', '.join(columns)}. Set data.label_field to one of them, or to null for no labels."
-        )
-    if docs.labels is not None and spec.label_field is not None and spec.label_field in columns:
-        docs.labels.extend(_as_strings(ds, spec.label_field))
-    else:
-        docs.labels = None  # the label column is kept only when every part has one
-
-    if use_split_column:
-        docs.splits.extend(_split_from_value(v, spec) for v in ds[spec.split_field][:])
-    else:
-        docs.splits.extend([split] * len(ds))
-
-
-def _as_strings(ds: datasets.Dataset, column: str) -> list[str | None]:
-    values = ds[column][:]
-    feature = ds.features[column]
+def _as_strings(values: list, feature: object) -> list[str | None]:
     if isinstance(feature, datasets.ClassLabel):  # hub labels are often ints with names
         return [None if v is None else feature.int2str(v) for v in values]
     return [None if v is None else str(v) for v in values]
+
+
+def _numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
+    """A numeric column of an unselected dataset as one numpy array (a copy out of the Arrow chunks)."""
+    return ds.data.column(column).to_numpy()
 
 
 def _split_from_value(value: object, spec: CorpusSpec) -> str:

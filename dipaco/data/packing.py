@@ -1,7 +1,9 @@
 """Token layouts: packed fixed-length training rows, and per-document evaluation windows.
 
 Training packs a shard's documents into one stream, doc0 EOS doc1 EOS ..., cut into rows of
-seq_len tokens (the last partial row is dropped).
+seq_len tokens (the last partial row is dropped). :class:`PackedShard` reads those rows from the
+memory-mapped prepared data on demand, so a worker's memory does not grow with its shard;
+:func:`pack_documents` builds the same rows in memory.
 
 Evaluation scores each document on its own, so its perplexity does not depend on which other
 documents share its path. Token j of a document is a *scored target* iff j >= prefix_tokens and
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import datasets
 import numpy as np
 import torch
 
@@ -57,6 +61,112 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> 
 
     n_rows = total // seq_len
     return torch.from_numpy(stream[: n_rows * seq_len].reshape(n_rows, seq_len))
+
+
+class DocumentTokens:
+    """Every document's token ids, read in place from a dataset's memory-mapped Arrow column.
+
+    Nothing is copied when it is built: a document's tokens are a numpy view of the Arrow file, which
+    the OS pages in and out. It pickles as the dataset does (by the path of its files), so a shard
+    sent to another process or machine reads the same files, e.g. on shared storage."""
+
+    def __init__(self, ds: datasets.Dataset, column: str = "input_ids") -> None:
+        if column not in ds.column_names:
+            raise DataError(f"the dataset has no {column!r} column (columns: {', '.join(ds.column_names)})")
+        self._ds = ds
+        self._column = column
+        self._views: tuple[list[np.ndarray], list[np.ndarray], np.ndarray] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_views": None}
+
+    def _loaded(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """Per Arrow chunk: its flat token values and its offsets into them; and each chunk's first row."""
+        if self._views is None:
+            chunks = self._ds.data.column(self._column).chunks
+            values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
+            offsets = [c.offsets.to_numpy(zero_copy_only=False).astype(np.int64, copy=False) for c in chunks]
+            first_rows = np.cumsum([0] + [len(c) for c in chunks])
+            self._views = (values, offsets, first_rows)
+        return self._views
+
+    def _table_rows(self, rows: np.ndarray) -> np.ndarray:
+        indices = self._ds._indices  # a select()ed dataset maps its rows onto the table's
+        return rows if indices is None else indices.column(0).to_numpy().astype(np.int64)[rows]
+
+    def spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For each of ``rows``: the Arrow chunk holding it, its first token's position in that chunk's
+        values, and its length."""
+        _, offsets, first_rows = self._loaded()
+        table_rows = self._table_rows(np.asarray(rows, dtype=np.int64))
+        chunk = np.searchsorted(first_rows, table_rows, side="right") - 1
+        start = np.empty(len(table_rows), dtype=np.int64)
+        length = np.empty(len(table_rows), dtype=np.int64)
+        for c in np.unique(chunk):
+            mine = chunk == c
+            local = table_rows[mine] - first_rows[c]
+            start[mine] = offsets[c][local]
+            length[mine] = offsets[c][local + 1] - offsets[c][local]
+        return chunk.astype(np.int32), start, length
+
+    def gather(self, chunk: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """The token at ``position`` of Arrow chunk ``chunk``, elementwise, as int64."""
+        values = self._loaded()[0]
+        out = np.empty(len(position), dtype=np.int64)
+        for c in np.unique(chunk):
+            mine = chunk == c
+            out[mine] = values[c][position[mine]]
+        return out
+
+
+class PackedShard:
+    """The rows :func:`pack_documents` would build from a shard's documents, read from disk on demand.
+
+    Only the shard's document table is in memory (where each document starts in the Arrow file, and
+    where it starts in the packed stream: about 24 bytes a document); the tokens stay in the
+    memory-mapped file. Indexing it like the (n_rows, seq_len) tensor gives exactly that tensor's rows,
+    so training on either is the same run."""
+
+    ndim = 2
+
+    def __init__(self, tokens: DocumentTokens, rows: np.ndarray, seq_len: int, eos_id: int) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"seq_len={seq_len} must be positive")
+        if len(rows) == 0:
+            raise DataError("cannot pack an empty shard (no documents)")
+        self.tokens, self.seq_len, self.eos_id = tokens, seq_len, eos_id
+        self._chunk, self._start, self._length = tokens.spans(np.asarray(rows, dtype=np.int64))
+        self._end = np.cumsum(self._length + 1)  # one past each document's EOS in the packed stream
+        total = int(self._end[-1])
+        if total < seq_len:
+            raise DataError(
+                f"shard has {total} tokens (with one EOS per document), fewer than seq_len={seq_len}: "
+                "use more documents per shard or a shorter seq_len"
+            )
+        self.shape = (total // seq_len, seq_len)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:
+        """Rows ``index`` (a 1-d sequence of row numbers) as a (len(index), seq_len) LongTensor."""
+        rows = np.asarray(index, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.shape[0]):
+            raise IndexError(f"row index out of range for a shard of {self.shape[0]} rows")
+        position = (rows[:, None] * self.seq_len + np.arange(self.seq_len)).reshape(-1)
+        doc = np.searchsorted(self._end, position, side="right")
+        offset = position - (self._end[doc] - self._length[doc] - 1)  # within the document; == length: its EOS
+        out = np.full(position.size, self.eos_id, dtype=np.int64)
+        is_token = offset < self._length[doc]
+        out[is_token] = self.tokens.gather(self._chunk[doc[is_token]], self._start[doc[is_token]] + offset[is_token])
+        return torch.from_numpy(out.reshape(rows.size, self.seq_len))
+
+    def materialize(self) -> torch.Tensor:
+        """Every row, in memory (for tests and small shards)."""
+        return self[np.arange(self.shape[0])]
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -9,23 +9,31 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 from transformers import PreTrainedTokenizerFast
 
 from dipaco.atomic import replacing
 from dipaco.config import Config, DataConfig, TokenizerConfig, config_diff, merge_config
 from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
-from dipaco.data.tokenizer import load_tokenizer, tokenize_corpus, train_tokenizer
+from dipaco.data.tokenizer import load_tokenizer, token_dtype, tokenize_to_disk, train_tokenizer
 from dipaco.errors import ConfigError, DataError, DipacoError
 from dipaco.metrics import echo
 from dipaco.run_dir import RunDir
 
 PREPARE_INFO = "prepare.json"
-_NOT_PREPARE_KEYS = ("seq_len", "prefix_tokens")  # used by later jobs, not by tokenization
+# 2: token ids stored as uint16/uint32 (:func:`dipaco.data.tokenizer.token_dtype`); data without a format
+# (1) stored them as int64 and is read the same way
+DATA_FORMAT = 2
+_DONE = "done"  # marks a finished step in prepare.work
+TOKENIZE_SHARD_DOCS = 50_000  # documents per tokenized shard: what a killed prepare redoes at most
+_NOT_PREPARE_KEYS = ("seq_len", "prefix_tokens", "num_proc")  # not what the data is: later jobs', or speed
 
 
 def corpus_spec(data: DataConfig) -> CorpusSpec:
@@ -40,6 +48,8 @@ def check_data(data: DataConfig) -> None:
         raise ConfigError(f"data.seq_len: must be > 0, got {data.seq_len}")
     if not 0.0 < data.validation_fraction < 1.0:
         raise ConfigError(f"data.validation_fraction: must be in (0, 1), got {data.validation_fraction}")
+    if data.num_proc < 1:
+        raise ConfigError(f"data.num_proc: must be >= 1, got {data.num_proc}")
     if not 0 <= data.prefix_tokens < data.seq_len:
         raise ConfigError(f"data.prefix_tokens: must be in [0, data.seq_len={data.seq_len}), got {data.prefix_tokens}")
 
@@ -47,6 +57,8 @@ def check_data(data: DataConfig) -> None:
 def check_tokenizer(tokenizer: TokenizerConfig) -> None:
     if tokenizer.vocab_size <= 0:
         raise ConfigError(f"tokenizer.vocab_size: must be > 0, got {tokenizer.vocab_size}")
+    if tokenizer.train_docs is not None and tokenizer.train_docs <= 0:
+        raise ConfigError(f"tokenizer.train_docs: must be > 0 or null (all), got {tokenizer.train_docs}")
 
 
 def prepare_hash(data: DataConfig, tokenizer: TokenizerConfig) -> str:
@@ -54,7 +66,10 @@ def prepare_hash(data: DataConfig, tokenizer: TokenizerConfig) -> str:
     corpus.pop("hub")  # permission to use the hub, not a property of the data
     if corpus["csv_columns"] is None:  # keys added later hash as before while unset
         corpus.pop("csv_columns")
-    payload = {"corpus": corpus, "tokenizer": asdict(tokenizer)}
+    tokenizer_keys = asdict(tokenizer)
+    if tokenizer.train_docs == TokenizerConfig.train_docs:  # data prepared before the key existed still matches
+        tokenizer_keys.pop("train_docs")
+    payload = {"corpus": corpus, "tokenizer": tokenizer_keys}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -69,47 +84,93 @@ class Prepared:
 def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfig, config_yaml: str,
             progress: bool = True) -> dict:
     """Builds ``data/`` and ``tokenizer/`` in the run directory; returns the summary it writes.
-    ``config_yaml``: the run's resolved config, kept next to the data it shaped."""
+    ``config_yaml``: the run's resolved config, kept next to the data it shaped.
+
+    Memory does not grow with the corpus: the corpus is read into memory-mapped Arrow files batch by
+    batch, the BPE is trained on a bounded sample (``tokenizer.train_docs``), and the token ids are
+    written shard by shard. The trained tokenizer and every finished shard are kept in
+    ``<run.dir>/prepare.work`` until the end, so a killed prepare run again picks up where it stopped."""
     check_data(data)
     check_tokenizer(tokenizer_cfg)
     run = RunDir(run_dir)
     echo(f"[prepare] loading corpus {data.corpus!r}")
-    corpus, stats = load_corpus_with_stats(corpus_spec(data))  # before the run directory: a bad corpus leaves none
-    echo(f"[prepare] {len(corpus['train'])} train / {len(corpus['validation'])} validation documents")
-    run.root.mkdir(parents=True, exist_ok=True)
-
-    # Written next to the old tokenizer and data and swapped at the end: a failure never destroys a good prepare.
-    with replacing(run.tokenizer) as tmp_tok, replacing(run.data) as tmp_data:
-        if tokenizer_cfg.path:
-            tokenizer = load_tokenizer(tokenizer_cfg.path)
+    with tempfile.TemporaryDirectory(prefix="dipaco-corpus-") as scratch:
+        # before the run directory: a bad corpus leaves none
+        corpus, stats = load_corpus_with_stats(corpus_spec(data), scratch)
+        echo(f"[prepare] {len(corpus['train']):,} train / {len(corpus['validation']):,} validation documents")
+        run.root.mkdir(parents=True, exist_ok=True)
+        work = _work_dir(run, f"{prepare_hash(data, tokenizer_cfg)}-{stats.fingerprint}")
+        # Written next to the old tokenizer and data and swapped at the end: a failure never destroys a good prepare.
+        with replacing(run.tokenizer) as tmp_tok, replacing(run.data) as tmp_data:
+            tokenizer = _tokenizer(tokenizer_cfg, corpus["train"], work / "tokenizer", progress)
             tokenizer.save_pretrained(tmp_tok)
-        else:
-            echo(f"[prepare] training a byte-level BPE tokenizer, vocab {tokenizer_cfg.vocab_size}")
-            tokenizer = train_tokenizer(corpus["train"]["text"], tokenizer_cfg.vocab_size, tmp_tok, show_progress=progress,
-                                        log=lambda line: echo(f"[prepare] {line}"))
-
-        tokenized = tokenize_corpus(corpus, tokenizer)
-        short = sum(n <= data.prefix_tokens for n in tokenized["validation"]["num_tokens"])
-        info: dict[str, Any] = {
-            "prepare_hash": prepare_hash(data, tokenizer_cfg),
-            "vocab_size": len(tokenizer),
-            "splits": {
-                split: {"docs": len(ds), "tokens": int(sum(ds["num_tokens"]))} for split, ds in tokenized.items()
-            },
-            "skipped_empty_docs": stats.n_skipped_empty,
-            "validation_docs_within_prefix": int(short),
-            "has_labels": "label" in tokenized["train"].column_names,
-        }
-        tokenized.save_to_disk(str(tmp_data))
-        (tmp_data / PREPARE_INFO).write_text(json.dumps(info, indent=2))
-        (tmp_data / "config.yaml").write_text(config_yaml)
+            tokenized = datasets.DatasetDict({
+                split: tokenize_to_disk(corpus[split], tokenizer, work / "tokens", split, num_proc=data.num_proc,
+                                        shard_docs=TOKENIZE_SHARD_DOCS)
+                for split in ("train", "validation")})
+            info = _summary(tokenized, tokenizer, data, tokenizer_cfg, stats.n_skipped_empty)
+            echo(f"[prepare] writing {run.data}")
+            tokenized.save_to_disk(str(tmp_data))
+            (tmp_data / PREPARE_INFO).write_text(json.dumps(info, indent=2))
+            (tmp_data / "config.yaml").write_text(config_yaml)
+    shutil.rmtree(run.prepare_work, ignore_errors=True)
     for split, s in info["splits"].items():
-        echo(f"[prepare] {split}: {s['docs']} docs, {s['tokens']:,} tokens")
+        echo(f"[prepare] {split}: {s['docs']:,} docs, {s['tokens']:,} tokens")
+    short = info["validation_docs_within_prefix"]
     if short:
         echo(f"[prepare] note: {short} validation docs have <= {data.prefix_tokens} tokens (all routing prefix) "
              f"and score no tokens")
     echo(f"[prepare] wrote {run.data} and {run.tokenizer}")
     return info
+
+
+def _work_dir(run: RunDir, key: str) -> Path:
+    """``prepare.work/<key>``: the finished steps of an earlier, killed prepare of the same config and
+    corpus are reused; those of any other are removed."""
+    if run.prepare_work.is_dir():
+        for old in run.prepare_work.iterdir():
+            if old.name != key:
+                shutil.rmtree(old, ignore_errors=True)
+    work = run.prepare_work / key
+    if work.is_dir():
+        echo(f"[prepare] resuming: reusing the finished steps in {work}")
+    return work
+
+
+def _tokenizer(cfg: TokenizerConfig, train: datasets.Dataset, saved: Path, progress: bool) -> PreTrainedTokenizerFast:
+    """``tokenizer.path``'s tokenizer, or a byte-level BPE trained on at most ``tokenizer.train_docs``
+    training documents (a fixed random sample, kept in corpus order); one trained by an earlier, killed
+    run of this prepare is reused."""
+    if cfg.path:
+        return load_tokenizer(cfg.path)
+    if (saved / _DONE).is_file():
+        return load_tokenizer(saved)
+    sample = train
+    if cfg.train_docs is not None and cfg.train_docs < len(train):
+        rows = np.sort(np.random.default_rng(0).choice(len(train), cfg.train_docs, replace=False))
+        sample = train.select(rows)
+    echo(f"[prepare] training a byte-level BPE tokenizer, vocab {cfg.vocab_size}, on {len(sample):,} documents")
+    texts = (text for batch in sample.iter(batch_size=1000) for text in batch["text"])
+    tokenizer = train_tokenizer(texts, cfg.vocab_size, saved, show_progress=progress,
+                                log=lambda line: echo(f"[prepare] {line}"))
+    (saved / _DONE).touch()
+    return tokenizer
+
+
+def _summary(tokenized: datasets.DatasetDict, tokenizer: PreTrainedTokenizerFast, data: DataConfig,
+             tokenizer_cfg: TokenizerConfig, skipped: int) -> dict[str, Any]:
+    num_tokens = {split: np.asarray(ds.with_format("numpy", columns=["num_tokens"])["num_tokens"], dtype=np.int64)
+                  for split, ds in tokenized.items()}
+    return {
+        "prepare_hash": prepare_hash(data, tokenizer_cfg),
+        "format": DATA_FORMAT,
+        "vocab_size": len(tokenizer),
+        "token_dtype": token_dtype(len(tokenizer)),
+        "splits": {split: {"docs": len(ds), "tokens": int(num_tokens[split].sum())} for split, ds in tokenized.items()},
+        "skipped_empty_docs": skipped,
+        "validation_docs_within_prefix": int((num_tokens["validation"] <= data.prefix_tokens).sum()),
+        "has_labels": "label" in tokenized["train"].column_names,
+    }
 
 
 def _prepared_diff(data: DataConfig, tokenizer: TokenizerConfig, saved: Path) -> str:

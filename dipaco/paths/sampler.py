@@ -7,13 +7,27 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from dipaco.errors import DataError
 
 
+class Sequences(Protocol):
+    """Packed rows, (n_rows, seq_len): an in-memory LongTensor, or a
+    :class:`dipaco.data.packing.PackedShard` that reads them from disk."""
+
+    ndim: int
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor: ...
+
+
 class ShardSampler:
-    def __init__(self, sequences: torch.Tensor, batch_size: int, seed: int) -> None:
+    def __init__(self, sequences: Sequences, batch_size: int, seed: int) -> None:
         if sequences.ndim != 2 or sequences.shape[0] == 0:
             raise DataError(f"a shard needs at least one packed sequence, got shape {tuple(sequences.shape)}")
         self.sequences = sequences

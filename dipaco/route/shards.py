@@ -26,10 +26,9 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import torch
 
 from dipaco.data.corpus import stable_hash
-from dipaco.data.packing import pack_documents
+from dipaco.data.packing import DocumentTokens, PackedShard
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError, DataError
 from dipaco.route.provenance import routed_info
@@ -129,10 +128,11 @@ def overlap_token_shares(paths: np.ndarray, num_paths: int, tokens: Sequence[int
 
 def build_shards(
     ds: datasets.Dataset, paths: np.ndarray, num_paths: int, seq_len: int, eos_id: int
-) -> list[torch.Tensor]:
-    """One (n_seqs, seq_len) tensor of packed sequences per path; an empty shard is an error.
-    ``paths`` is each document's path (N,), or the paths it trains (N, k) for overlapping shards."""
-    docs = ds["input_ids"]
+) -> list[PackedShard]:
+    """Each path's packed sequences, (n_seqs, seq_len), read from ``ds``'s memory-mapped token column on
+    demand; an empty shard is an error. ``paths`` is each document's path (N,), or the paths it trains
+    (N, k) for overlapping shards."""
+    docs = DocumentTokens(ds)
     shards = []
     for p, members in enumerate(shard_members(paths, num_paths)):
         if members.size == 0:
@@ -141,13 +141,13 @@ def build_shards(
                 f"use fewer paths, more data, or balanced routing"
             )
         try:
-            shards.append(pack_documents([docs[int(i)] for i in members], seq_len, eos_id))
+            shards.append(PackedShard(docs, members, seq_len, eos_id))
         except DataError as exc:
             raise DataError(f"shard of path {p} ({members.size} docs): {exc}") from None
     return shards
 
 
-def path_weights(shards: Sequence[torch.Tensor], weighting: str,
+def path_weights(shards: Sequence[PackedShard], weighting: str,
                  token_shares: Sequence[float] | None = None) -> dict[int, float]:
     """Outer-step weights w_p: proportional to shard tokens, or uniform. With overlapping shards,
     ``token_shares`` (:func:`overlap_token_shares`) counts a document's tokens once over its paths."""

@@ -19,7 +19,7 @@ from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
 from dipaco.model.topology import Topology
 from dipaco.paths.inner import InnerLoop, InnerOptions
-from dipaco.paths.sampler import ShardSampler
+from dipaco.paths.sampler import Sequences, ShardSampler
 from dipaco.runtime import seed_everything
 from dipaco.sync.async_nesterov import ANCHOR, BUFFER, MOMENTUM, PARAMS, AsyncNesterov
 
@@ -31,7 +31,7 @@ class PathWorker:
     """Runs path tasks: compose the path, ``steps`` AdamW steps, hand back its AdamW state and deltas."""
 
     def __init__(self, worker: int, speed: float, seed: int, train: TrainConfig, model: ModelConfig, llama_config,
-                 topology: Topology, shards: dict[int, torch.Tensor], total_steps: int) -> None:
+                 topology: Topology, shards: dict[int, Sequences], total_steps: int) -> None:
         torch.set_num_threads(1)  # several workers share the machine's cores
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray sets the visible GPU
         seed_everything(seed, self.device)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from dipaco.data.packing import pack_documents
 from dipaco.errors import DataError
 from dipaco.route.shards import (
     build_shards,
@@ -62,5 +63,5 @@ def test_shares_follow_each_documents_own_multiplicity():
     # Document 0 trains two paths, document 1 only one (its row repeats the same path).
     shares = overlap_token_shares(np.array([[0, 1], [1, 1]]), 2, [10, 30])
     assert shares == pytest.approx([0.5, (5 + 30) / 40])
-    assert torch.is_tensor(build_shards(routed_docs([0, 1], [[0, 1], [1, 0]], [9, 9]), np.array([[0, 1], [1, 1]]),
-                                        2, 4, 0)[1])
+    shard = build_shards(routed_docs([0, 1], [[0, 1], [1, 0]], [9, 9]), np.array([[0, 1], [1, 1]]), 2, 4, 0)[1]
+    assert torch.equal(shard.materialize(), pack_documents([list(range(1, 10))] * 2, 4, 0))  # each document once

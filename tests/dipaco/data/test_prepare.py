@@ -1,0 +1,105 @@
+"""dipaco prepare: compact token ids, a bounded BPE sample, and a resume after a kill."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from tiny import corpus_source_missing, tiny_config, write_corpus_slice
+
+import dipaco.data.prepare as prepare_module
+import dipaco.data.tokenizer as tokenizer_module
+from dipaco.run import Run
+
+pytestmark = pytest.mark.skipif(corpus_source_missing() is not None, reason=str(corpus_source_missing()))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus_slice(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", per_label=24)
+
+
+def prepared(run_dir: Path) -> tuple[datasets.DatasetDict, dict, dict]:
+    data = datasets.load_from_disk(str(run_dir / "data"))
+    info = json.loads((run_dir / "data" / "prepare.json").read_text())
+    vocab = json.loads((run_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    return data, info, vocab
+
+
+def counting_encoder(monkeypatch) -> dict[str, int]:
+    """Counts the texts tokenized, through the encoder prepare's shards use."""
+    seen = {"texts": 0}
+    make = tokenizer_module._encoder
+
+    def counted(tokenizer):
+        encode = make(tokenizer)
+
+        def run(batch):
+            seen["texts"] += len(batch["text"])
+            return encode(batch)
+        return run
+
+    monkeypatch.setattr(tokenizer_module, "_encoder", counted)
+    return seen
+
+
+def test_token_ids_are_uint16_and_the_summary_says_so(tmp_path, corpus):
+    cfg = tiny_config(tmp_path / "run", corpus)
+    info = Run(cfg).prepare()
+    data, saved, _ = prepared(tmp_path / "run")
+    assert data["train"].features["input_ids"].feature.dtype == "uint16"
+    assert saved["format"] == 2 and saved["token_dtype"] == "uint16" == info["token_dtype"]
+    assert not (tmp_path / "run" / "prepare.work").exists()  # removed once prepare succeeded
+
+
+def test_a_killed_prepare_resumes_from_its_finished_shards(tmp_path, corpus, monkeypatch):
+    monkeypatch.setattr(prepare_module, "TOKENIZE_SHARD_DOCS", 40)
+    uninterrupted = tmp_path / "whole"
+    Run(tiny_config(uninterrupted, corpus)).prepare()
+
+    real = prepare_module.tokenize_to_disk
+
+    def killed_at_validation(ds, tokenizer, work_dir, name, **kwargs):
+        if name == "validation":
+            raise KeyboardInterrupt  # as a Ctrl-C or a kill between the splits
+        return real(ds, tokenizer, work_dir, name, **kwargs)
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(run_dir, corpus)
+    monkeypatch.setattr(prepare_module, "tokenize_to_disk", killed_at_validation)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg).prepare()
+    assert not (run_dir / "data").exists() and (run_dir / "prepare.work").is_dir()
+
+    monkeypatch.setattr(prepare_module, "tokenize_to_disk", real)
+    trained = []
+    monkeypatch.setattr(prepare_module, "train_tokenizer", lambda *a, **k: trained.append(1))
+    seen = counting_encoder(monkeypatch)
+    Run(cfg).prepare()
+    data, info, vocab = prepared(run_dir)
+    assert not trained  # the BPE trained before the kill was reused
+    assert seen["texts"] == len(data["validation"])  # only the split that had not finished was tokenized
+    want, want_info, want_vocab = prepared(uninterrupted)
+    assert vocab == want_vocab and info == want_info
+    for split in ("train", "validation"):
+        assert data[split]["id"] == want[split]["id"]
+        assert data[split]["input_ids"] == want[split]["input_ids"]
+    assert not (run_dir / "prepare.work").exists()
+
+
+def test_the_bpe_trains_on_at_most_train_docs_documents(tmp_path, corpus, monkeypatch):
+    counts = []
+    real = prepare_module.train_tokenizer
+
+    def counted(texts, *args, **kwargs):
+        texts = list(texts)
+        counts.append(len(texts))
+        return real(texts, *args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "train_tokenizer", counted)
+    Run(tiny_config(tmp_path / "run", corpus, "tokenizer.train_docs=30")).prepare()
+    Run(tiny_config(tmp_path / "all", corpus, "tokenizer.train_docs=null")).prepare()
+    n_train = len(datasets.load_from_disk(str(tmp_path / "all" / "data"))["train"])
+    assert counts == [30, n_train] and n_train > 30
