@@ -170,6 +170,27 @@ def _push_along(
     return [c for c in cycle if c < k]
 
 
+def _move_costs(labels: np.ndarray, cost: np.ndarray, a: int) -> np.ndarray:
+    """(k,) cheapest cost of moving one document of cluster a to each cluster (inf for a itself or
+    when a is empty): row a of the residual graph."""
+    members = np.flatnonzero(labels == a)
+    if not members.size:
+        return np.full(cost.shape[1], math.inf)
+    sub = cost[members]
+    row = (sub - sub[:, a : a + 1]).min(axis=0)
+    row[a] = math.inf
+    return row
+
+
+def spare_edges(w: np.ndarray, counts: np.ndarray, cap: np.ndarray, floor: np.ndarray) -> None:
+    """In place: the edges of the spare-capacity node S (the last row and column of the (k+1, k+1)
+    residual graph w): S -> a when a may lose a document, a -> S when it may gain one, both free."""
+    k = counts.size
+    w[k, :k] = np.where(counts > floor, 0.0, math.inf)
+    w[:k, k] = np.where(counts < cap, 0.0, math.inf)
+    w[k, k] = math.inf
+
+
 def _cancel_negative_cycles(
     labels: np.ndarray, cost: np.ndarray, cap: np.ndarray, floor: np.ndarray, max_cycles: int
 ) -> int:
@@ -190,16 +211,12 @@ def _cancel_negative_cycles(
     w = np.full((k + 1, k + 1), math.inf)
 
     def refresh(a: int) -> None:
-        members = np.flatnonzero(labels == a)
-        sub = cost[members]
-        w[a, :k] = (sub - sub[:, a : a + 1]).min(axis=0) if members.size else math.inf
-        w[a, a] = math.inf
+        w[a, :k] = _move_costs(labels, cost, a)
 
     for a in range(k):
         refresh(a)
     for done in range(max_cycles):
-        w[k, :k] = np.where(counts > floor, 0.0, math.inf)
-        w[:k, k] = np.where(counts < cap, 0.0, math.inf)
+        spare_edges(w, counts, cap, floor)
         cycle = _negative_cycle(w, tol)
         if cycle is None:
             return done
@@ -213,8 +230,12 @@ def balanced_assign_costs(
     cap: int | Sequence[int] | np.ndarray,
     floor: int | Sequence[int] | np.ndarray = 0,
     max_cycles: int = 100_000,
+    start: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Assign each row of `cost` (N, k) to a column, minimising total cost, with floor <= sizes <= cap.
+
+    `start`, a feasible assignment, is improved from instead of the cheapest columns (a warm start:
+    the chunked solver re-solves a few documents that already satisfy their bounds).
 
     A transportation problem (min-cost flow), solved in three steps: start from the cheapest
     column, repair greedily until every bound holds, then cancel negative cycles until the
@@ -239,10 +260,47 @@ def balanced_assign_costs(
             f"infeasible bounds for N={n} documents in {k} clusters: "
             f"sum(cap)={cap_np.sum()}, sum(floor)={floor_np.sum()}"
         )
-    labels = c.argmin(axis=1)
+    labels = c.argmin(axis=1) if start is None else np.array(start, dtype=np.int64)
+    if labels.shape != (n,) or labels.min(initial=0) < 0 or labels.max(initial=0) >= k:
+        raise ValueError(f"start must hold N={n} cluster ids in [0, {k})")
     _repair(labels, c, cap_np, floor_np)
     _cancel_negative_cycles(labels, c, cap_np, floor_np, max_cycles)
     counts = np.bincount(labels, minlength=k)
     if (counts > cap_np).any() or (counts < floor_np).any():
         raise RuntimeError(f"balanced assignment violated its bounds: sizes {counts.tolist()}")
     return torch.from_numpy(labels)
+
+
+def dual_prices(
+    cost: torch.Tensor | np.ndarray,
+    labels: np.ndarray | torch.Tensor,
+    cap: int | Sequence[int] | np.ndarray,
+    floor: int | Sequence[int] | np.ndarray = 0,
+) -> np.ndarray:
+    """(k,) per-cluster prices p of an optimal assignment: every document's cluster minimises
+    cost[d, j] - p[j] over j (up to ties), the dual variables of the transportation problem.
+
+    They are the shortest-path distances of the residual graph `_cancel_negative_cycles` builds
+    (from a virtual source joined to every cluster), which exist because an optimal assignment
+    leaves no negative cycle. Prices fitted on a sample transfer to the whole corpus: they are
+    per-document marginal costs, so argmin(cost - p) over all documents lands near the optimum
+    of the full problem (the paper's bias adjustment). If `labels` is not optimal the distances
+    are those after k + 1 Bellman-Ford rounds: still a usable warm start, no longer exact.
+    """
+    c = torch.as_tensor(cost).detach().cpu().double().numpy()
+    c = c - c.min(axis=1, keepdims=True)
+    n, k = c.shape
+    lab = np.asarray(labels, dtype=np.int64)
+    cap_np = np.broadcast_to(np.asarray(cap, dtype=np.int64), (k,))
+    floor_np = np.broadcast_to(np.asarray(floor, dtype=np.int64), (k,))
+    w = np.full((k + 1, k + 1), math.inf)
+    for a in range(k):
+        w[a, :k] = _move_costs(lab, c, a)
+    spare_edges(w, np.bincount(lab, minlength=k), cap_np, floor_np)
+    dist = np.zeros(k + 1)
+    for _ in range(k + 2):
+        best = (dist[:, None] + w).min(axis=0)
+        if not (best < dist).any():
+            break
+        dist = np.minimum(dist, best)
+    return dist[:k]

@@ -36,7 +36,7 @@ def routing_report(
     assign: Sequence[int] | np.ndarray | torch.Tensor,
     num_paths: int,
     tokens_per_doc: Sequence[int] | np.ndarray | torch.Tensor | None = None,
-    labels: Sequence[Any] | None = None,
+    labels: Sequence[Any] | np.ndarray | None = None,
     inertia: float | None = None,
     wall_time: float | None = None,
     n_docs: int | None = None,

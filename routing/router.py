@@ -34,9 +34,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from routing.assignment import balanced_assign_costs, capacity, floor_size
+from routing.assignment import balanced_assign_costs, capacity, dual_prices, floor_size
+from routing.chunked import ChunkedAssignment, Log, chunked_balanced_assign, feature_costs
 from routing.featurize import TEXT_MODELS, DocTopics, TfidfSvd, encoder_features, lm_prefix_features, load_encoder
 from routing.kmeans import (
     Metric,
@@ -229,6 +231,43 @@ class Router:
         cost = -self.scores(features)
         n, p = cost.shape
         return balanced_assign_costs(cost, capacity(n, p, slack), floor_size(n, p, slack, self.balance_min_fraction))
+
+    def assign_balanced_chunked(
+        self,
+        features: Any,
+        chunk: int,
+        slack: float | None = None,
+        sample: np.ndarray | None = None,
+        sample_labels: np.ndarray | torch.Tensor | None = None,
+        log: Log | None = None,
+    ) -> ChunkedAssignment:
+        """`assign_balanced` for a corpus read in chunks: `features` is any (N, D) array that slices
+        by rows (a numpy memmap), bounds are those of the full N, and no (N, P) matrix is built.
+
+        ``sample_labels``, an optimal balanced assignment of the rows ``sample`` (the k-means fit's own),
+        give the per-path prices that start it (`routing.assignment.dual_prices`); see
+        `routing.chunked` for the guarantee (bounds always, minimum cost when ``optimal``)."""
+        slack = self.balance_slack if slack is None else slack
+        slack = 0.0 if slack is None else float(slack)
+        n, p = len(features), self.num_paths
+        costs = feature_costs(features, lambda x: -self.scores(x), p, chunk)
+        prices = None
+        if sample is not None and sample_labels is not None:
+            m = len(sample)
+            prices = dual_prices(costs.take(np.asarray(sample)), np.asarray(sample_labels),
+                                 capacity(m, p, slack), floor_size(m, p, slack, self.balance_min_fraction))
+        return chunked_balanced_assign(costs, capacity(n, p, slack), floor_size(n, p, slack, self.balance_min_fraction),
+                                       prices, log=log)
+
+    def assign_chunked(self, features: Any, chunk: int) -> np.ndarray:
+        """`assign` of an (N, D) array read `chunk` rows at a time (a memmap stays on disk): (N,) int64."""
+        return np.concatenate([self.assign(np.asarray(features[a : a + chunk])).numpy().astype(np.int64)
+                               for a in range(0, len(features), chunk)])
+
+    def assign_topk_chunked(self, features: Any, k: int, chunk: int) -> np.ndarray:
+        """`assign_topk` of an (N, D) array read `chunk` rows at a time: (N, k) int64."""
+        return np.concatenate([self.assign_topk(np.asarray(features[a : a + chunk]), k).numpy().astype(np.int64)
+                               for a in range(0, len(features), chunk)])
 
     def assign_topk(self, features: Features, k: int) -> torch.Tensor:
         """(N, k) best paths per document, best first (overlapping training shards only)."""

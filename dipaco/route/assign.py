@@ -13,6 +13,16 @@ writes, under ``<run.dir>/routing/``:
     features.safetensors  the features, so re-routing does not featurize again
     routing_report.json   docs/tokens per path, balance, inertia, time, NMI/ARI/purity vs labels
 
+A corpus need not fit in memory. Documents are read, featurized and assigned ``route.chunk_docs``
+at a time; the features go to memory-mapped ``.npy`` files in ``<run.dir>/routing.work/`` with a
+record of the chunks done and of what produced them (prepare hash, featurizer settings, seed, the
+pretrained model's files), so a killed ``dipaco route`` resumes at the next chunk and changed
+settings start over; the folder is removed once ``routing/`` is written. Text featurizers and
+k-means are fitted on a seeded sample of at most ``route.fit_docs`` training documents (all of
+them when there are no more: the routing is then exactly the in-memory one), and every document
+is assigned under the capacity bounds of the full N by ``routing.chunked`` (bounds guaranteed,
+minimum total cost given the centroids when it reports ``optimal``).
+
 ``reroute`` is DiPaCo's discriminative re-routing (section 2.4.2): every path of the current
 checkpoint scores a held-out slice of the training documents, a logistic regression learns
 features -> best path with its biases adjusted to the wanted shard sizes, and all documents are
@@ -25,17 +35,21 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import torch
+from numpy.lib.format import open_memmap
 from transformers import PreTrainedModel
 
-from dipaco.atomic import replacing
+from dipaco.atomic import replacing, write_text
 from dipaco.config import RouteConfig
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError, DataError
@@ -45,15 +59,30 @@ from dipaco.precision import resolve_precision
 from dipaco.route.provenance import ROUTED_INFO, routing_fingerprint
 from dipaco.run_dir import RunDir
 from dipaco.runtime import seed_everything
-from dipaco.tensor_io import save_tensors
 from routing.arrange import arrange_clusters, js_divergences
-from routing.featurize import doc_topics_features, encoder_features, lm_prefix_features, load_encoder, tfidf_svd_features
+from routing.featurize import (
+    TEXT_MODELS,
+    DocTopics,
+    TfidfSvd,
+    doc_topics_features,
+    encoder_features,
+    lm_prefix_features,
+    load_encoder,
+    tfidf_svd_features,
+)
 from routing.quality import routing_report
 from routing.router import Router, fit_router
 from routing.transform import FeatureTransform
 
 FEATURES = "features.safetensors"
 REPORT = "routing_report.json"
+WORK = "routing.work"  # in the run directory, beside routing/ (which is swapped in whole): features in progress
+RECORD = "record.json"  # in WORK: what produced the features, and which chunks are done
+CHUNK_DOCS = 65_536  # route.chunk_docs' default, for callers (re-routing) that pass no job
+# The settings that decide the features (and the text model fitted for them): a change to any starts over.
+FEATURE_KEYS = ("featurizer", "layers", "skip_tokens", "encoder", "encoder_max_tokens", "precision", "batch_size",
+                "svd_components", "topics", "topic_smoothing", "balance_slack", "n_init", "max_iter", "fit_docs",
+                "chunk_docs")
 
 
 @dataclass(frozen=True)
@@ -95,6 +124,10 @@ def check_route(route: RouteConfig, prefix_tokens: int) -> None:
     if route.arrange != "none" and route.method != "kmeans":
         raise ConfigError(f"route.arrange={route.arrange}: needs route.method=kmeans (a product router's path is "
                           f"its per-level clusters; there is no numbering to choose)")
+    if route.fit_docs is not None and route.fit_docs <= 0:
+        raise ConfigError(f"route.fit_docs: must be > 0 or null (fit on every training document), got {route.fit_docs}")
+    if route.chunk_docs <= 0:
+        raise ConfigError(f"route.chunk_docs: must be > 0, got {route.chunk_docs}")
     if route.featurizer == "encoder" and not route.encoder:
         raise ConfigError("route.encoder: route.featurizer=encoder needs a Hugging Face encoder name or local directory")
 
@@ -111,38 +144,7 @@ def router_radices(job: RouteJob, topology: Topology) -> list[int]:
     return radices
 
 
-def lm_features(job: RouteJob, prepared: Prepared, texts: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """LM-prefix features of each split's texts, from one load of the pretrained model."""
-    device = job.device
-    if job.pretrained is None:
-        raise ConfigError("route.featurizer=lm_prefix needs the pretrained model (`dipaco pretrain`)")
-    model = job.pretrained().to(device)
-    with resolve_precision(job.route.precision, device, "route.precision").autocast():
-        return {
-            split: lm_prefix_features(model, prepared.tokenizer, t, prefix_tokens=job.prefix_tokens,
-                                      batch_size=job.route.batch_size, device=device,
-                                      show_progress=job.progress, layers=job.route.layers,
-                                      skip_tokens=job.route.skip_tokens).float().cpu()
-            for split, t in texts.items()
-        }
-
-
-def hf_encoder_features(job: RouteJob, texts: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """Features of each split's routing contexts from the encoder ``route.encoder`` names."""
-    device = job.device
-    try:
-        model, tokenizer = load_encoder(job.route.encoder, device)
-    except ValueError as exc:
-        raise ConfigError(f"route.encoder: {exc}") from None
-    return {
-        split: encoder_features(model, tokenizer, t, max_tokens=job.route.encoder_max_tokens,
-                                batch_size=job.route.batch_size, device=device, show_progress=job.progress,
-                                layers=job.route.layers, skip_tokens=job.route.skip_tokens).float().cpu()
-        for split, t in texts.items()
-    }
-
-
-def fit_doc_topics(job: RouteJob, prepared: Prepared, contexts: list[str], num_paths: int):
+def fit_doc_topics(job: RouteJob, documents: list[str], contexts: list[str], num_paths: int):
     """``doc_topics`` features of the training documents' routing contexts, and the fitted word model.
 
     The topics come from the whole training documents: they are the training data, and fitting on
@@ -153,7 +155,7 @@ def fit_doc_topics(job: RouteJob, prepared: Prepared, contexts: list[str], num_p
          f"cosine k-means), read from the first {job.prefix_tokens} tokens by a naive Bayes word model")
     try:
         train_x, model, _ = doc_topics_features(
-            prepared.train["text"], contexts, topics, n_components=job.route.svd_components,
+            documents, contexts, topics, n_components=job.route.svd_components,
             smoothing=job.route.topic_smoothing, slack=job.route.balance_slack, seed=job.seed,
             n_init=job.route.n_init, max_iter=job.route.max_iter)
     except ValueError as exc:
@@ -162,13 +164,21 @@ def fit_doc_topics(job: RouteJob, prepared: Prepared, contexts: list[str], num_p
     return train_x, model
 
 
-def cluster_token_counts(prepared: Prepared, clusters: np.ndarray, num_clusters: int) -> np.ndarray:
-    """(P, V) token counts of each cluster's training documents."""
-    lengths = np.asarray(prepared.train["num_tokens"], dtype=np.int64)
-    tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in prepared.train["input_ids"]])
-    vocab = int(tokens.max()) + 1
-    flat = np.repeat(clusters, lengths) * vocab + tokens
-    return np.bincount(flat, minlength=num_clusters * vocab).reshape(num_clusters, vocab)
+def cluster_token_counts(prepared: Prepared, clusters: np.ndarray, num_clusters: int,
+                         chunk: int = CHUNK_DOCS) -> np.ndarray:
+    """(P, V) token counts of each cluster's training documents, V = the largest token id + 1; read
+    ``chunk`` documents at a time, so only the (P, V) counts grow with the corpus's vocabulary."""
+    counts = np.zeros((num_clusters, 0), dtype=np.int64)
+    for start, batch in _batches(prepared.train, ["input_ids"], chunk):
+        ids = batch["input_ids"]
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        tokens = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])
+        vocab = max(counts.shape[1], int(tokens.max(initial=-1)) + 1)
+        flat = np.repeat(clusters[start : start + len(ids)], lengths) * vocab + tokens
+        part = np.bincount(flat, minlength=num_clusters * vocab).reshape(num_clusters, vocab)
+        part[:, : counts.shape[1]] += counts  # a later chunk may hold a larger id: widen, then add
+        counts = part
+    return counts
 
 
 def arrange_paths(job: RouteJob, topology: Topology, prepared: Prepared, router: Router,
@@ -198,41 +208,70 @@ def fit_transform(job: RouteJob, train_features: torch.Tensor) -> FeatureTransfo
     return FeatureTransform.fit(train_features, job.route.transform, job.route.transform_components)
 
 
-def routing_context(ds: datasets.Dataset, prepared: Prepared, prefix_tokens: int) -> list[str]:
+def _batches(ds: datasets.Dataset, columns: list[str], chunk: int) -> Iterator[tuple[int, dict]]:
+    """(first row, columns of rows [first, first + chunk)) over the dataset: never a whole column."""
+    view = ds.select_columns(columns)
+    for start in range(0, len(ds), chunk):
+        yield start, view[start : start + chunk]
+
+
+def _numbers(ds: datasets.Dataset, column: str, chunk: int = CHUNK_DOCS) -> np.ndarray:
+    """A numeric column as one (N,) int64 array, read in chunks (no Python list of N values)."""
+    out = np.empty(len(ds), dtype=np.int64)
+    for start, batch in _batches(ds.with_format("numpy"), [column], chunk):
+        out[start : start + len(batch[column])] = batch[column]
+    return out
+
+
+def routing_context(ds: datasets.Dataset, prepared: Prepared, prefix_tokens: int,
+                    chunk: int = CHUNK_DOCS) -> list[str]:
     """The text of each document's first ``prefix_tokens`` tokens: all any featurizer may see.
 
     Routing must not read the tokens evaluation scores (everything after the prefix), or the
     router would pick a validation document's path from the very text it is judged on. Training
     documents are cut the same way so the router is fitted on what it will see at test time.
     """
-    return prepared.tokenizer.batch_decode([ids[:prefix_tokens] for ids in ds["input_ids"]])
+    texts: list[str] = []
+    for _, batch in _batches(ds, ["input_ids"], chunk):
+        texts += prepared.tokenizer.batch_decode([list(ids[:prefix_tokens]) for ids in batch["input_ids"]])
+    return texts
 
 
-def _check_texts(ds: datasets.Dataset, split: str) -> None:
-    empty = [i for i, n in zip(ds["id"], ds["num_tokens"]) if n == 0]
+def _check_texts(ds: datasets.Dataset, split: str, chunk: int = CHUNK_DOCS) -> None:
+    rows = np.flatnonzero(_numbers(ds, "num_tokens", chunk) == 0)
+    empty = ds.select(rows[:10])["id"] if rows.size else []
     if empty:
-        raise DataError(f"{split}: {len(empty)} documents have no tokens and cannot be routed, e.g. {empty[:10]}")
+        raise DataError(f"{split}: {rows.size} documents have no tokens and cannot be routed, e.g. {empty}")
 
 
 def write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
-                   topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict,
-                   before_swap: Callable[[str], None] | None = None) -> None:
+                  topk: np.ndarray | None, features: Mapping[str, Any], report: dict,
+                  before_swap: Callable[[str], None] | None = None) -> None:
     """Writes the routed splits, artifact, features and report next to the old ones, then swaps;
-    ``before_swap(fingerprint)`` runs once the new routing is complete, before it replaces the old."""
+    ``before_swap(fingerprint)`` runs once the new routing is complete, before it replaces the old.
+    ``features``: (N, D) arrays per split (tensors, or memory-mapped arrays streamed to the file)."""
     with replacing(run.routing) as tmp:
         fingerprint = _write_routing_dir(tmp, prepared, router, paths, topk, features, report)
         if before_swap is not None:
             before_swap(fingerprint)
 
 
+def _topk_column(topk: np.ndarray) -> pa.Array:
+    """The (N, k) top-k paths as an Arrow list<int64> column (what ``add_column`` makes of nested lists),
+    built from the array without a Python list per document."""
+    n, k = topk.shape
+    offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(topk, dtype=np.int64).ravel()))
+
+
 def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
-                       topk: np.ndarray | None, features: dict[str, torch.Tensor], report: dict) -> str:
+                       topk: np.ndarray | None, features: Mapping[str, Any], report: dict) -> str:
     splits = {}
     for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
         ds = ds.remove_columns([c for c in ("path", "paths_topk") if c in ds.column_names])
-        ds = ds.add_column("path", paths[split].tolist())
+        ds = ds.add_column("path", np.asarray(paths[split], dtype=np.int64))
         if topk is not None and split == "train":
-            ds = ds.add_column("paths_topk", topk.tolist())
+            ds = ds.add_column("paths_topk", _topk_column(topk))
         splits[split] = ds
     datasets.DatasetDict(splits).save_to_disk(str(tmp / "data"))
     router.save(tmp / "router")
@@ -240,21 +279,55 @@ def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dic
     info = {"prepare_hash": prepared.info["prepare_hash"], "router": router.kind, "num_paths": router.num_paths,
             "fingerprint": routing_fingerprint(routed, tmp / "router")}
     (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
-    save_tensors(features, tmp / FEATURES)
+    save_features(features, tmp / FEATURES)
     (tmp / REPORT).write_text(json.dumps(report, indent=2, default=float))
     return info["fingerprint"]
 
 
-def routing_summary(router: Router, paths: dict[str, np.ndarray], prepared: Prepared, seconds: float, extra: dict) -> dict:
-    labels = {s: (ds["label"] if "label" in ds.column_names else None)
-              for s, ds in (("train", prepared.train), ("validation", prepared.validation))}
-    tokens = {"train": prepared.train["num_tokens"], "validation": prepared.validation["num_tokens"]}
+def save_features(features: Mapping[str, Any], path: Path, chunk: int = CHUNK_DOCS) -> None:
+    """(N, D) float32 arrays per name as one safetensors file, written ``chunk`` rows at a time.
+
+    The file is what ``safetensors.save_file`` writes (an 8-byte header length, a JSON header
+    padded to 8 bytes, the row-major little-endian data), so ``load_tensors`` reads it; streaming
+    it keeps a memory-mapped corpus's features on disk instead of in memory."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, x in features.items():
+        rows, dim = (int(d) for d in x.shape)
+        size = rows * dim * 4
+        header[name] = {"dtype": "F32", "shape": [rows, dim], "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little"))
+        out.write(text)
+        for x in features.values():
+            for a in range(0, len(x), chunk):
+                part = x[a : a + chunk]
+                part = part.detach().cpu().numpy() if isinstance(part, torch.Tensor) else np.asarray(part)
+                out.write(np.ascontiguousarray(part, dtype="<f4").tobytes())
+
+
+def _label_codes(ds: datasets.Dataset, chunk: int) -> np.ndarray:
+    """The label column as (N,) int codes, read in chunks: NMI, ARI and purity do not depend on the
+    labels' names, and codes keep N strings out of memory."""
+    codes: dict[Any, int] = {}
+    out = np.empty(len(ds), dtype=np.int64)
+    for start, batch in _batches(ds, ["label"], chunk):
+        out[start : start + len(batch["label"])] = [codes.setdefault(v, len(codes)) for v in batch["label"]]
+    return out
+
+
+def routing_summary(router: Router, paths: dict[str, np.ndarray], prepared: Prepared, seconds: float, extra: dict,
+                    chunk: int = CHUNK_DOCS) -> dict:
     report = {
         "router": router.kind, "featurizer": router.featurizer, "radices": router.radices,
         "balance_slack": router.balance_slack, "wall_time_s": seconds, **extra,
     }
-    for split in ("train", "validation"):
-        report[split] = routing_report(paths[split], router.num_paths, tokens[split], labels[split],
+    for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
+        labels = _label_codes(ds, chunk) if "label" in ds.column_names else None
+        report[split] = routing_report(paths[split], router.num_paths, _numbers(ds, "num_tokens", chunk), labels,
                                        wall_time=seconds if split == "train" else None)
     return report
 
@@ -272,6 +345,246 @@ def print_report(report: dict) -> None:
              f"purity {train['purity']:.3f}")
 
 
+def fit_sample(n: int, fit_docs: int | None, seed: int) -> np.ndarray:
+    """Sorted rows of the training documents the text featurizer and k-means are fitted on: all of them
+    when ``fit_docs`` is null or at least N (then routing is exactly the in-memory one), else a seeded
+    uniform sample of ``fit_docs``."""
+    if fit_docs is None or n <= fit_docs:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=fit_docs, replace=False))
+
+
+def _files_stamp(directory: Path) -> list:
+    """Name, size and modification time of each file under ``directory``: the pretrained model's
+    identity, so features of an older model are not resumed."""
+    if not directory.is_dir():
+        return []
+    return [[str(f.relative_to(directory)), f.stat().st_size, f.stat().st_mtime_ns]
+            for f in sorted(directory.rglob("*")) if f.is_file()]
+
+
+def produced_by(job: RouteJob, prepared: Prepared) -> dict:
+    """What the features depend on; stored in the work record, and compared before resuming."""
+    doc = {"prepare_hash": prepared.info.get("prepare_hash"), "seed": job.seed, "prefix_tokens": job.prefix_tokens,
+           "rows": {"train": len(prepared.train), "validation": len(prepared.validation)},
+           "route": {key: getattr(job.route, key) for key in FEATURE_KEYS},
+           "model": _files_stamp(RunDir(job.run_dir).pretrain) if job.route.featurizer == "lm_prefix" else None}
+    return json.loads(json.dumps(doc))  # as it reads back: tuples become lists
+
+
+class FeatureWork:
+    """Features in progress in ``<run.dir>/routing.work/``: ``<split>.npy`` (memory-mapped, (N, D)
+    float32), the fitted text model (``text_model.json`` + ``.npz``) and ``record.json``: what produced
+    them and which chunks are done. A record from other settings is discarded, and the work restarts."""
+
+    def __init__(self, root: Path, produced: dict):
+        self.root = root
+        record = None
+        if (root / RECORD).is_file():
+            try:
+                record = json.loads((root / RECORD).read_text())
+            except ValueError:
+                record = None  # a torn record: start over
+        if record is not None and record.get("produced_by") == produced:
+            done = {split: len(entry["done"]) for split, entry in record["splits"].items()}
+            echo(f"[route] resuming the features in {root}: chunks done {done}")
+        else:
+            if record is not None:
+                echo(f"[route] the features in {root} are from other settings; starting over")
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            record = {"produced_by": produced, "splits": {}, "text_model": None}
+        self.record = record
+        self._save()
+
+    def _save(self) -> None:
+        write_text(self.root / RECORD, json.dumps(self.record, indent=1))
+
+    def done(self, split: str) -> set[int]:
+        return set(self.record["splits"].get(split, {}).get("done", []))
+
+    def array(self, split: str, rows: int, dim: int | None = None) -> np.ndarray | None:
+        """The split's memory-mapped features, opened for writing; created when ``dim`` is given and
+        there are none yet (None then)."""
+        entry = self.record["splits"].get(split)
+        path = self.root / f"{split}.npy"
+        if entry is None:
+            if dim is None:
+                return None
+            out = open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, dim))
+            self.record["splits"][split] = {"dim": dim, "done": []}
+            self._save()
+            return out
+        return open_memmap(path, mode="r+")
+
+    def mark(self, split: str, chunk: int, out: np.ndarray) -> None:
+        """Chunk ``chunk`` of ``split`` is written: flushed to disk first, so the record never runs ahead."""
+        if isinstance(out, np.memmap):
+            out.flush()
+        self.record["splits"][split]["done"].append(chunk)
+        self._save()
+
+    def save_text_model(self, model: TfidfSvd | DocTopics) -> None:
+        np.savez(self.root / "text_model.npz", allow_pickle=False, **model.arrays())
+        (self.root / "text_model.json").write_text(json.dumps({"kind": model.kind, **model.state()}))
+        self.record["text_model"] = model.kind
+        self._save()
+
+    def text_model(self) -> TfidfSvd | DocTopics | None:
+        kind = self.record.get("text_model")
+        if kind is None:
+            return None
+        state = json.loads((self.root / "text_model.json").read_text())
+        with np.load(self.root / "text_model.npz") as arrays:
+            return TEXT_MODELS[kind].from_parts(state, {k: arrays[k] for k in arrays.files})
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+Featurize = Callable[[list[str]], np.ndarray]  # routing contexts -> (n, D) float32 features
+
+
+def featurize_chunk(featurize: Featurize, ds: datasets.Dataset, prepared: Prepared, rows: np.ndarray,
+                    prefix_tokens: int) -> np.ndarray:
+    """Features of the documents ``rows`` (contiguous, or nearly: one chunk) of ``ds``."""
+    part = ds.select_columns(["input_ids"])[int(rows[0]) : int(rows[-1]) + 1]["input_ids"]
+    keep = rows - rows[0]
+    texts = prepared.tokenizer.batch_decode([list(part[i][:prefix_tokens]) for i in keep])
+    return np.asarray(featurize(texts), dtype=np.float32)
+
+
+def featurize_split(job: RouteJob, work: FeatureWork, split: str, ds: datasets.Dataset, prepared: Prepared,
+                    featurize: Featurize, skip: np.ndarray | None = None, dim: int | None = None) -> np.ndarray:
+    """The split's features, chunk by chunk into the work folder; chunks already done are kept, and rows
+    where ``skip`` is true (already written by the text model's fit) are left as they are."""
+    n, chunk = len(ds), job.route.chunk_docs
+    chunks = math.ceil(n / chunk)
+    done = work.done(split)
+    out = work.array(split, n, dim)
+    started, computed = time.perf_counter(), 0
+    for index in range(chunks):
+        if index in done:
+            continue
+        rows = np.arange(index * chunk, min(n, (index + 1) * chunk))
+        if skip is not None:
+            rows = rows[~skip[rows]]
+        if rows.size:
+            x = featurize_chunk(featurize, ds, prepared, rows, job.prefix_tokens)
+            if out is None:
+                out = work.array(split, n, x.shape[1])
+            assert out is not None
+            out[rows] = x
+            computed += rows.size
+        assert out is not None
+        work.mark(split, index, out)
+        if chunks > 1:
+            rate = computed / max(time.perf_counter() - started, 1e-9)
+            echo(f"[route] {split} features: chunk {index + 1}/{chunks} done ({rate:.0f} docs/s)")
+    out = work.array(split, n)
+    assert out is not None
+    return out
+
+
+def _lm_featurizer(job: RouteJob, prepared: Prepared) -> Featurize:
+    """LM-prefix features batched on ``job.device`` (CUDA when there is one); the model loads on the
+    first chunk that needs it, so a resumed run with every chunk done never loads it."""
+    model: list[PreTrainedModel] = []
+
+    def featurize(texts: list[str]) -> np.ndarray:
+        if not model:
+            if job.pretrained is None:
+                raise ConfigError("route.featurizer=lm_prefix needs the pretrained model (`dipaco pretrain`)")
+            model.append(job.pretrained().to(job.device))
+        with resolve_precision(job.route.precision, job.device, "route.precision").autocast():
+            x = lm_prefix_features(model[0], prepared.tokenizer, texts, prefix_tokens=job.prefix_tokens,
+                                   batch_size=job.route.batch_size, device=job.device, show_progress=job.progress,
+                                   layers=job.route.layers, skip_tokens=job.route.skip_tokens)
+        return x.float().cpu().numpy()
+
+    return featurize
+
+
+def _encoder_featurizer(job: RouteJob) -> Featurize:
+    def featurize(texts: list[str]) -> np.ndarray:
+        try:
+            model, tokenizer = load_encoder(job.route.encoder, job.device)  # cached after the first chunk
+        except ValueError as exc:
+            raise ConfigError(f"route.encoder: {exc}") from None
+        return encoder_features(model, tokenizer, texts, max_tokens=job.route.encoder_max_tokens,
+                                batch_size=job.route.batch_size, device=job.device, show_progress=job.progress,
+                                layers=job.route.layers, skip_tokens=job.route.skip_tokens).float().cpu().numpy()
+
+    return featurize
+
+
+def fit_text_model(job: RouteJob, work: FeatureWork, prepared: Prepared, sample: np.ndarray,
+                   num_paths: int) -> TfidfSvd | DocTopics:
+    """The text featurizer fitted on the sample's routing contexts (doc_topics: and whole texts); the
+    fit's own features of the sample are written to the train features, as the in-memory fit gave them."""
+    fitted = work.text_model()
+    if fitted is not None:
+        return fitted
+    docs = prepared.train.select(sample)
+    contexts = routing_context(docs, prepared, job.prefix_tokens, job.route.chunk_docs)
+    if job.route.featurizer == "tfidf_svd":
+        echo(f"[route] TF-IDF + SVD({job.route.svd_components}) features, fitted on {len(sample):,} documents")
+        x, model = tfidf_svd_features(contexts, n_components=job.route.svd_components, seed=job.seed)
+    else:
+        x, model = fit_doc_topics(job, docs["text"], contexts, num_paths)
+    out = work.array("train", len(prepared.train), model.dim)
+    assert out is not None
+    for a in range(0, len(sample), job.route.chunk_docs):
+        out[sample[a : a + job.route.chunk_docs]] = x[a : a + job.route.chunk_docs]
+    if isinstance(out, np.memmap):
+        out.flush()
+    work.save_text_model(model)
+    return model
+
+
+def compute_features(job: RouteJob, work: FeatureWork, prepared: Prepared, sample: np.ndarray,
+                     num_paths: int) -> tuple[dict[str, np.ndarray], TfidfSvd | DocTopics | None, dict]:
+    """Memory-mapped features of both splits, the fitted text model (or None) and the featurizer spec."""
+    text_model, skip, dim = None, None, None
+    if job.route.featurizer in TEXT_MODELS:
+        text_model = fit_text_model(job, work, prepared, sample, num_paths)
+        featurize: Featurize = text_model.transform
+        skip = np.zeros(len(prepared.train), dtype=bool)
+        skip[sample] = True
+        spec, dim = text_model.spec(), text_model.dim
+    elif job.route.featurizer == "encoder":
+        echo(f"[route] encoder features from {job.route.encoder}, hidden states {list(job.route.layers)}")
+        featurize = _encoder_featurizer(job)
+        spec = {"kind": "encoder", "model": job.route.encoder, "max_tokens": job.route.encoder_max_tokens,
+                "prefix_tokens": job.prefix_tokens, **pooling_spec(job)}
+    else:
+        echo(f"[route] LM prefix features ({job.prefix_tokens} tokens, hidden states {list(job.route.layers)}, "
+             f"first {job.route.skip_tokens} skipped) from {RunDir(job.run_dir).pretrain} on {job.device}")
+        featurize = _lm_featurizer(job, prepared)
+        spec = {"kind": "lm_prefix", "prefix_tokens": job.prefix_tokens, **pooling_spec(job)}
+    features = {"train": featurize_split(job, work, "train", prepared.train, prepared, featurize, skip, dim),
+                "validation": featurize_split(job, work, "validation", prepared.validation, prepared, featurize,
+                                              dim=dim)}
+    return features, text_model, spec
+
+
+def assign_train(job: RouteJob, router: Router, train_x: np.ndarray, sample: np.ndarray,
+                 fitted: np.ndarray) -> np.ndarray:
+    """Every training document's cluster: the fit's own labels when it saw them all, else assigned in
+    chunks (balanced under the full N's bounds, priced from the fit's optimal sample assignment)."""
+    chunk = job.route.chunk_docs
+    if len(sample) == len(train_x):
+        return fitted
+    router.meta["fit_docs"] = len(sample)
+    if job.route.balance_slack is None:
+        return router.assign_chunked(train_x, chunk)
+    echo(f"[route] assigning {len(train_x):,} documents in chunks of {chunk:,} under the capacity bounds")
+    result = router.assign_balanced_chunked(train_x, chunk, sample=sample, sample_labels=fitted,
+                                            log=lambda line: echo(f"[route] {line}"))
+    router.meta.update({"assigned_inertia": result.cost, "assignment_optimal": result.optimal})
+    return result.labels
+
+
 def route(job: RouteJob, prepared: Prepared, topology: Topology) -> dict:
     """`dipaco route`: features of every document's routing context -> (balanced, product) k-means ->
     one path per document, written under ``<run.dir>/routing``; returns the routing report."""
@@ -279,60 +592,50 @@ def route(job: RouteJob, prepared: Prepared, topology: Topology) -> dict:
     seed_everything(job.seed, job.device, job.deterministic)
     run = RunDir(job.run_dir)
     radices = router_radices(job, topology)
+    chunk = job.route.chunk_docs
     for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
-        _check_texts(ds, split)
-    if topology.num_paths > len(prepared.train):
-        raise ConfigError(f"topology has {topology.num_paths} paths but the train split has only {len(prepared.train)} documents")
+        _check_texts(ds, split, chunk)
+    n = len(prepared.train)
+    if topology.num_paths > n:
+        raise ConfigError(f"topology has {topology.num_paths} paths but the train split has only {n} documents")
+    sample = fit_sample(n, job.route.fit_docs, job.seed)
+    if len(sample) < topology.num_paths:
+        raise ConfigError(f"route.fit_docs={job.route.fit_docs} is fewer than the {topology.num_paths} paths")
 
     start = time.perf_counter()
-    texts = {"train": routing_context(prepared.train, prepared, job.prefix_tokens),
-             "validation": routing_context(prepared.validation, prepared, job.prefix_tokens)}
-    text_model = None
-    if job.route.featurizer == "tfidf_svd":
-        echo(f"[route] TF-IDF + SVD({job.route.svd_components}) features")
-        train_x, text_model = tfidf_svd_features(texts["train"], n_components=job.route.svd_components, seed=job.seed)
-    elif job.route.featurizer == "doc_topics":
-        train_x, text_model = fit_doc_topics(job, prepared, texts["train"], topology.num_paths)
-    if text_model is not None:
-        features = {"train": torch.from_numpy(train_x),
-                    "validation": torch.from_numpy(text_model.transform(texts["validation"]))}
-        spec = text_model.spec()
-    elif job.route.featurizer == "encoder":
-        echo(f"[route] encoder features from {job.route.encoder}, hidden states {list(job.route.layers)}")
-        features = hf_encoder_features(job, texts)
-        spec = {"kind": "encoder", "model": job.route.encoder, "max_tokens": job.route.encoder_max_tokens,
-                "prefix_tokens": job.prefix_tokens, **pooling_spec(job)}
-    else:
-        echo(f"[route] LM prefix features ({job.prefix_tokens} tokens, hidden states {list(job.route.layers)}, "
-             f"first {job.route.skip_tokens} skipped) from {run.pretrain}")
-        features = lm_features(job, prepared, texts)
-        spec = {"kind": "lm_prefix", "prefix_tokens": job.prefix_tokens, **pooling_spec(job)}
+    work = FeatureWork(run.root / WORK, produced_by(job, prepared))
+    features, text_model, spec = compute_features(job, work, prepared, sample, topology.num_paths)
     featurize_s = time.perf_counter() - start
+    fit_x = torch.from_numpy(np.ascontiguousarray(features["train"][sample]))
     try:
-        transform = fit_transform(job, features["train"])
+        transform = fit_transform(job, fit_x)
     except ValueError as exc:
         raise ConfigError(f"route.transform={job.route.transform}: {exc}") from None
     if transform is not None:
         echo(f"[route] feature transform {transform.kind}: {transform.in_dim} -> {transform.out_dim} dims")
 
     echo(f"[route] {'product ' if len(radices) > 1 else ''}k-means, radices {radices}, slack {job.route.balance_slack}"
-         + (f", min shard fraction {job.route.min_shard_fraction}" if job.route.min_shard_fraction else ""))
+         + (f", min shard fraction {job.route.min_shard_fraction}" if job.route.min_shard_fraction else "")
+         + (f", fitted on {len(sample):,} of {n:,} documents" if len(sample) < n else ""))
     router, fitted_paths = fit_router(
-        features["train"], radices, metric=job.route.metric, slack=job.route.balance_slack,
+        fit_x, radices, metric=job.route.metric, slack=job.route.balance_slack,
         min_fraction=job.route.min_shard_fraction, featurizer=spec,
         text_model=text_model, topology=topology.to_dict(), seed=job.seed, n_init=job.route.n_init, max_iter=job.route.max_iter,
         transform=transform, log=lambda line: echo(f"[route] {line}"),
     )
-    router, train_paths = arrange_paths(job, topology, prepared, router, np.asarray(fitted_paths, dtype=np.int64))
+    del fit_x
+    clusters = assign_train(job, router, features["train"], sample, np.asarray(fitted_paths, dtype=np.int64))
+    router, train_paths = arrange_paths(job, topology, prepared, router, clusters)
     paths: dict[str, np.ndarray] = {"train": train_paths,
-             "validation": router.assign(features["validation"]).numpy().astype(np.int64)}
-    topk = router.assign_topk(features["train"], job.route.topk).numpy() if job.route.topk > 1 else None
+                                    "validation": router.assign_chunked(features["validation"], chunk)}
+    topk = router.assign_topk_chunked(features["train"], job.route.topk, chunk) if job.route.topk > 1 else None
     seconds = time.perf_counter() - start
     report = routing_summary(router, paths, prepared, seconds, {
-        "featurize_s": featurize_s, "docs_per_s": (len(texts["train"]) + len(texts["validation"])) / seconds,
-        **{k: v for k, v in router.meta.items() if "inertia" in k or k == "arrangement"},
-    })
+        "featurize_s": featurize_s, "docs_per_s": (n + len(prepared.validation)) / seconds,
+        **{k: v for k, v in router.meta.items() if "inertia" in k or k in ("arrangement", "fit_docs")},
+    }, chunk)
     write_routing(run, prepared, router, paths, topk, features, report)
+    work.remove()  # routing/ holds the features now
     print_report(report)
     echo(f"[route] wrote {run.routing} in {seconds:.1f}s; train with train.sharding=kmeans")
     return report

@@ -1,0 +1,125 @@
+"""`dipaco route` in chunks on the tiny run: the in-memory result when every document is in the fit sample,
+the full N's bounds on a sample fit, and resume after a kill."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+import dipaco.route.assign as assign
+from dipaco.config import Config
+from dipaco.route.assign import FEATURES, WORK, routing_context
+from dipaco.run import Run
+from dipaco.run_dir import RunDir
+from dipaco.tensor_io import load_tensors
+from routing.assignment import capacity, floor_size
+from routing.featurize import tfidf_svd_features
+from routing.router import Router, fit_router
+
+
+def routed(cfg: Config, **route_kw) -> Config:
+    route = dict(featurizer="tfidf_svd", svd_components=8, n_init=1, chunk_docs=64, min_shard_fraction=0.5)
+    return replace(cfg, train=replace(cfg.train, sharding="kmeans"), route=replace(cfg.route, **(route | route_kw)))
+
+
+def result(cfg: Config) -> tuple[Router, dict[str, np.ndarray]]:
+    run = RunDir(cfg.run.dir)
+    splits = datasets.load_from_disk(str(run.routing / "data"))
+    return Router.load(run.routing / "router"), {s: np.asarray(splits[s]["path"]) for s in ("train", "validation")}
+
+
+def test_with_every_document_in_the_fit_sample_routing_is_the_in_memory_one(run_cfg):
+    cfg = routed(run_cfg, topk=2)  # fit_docs (200k) >= N; chunks of 64 documents
+    Run(cfg).route()
+    router, paths = result(cfg)
+    prepared = Run(cfg).prepared(routed=False)
+    assert len(prepared.train) > 3 * cfg.route.chunk_docs  # several chunks
+    # What the in-memory code computed: features of all contexts at once, k-means on all of them.
+    contexts = routing_context(prepared.train, prepared, cfg.data.prefix_tokens)
+    x, model = tfidf_svd_features(contexts, n_components=8, seed=cfg.run.seed)
+    stored = load_tensors(RunDir(cfg.run.dir).routing / FEATURES)
+    assert torch.equal(stored["train"], torch.from_numpy(x))
+    val = model.transform(routing_context(prepared.validation, prepared, cfg.data.prefix_tokens))
+    assert torch.equal(stored["validation"], torch.from_numpy(val))
+    expected, labels = fit_router(torch.from_numpy(x), [4], slack=cfg.route.balance_slack, min_fraction=0.5,
+                                  seed=cfg.run.seed, n_init=1, max_iter=cfg.route.max_iter)
+    assert torch.equal(router.centroids[0], expected.centroids[0])
+    np.testing.assert_array_equal(paths["train"], labels.numpy())
+    np.testing.assert_array_equal(paths["validation"], expected.assign(torch.from_numpy(val)).numpy())
+    topk = np.asarray(datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["train"]["paths_topk"])
+    np.testing.assert_array_equal(topk, expected.assign_topk(torch.from_numpy(x), 2).numpy())
+    assert not (RunDir(cfg.run.dir).root / WORK).exists()  # the work folder goes once routing/ is written
+
+
+def test_a_sample_fit_assigns_every_document_within_the_bounds_of_the_full_n(run_cfg):
+    cfg = routed(run_cfg, fit_docs=120, balance_slack=0.05)
+    report = Run(cfg).route()
+    router, paths = result(cfg)
+    n = len(paths["train"])
+    sizes = np.bincount(paths["train"], minlength=4)
+    assert sizes.max() <= capacity(n, 4, 0.05) and sizes.min() >= floor_size(n, 4, 0.05, 0.5)
+    assert router.meta["fit_docs"] == 120 and router.meta["assignment_optimal"] is True
+    assert report["train"]["docs_per_path"] == sizes.tolist() and report["fit_docs"] == 120
+    # The assignment is the exact balanced optimum of the full N for the sample's centroids.
+    stored = load_tensors(RunDir(cfg.run.dir).routing / FEATURES)
+    np.testing.assert_array_equal(paths["train"], router.assign_balanced(stored["train"]).numpy())
+    np.testing.assert_array_equal(paths["validation"], router.assign(stored["validation"]).numpy())
+
+
+def test_a_killed_route_resumes_at_the_next_chunk_and_ends_as_an_uninterrupted_one(run_cfg, monkeypatch, capsys):
+    cfg = routed(run_cfg, featurizer="lm_prefix", fit_docs=150)
+    Run(cfg).route()
+    router_once, paths_once = result(cfg)
+    features_once = load_tensors(RunDir(cfg.run.dir).routing / FEATURES)
+
+    real = assign.featurize_chunk
+    calls: list[int] = []
+
+    def killed_in_chunk_2(*args, **kwargs):
+        calls.append(len(args[3]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(assign, "featurize_chunk", killed_in_chunk_2)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg).route()
+    record = json.loads((RunDir(cfg.run.dir).root / WORK / "record.json").read_text())
+    assert record["splits"]["train"]["done"] == [0]
+
+    calls.clear()
+    monkeypatch.setattr(assign, "featurize_chunk", lambda *a, **k: (calls.append(len(a[3])), real(*a, **k))[1])
+    Run(cfg).route()
+    assert "resuming the features" in capsys.readouterr().out
+    n_train = len(paths_once["train"])
+    assert sum(calls) == n_train - cfg.route.chunk_docs + len(paths_once["validation"])  # chunk 0 not again
+    router, paths = result(cfg)
+    assert torch.equal(router.centroids[0], router_once.centroids[0])
+    for split in ("train", "validation"):
+        np.testing.assert_array_equal(paths[split], paths_once[split])
+        assert torch.equal(load_tensors(RunDir(cfg.run.dir).routing / FEATURES)[split], features_once[split])
+
+
+def test_changed_settings_start_the_features_over(run_cfg, monkeypatch, capsys):
+    cfg = routed(run_cfg)
+    real = assign.featurize_chunk
+    calls: list[int] = []
+
+    def killed_in_chunk_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(assign, "featurize_chunk", killed_in_chunk_2)
+    with pytest.raises(KeyboardInterrupt):
+        Run(routed(run_cfg, featurizer="lm_prefix")).route()
+    monkeypatch.setattr(assign, "featurize_chunk", real)
+    Run(cfg).route()  # tfidf: another featurizer, so the LM chunk done is not reused
+    assert "from other settings; starting over" in capsys.readouterr().out
+    assert Router.load(RunDir(cfg.run.dir).routing / "router").featurizer["kind"] == "tfidf_svd"
