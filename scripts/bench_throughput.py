@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from dipaco.comm.world import World  # noqa: E402
 from dipaco.config import Config, ModelConfig, OptimConfig, to_yaml  # noqa: E402
 from dipaco.model.bank import ModuleBank  # noqa: E402
 from dipaco.model.llama import build_model, llama_config  # noqa: E402
-from dipaco.model.topology import topology_from_config  # noqa: E402
+from dipaco.model.topology import Topology, topology_from_config  # noqa: E402
 from dipaco.paths.inner import InnerLoop, InnerOptions, build_adamw  # noqa: E402
 from dipaco.paths.sampler import ShardSampler  # noqa: E402
 from dipaco.precision import Precision, resolve_precision  # noqa: E402
@@ -216,14 +217,34 @@ def bench_size(name: str, size: Size, args, device: torch.device, precision: Pre
     return result
 
 
-def bench_round(size: Size, args, device: torch.device, precision: Precision) -> dict:
-    """Whole rounds of a 2x2 grid in one process: 4 paths' inner steps, the outer step, a checkpoint."""
+@dataclass
+class Grid:
+    """A 2x2 grid's training components in one process, built as ``dipaco train`` builds them (one rank)."""
+
+    cfg: Config
+    topology: Topology
+    world: World
+    bank: ModuleBank
+    loops: dict[int, InnerLoop]
+    scheduler: RoundScheduler
+    state: TrainingState
+
+    def save_checkpoint(self, checkpoints: CheckpointManager, index: int, reports: list[dict]) -> None:
+        """Checkpoint ``index`` in the trainer's format (bank, outer state, every path's inner loop)."""
+        snapshot = self.state.snapshot(index, reports, {}, to_yaml(self.cfg))
+        checkpoints.save(index, lambda d: write_snapshot(d, 0, snapshot, index), self.world)
+
+
+def build_grid(size: Size, device: torch.device, precision: Precision, compile: bool, inner_steps: int,
+               rounds: int = 3, extra: Sequence[str] = ()) -> Grid:
+    """The round benchmark's 2x2 grid: 4 paths on random tokens, DiLoCo per module; ``extra``: more
+    ``key=value`` overrides (e.g. ``train.offload_inactive=true``). Seeded: two calls build the same grid."""
     overrides = [
         "topology.preset=grid:2x2", f"model.num_layers={size.layers}", f"model.hidden_size={size.hidden}",
         f"model.intermediate_size={size.intermediate}", f"model.num_heads={size.heads}",
-        f"data.seq_len={size.seq_len}", f"train.optim.batch_size={size.batch}", "train.rounds=3",
-        f"train.inner_steps={args.round_inner_steps}", f"train.precision={precision.name}",
-        f"train.compile={str(args.compile).lower()}", "run.progress=false", "train.init=random",
+        f"data.seq_len={size.seq_len}", f"train.optim.batch_size={size.batch}", f"train.rounds={rounds}",
+        f"train.inner_steps={inner_steps}", f"train.precision={precision.name}",
+        f"train.compile={str(compile).lower()}", "run.progress=false", "train.init=random", *extra,
     ]
     cfg = apply_overrides(Config(), overrides)
     llama = llama_config(cfg.model, size.vocab, size.seq_len, eos_id=0, pad_id=1)
@@ -243,15 +264,21 @@ def bench_round(size: Size, args, device: torch.device, precision: Precision) ->
     scheduler = RoundScheduler(sync_, loops, bank, topology, world, cfg.train.rounds, cfg.train.inner_steps,
                                progress=False)
     state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held), loops, sync_, scheduler, 0, by_rank)
+    return Grid(cfg, topology, world, bank, loops, scheduler, state)
+
+
+def bench_round(size: Size, args, device: torch.device, precision: Precision) -> dict:
+    """Whole rounds of a 2x2 grid in one process: 4 paths' inner steps, the outer step, a checkpoint."""
+    grid = build_grid(size, device, precision, args.compile, args.round_inner_steps)
+    cfg = grid.cfg
     with tempfile.TemporaryDirectory() as tmp:
         checkpoints = CheckpointManager(Path(tmp) / "checkpoints", keep=1)
         rounds = []
         for r in range(cfg.train.rounds):
             start = time.perf_counter()
-            report = scheduler.run_round(r)
+            report = grid.scheduler.run_round(r)
             sync(device)
-            ckpt_s = timed(device, lambda: checkpoints.save(
-                r + 1, lambda d: write_snapshot(d, 0, state.snapshot(r + 1, [report], {}, to_yaml(cfg)), r + 1), world))
+            ckpt_s = timed(device, lambda: grid.save_checkpoint(checkpoints, r + 1, [report]))
             total = time.perf_counter() - start
             inner = sum(rec["tokens"] / rec["tokens_per_s"] for rec in report["paths"])
             outer = report["comm"]["outer_seconds"]
@@ -263,7 +290,7 @@ def bench_round(size: Size, args, device: torch.device, precision: Precision) ->
           + "; ".join(f"r{r['round']} {r['seconds']:.2f}s (inner {r['inner_s']:.2f}, outer {r['outer_s']:.3f}, "
                       f"ckpt {r['checkpoint_s']:.2f})" for r in rounds))
     print(f"  not inner steps: {share:.2%} of a round (median of rounds 2..; target <= 5%)")
-    return {"inner_steps": cfg.train.inner_steps, "paths": topology.num_paths, "rounds": rounds,
+    return {"inner_steps": cfg.train.inner_steps, "paths": grid.topology.num_paths, "rounds": rounds,
             "not_inner_share_median": share}
 
 

@@ -1,0 +1,159 @@
+"""scripts/gpu_check.py (issue 35): the CPU dry run at the tiny size, as CI runs it, so that the one-command
+GPU check a lent GPU session runs cannot rot before then. One run of the whole check serves most tests; a
+second one with a budget too small shows the skip lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+WHEELS_SCRIPT = REPO / "scripts" / "gpu_wheels.sh"
+CUDA_PATH_CHECKS = ("fused_adamw", "bf16_autocast", "activation_checkpointing", "fp16_gradscaler_resume",
+                    "offload_swap", "nccl_single_rank", "compile_no_recompile", "round_shares", "ray_one_task")
+
+pytestmark = pytest.mark.slow  # it trains tiny models end to end (quality rows, a 2x2 round)
+
+
+def run_check(out: Path, *extra: str, timeout: float) -> subprocess.CompletedProcess:
+    # One thread: the tiny models gain nothing from more, and CI's machine is shared.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = run_check(out, timeout=170)
+    assert proc.returncode == 0, f"gpu_check failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc, json.loads((out / "gpu_check.json").read_text()), out
+
+
+def checks(record: dict, section: str) -> dict[str, dict]:
+    return {c["name"]: c for c in record["sections"][section]["checks"]}
+
+
+def test_every_section_ran_and_the_record_names_the_machine(dry_run):
+    proc, record, out = dry_run
+    assert list(record["sections"]) == ["environment", "throughput", "cuda_paths", "quality"]
+    for name, section in record["sections"].items():
+        assert section["status"] == "ran", (name, section["reason"])
+        assert 0 < section["seconds"] <= section["cap_s"]
+    for key in ("device", "torch", "cuda", "python", "budget_s", "wall_s", "mode", "compile_backend", "summary"):
+        assert key in record
+    assert record["device"].startswith("cpu") and record["torch"] and record["cuda"] is None
+    assert record["mode"] == "tiny" and record["wall_s"] < record["budget_s"]
+    assert record["summary"]["failed"] == [] and record["summary"]["sections_skipped"] == {}
+    table = (out / "gpu_check.md").read_text()
+    assert f"torch {record['torch']}" in table and "| cuda_paths | ran |" in table
+    assert "[gpu_check] done in" in proc.stdout
+
+
+def test_each_cuda_path_check_ran_in_cpu_form_or_says_why_not(dry_run):
+    _, record, _ = dry_run
+    paths = checks(record, "cuda_paths")
+    assert list(paths) == list(CUDA_PATH_CHECKS)
+    for name, check in paths.items():
+        if check["status"] == "not_run":
+            assert check["detail"], name  # a reason, never a silent gap
+        else:
+            assert check["status"] == "passed" and check["form"] == "cpu", (name, check["detail"])
+            assert check["cpu_form"], name  # says how the CPU form differs from the CUDA check
+    assert paths["ray_one_task"]["status"] in ("passed", "not_run")
+    cpu_form = record["summary"]["cpu_form"]
+    for name in ("fused_adamw", "bf16_autocast", "fp16_gradscaler_resume", "nccl_single_rank"):
+        assert name in cpu_form
+    assert "ray_one_task" in record["summary"]["not_run"] or "ray_one_task" in record["summary"]["passed"]
+
+
+def test_the_cuda_path_assertions_hold_on_their_cpu_forms(dry_run):
+    _, record, _ = dry_run
+    v = {name: c["values"] for name, c in checks(record, "cuda_paths").items()}
+    assert v["fused_adamw"]["kernel"] == "foreach" and v["fused_adamw"]["max_rel_diff_vs_other_kernel"] <= 1e-5
+    bf16 = v["bf16_autocast"]
+    assert bf16["head_dtype"] == "torch.bfloat16" and bf16["last_loss"] < 0.9 * bf16["first_loss"]
+    fp16 = v["fp16_gradscaler_resume"]
+    assert fp16["exact"] is True and fp16["differences"] == []
+    assert fp16["loss_scale_path0"][0] != fp16["loss_scale_path0"][1]  # the scale moved, and resumed with it
+    compiled = v["compile_no_recompile"]
+    assert compiled["graphs"] > 0 and compiled["recompiles"] == 0 and compiled["added_graphs"] == 0
+    ckpt = v["activation_checkpointing"]
+    assert ckpt["block_calls"] == {"plain": 1, "checkpointed": 2} and ckpt["max_rel_grad_diff"] <= 1e-5
+    rounds = v["round_shares"]
+    for key in ("outer_share", "checkpoint_share", "not_inner_share", "not_inner_share_at_100"):
+        assert 0 <= rounds[key] <= 1, key
+    assert rounds["outer_share"] + rounds["checkpoint_share"] <= rounds["not_inner_share"] + 1e-3
+    swaps = v["offload_swap"]["swap_s_per_path"]
+    assert len(swaps) == 4 and all(s > 0 for s in swaps.values())
+    assert v["nccl_single_rank"]["backend"] == "gloo" and "nccl needs CUDA" in v["nccl_single_rank"]["nccl_refused_on_cpu"]
+
+
+def test_throughput_compares_both_sizes_eager_and_compiled(dry_run):
+    _, record, _ = dry_run
+    runs = record["sections"]["throughput"]["results"]["runs"]
+    assert {(r["stands_for"], r["compile"]) for r in runs} == {("125m", False), ("125m", True), ("demo", False),
+                                                              ("demo", True)}
+    for r in runs:
+        tps = r["tokens_per_s_median"]
+        assert tps["dipaco_path"] > 0 and tps["best_handwritten"] > 0
+        assert math.isclose(r["ratio"], tps["dipaco_path"] / tps["best_handwritten"])
+        assert r["mfu"] is None  # no bf16 peak for a CPU: not reported, not invented
+    targets = {t["name"]: t for t in record["sections"]["throughput"]["results"]["targets"]}
+    assert targets["MFU of ours at 125M, compiled"]["status"] == "not measured"
+
+
+def test_quality_rows_train_and_are_kept(dry_run):
+    _, record, out = dry_run
+    quality = record["sections"]["quality"]
+    assert set(quality["results"]["rows"]) == {"dense_1x", "diloco_4", "dipaco_2x2_doctopics", "dipaco_2x2_iid"}
+    assert all(c["status"] in ("passed", "not_run") for c in quality["checks"])
+    assert checks(record, "quality")["quality_rows"]["status"] == "passed"
+    assert json.loads((out / "quality_results.json").read_text())["rows"]
+
+
+def test_a_budget_too_small_skips_the_later_sections_with_a_line(tmp_path):
+    proc = run_check(tmp_path, "--budget-s", "1", timeout=90)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert record["sections"]["environment"]["status"] == "ran"  # the record always names the machine
+    for name in ("throughput", "cuda_paths", "quality"):
+        assert record["sections"][name]["status"] == "skipped"
+        assert f"[gpu_check] {name}: skipped: the budget cannot afford it" in proc.stdout
+    assert set(record["summary"]["sections_skipped"]) == {"throughput", "cuda_paths", "quality"}
+
+
+def test_missing_packages_are_installed_from_the_wheel_folder(load_script, tmp_path, monkeypatch):
+    """The offline install of --wheels, on a wheel built here: the module that was missing imports after it."""
+    project = tmp_path / "probe"
+    (project / "gpu_check_probe").mkdir(parents=True)
+    (project / "gpu_check_probe" / "__init__.py").write_text("VALUE = 42\n")
+    (project / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools"]\nbuild-backend = '
+                                            '"setuptools.build_meta"\n[project]\nname = "gpu-check-probe"\nversion = "1.0"\n')
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-index", "--no-deps", "--no-build-isolation",
+                    str(project), "-w", str(wheels)], check=True, timeout=120)
+    gpu_check = load_script("gpu_check")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    info = gpu_check.install_missing({"gpu_check_probe": "gpu-check-probe"}, wheels, tmp_path / "site")
+    assert info["missing_before"] == ["gpu-check-probe"] and info["missing"] == []
+    assert info["installed"] == ["gpu_check_probe-1.0-py3-none-any.whl"]
+    import gpu_check_probe
+
+    assert gpu_check_probe.VALUE == 42 and str(tmp_path / "site") in os.environ["PYTHONPATH"]
+    sys.modules.pop("gpu_check_probe")
+
+
+def test_the_wheels_script_is_valid_bash_and_explains_itself():
+    assert subprocess.run(["bash", "-n", str(WHEELS_SCRIPT)], capture_output=True).returncode == 0
+    usage = subprocess.run(["bash", str(WHEELS_SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 0 and "usage:" in usage.stdout and "3.12" in usage.stdout
+    assert subprocess.run(["bash", str(WHEELS_SCRIPT)], capture_output=True, timeout=30).returncode == 2
