@@ -51,7 +51,7 @@ class DataConfig:
     empty_docs: Literal["error", "skip"] = "error"
     seq_len: int = 128  # packed training sequence length and eval window length
     prefix_tokens: int = 32  # routing context; never scored at evaluation
-    num_proc: int = 1  # prepare: tokenizer processes (datasets.map num_proc); > 1 pays off from ~100k documents
+    num_proc: Optional[int] = None  # prepare: tokenizer processes (datasets.map); null: every core from 10k documents
 
 
 @dataclass
@@ -230,7 +230,7 @@ class RouteConfig:
     em_rounds: List[int] = field(default_factory=list)
     # k-means is fitted on at most this many training documents (a seeded sample); every document is then
     # assigned in chunks under the same capacity bounds; null = fit on all
-    fit_docs: Optional[int] = 200_000
+    fit_docs: Optional[int] = 50_000
     chunk_docs: int = 65_536  # documents featurized and assigned per chunk (bounds routing's memory)
 
 

@@ -40,7 +40,15 @@ from dipaco.paths.inner import InnerLoop, InnerOptions
 from dipaco.paths.sampler import ShardSampler
 from dipaco.precision import resolve_precision
 from dipaco.route.assign import RouteJob, check_route, route
-from dipaco.route.shards import assign_paths, build_shards, overlap_token_shares, path_weights, training_paths, with_routing
+from dipaco.route.shards import (
+    assign_paths,
+    build_shards,
+    numpy_column,
+    overlap_token_shares,
+    path_weights,
+    training_paths,
+    with_routing,
+)
 from dipaco.run_dir import RunDir
 from dipaco.runtime import check_run, resolve_device, seed_everything
 from dipaco.sync import ASYNC_SYNCS, SyncContext, build_sync, check_outer
@@ -242,7 +250,7 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
         sampler = ShardSampler(shards[p], train.optim.batch_size, seed=cfg.run.seed * 7919 + p)
         loops[p] = InnerLoop(bank.compose(p, model), sampler, train.optim, train.rounds * train.inner_steps, device,
                              options)
-    shares = overlap_token_shares(trains, topology.num_paths, np.asarray(train_ds["num_tokens"])[kept].tolist())
+    shares = overlap_token_shares(trains, topology.num_paths, numpy_column(train_ds, "num_tokens")[kept])
     weights = path_weights(shards, cfg.outer.weighting, shares)
     exp_dir = RunDir(cfg.run.dir).experiment(train.name)
     early_stopping = None

@@ -30,8 +30,9 @@ Guaranteed: floor <= sizes <= cap for every cluster, always (verified before ret
 computed by the caller for the full N), and, when `ChunkedAssignment.optimal` is true, the
 minimum total cost given the costs (the centroids): the same total as `balanced_assign_costs`
 on the whole matrix, and the same labels when the optimum is unique (no ties). `optimal` is
-false only if `max_passes` ran out (the result is then feasible, and no worse than the pass
-before), which the caller reports. Cost comparisons use the in-memory solver's tolerance
+false only if `max_passes` ran out or, with `min_gain` > 0, a pass lowered the total cost by less
+than that fraction (the result is then feasible, and no worse than the pass before), which the
+caller reports. Cost comparisons use the in-memory solver's tolerance
 (1e-9 of the largest row-normalised cost).
 """
 
@@ -263,9 +264,11 @@ def _resolve_pool(costs: ChunkedCosts, labels: np.ndarray, pool: np.ndarray, cap
 
 
 def improve(costs: ChunkedCosts, labels: np.ndarray, cap: np.ndarray, floor: np.ndarray, tol: float,
-            pool_docs: int = POOL_DOCS, max_passes: int = MAX_PASSES, log: Log | None = None) -> tuple[int, bool]:
-    """In place: a feasible assignment improved to minimum total cost (module docstring, step 3).
-    Returns the passes made and whether the last one proved optimality."""
+            pool_docs: int = POOL_DOCS, max_passes: int = MAX_PASSES, log: Log | None = None,
+            min_gain: float = 0.0) -> tuple[int, bool]:
+    """In place: a feasible assignment improved to minimum total cost (module docstring, step 4).
+    Returns the passes made and whether the last one proved optimality. ``min_gain`` > 0 stops early,
+    not proven optimal, after a pass that lowered the total cost by less than that fraction of it."""
     k = costs.k
     m = int(np.clip(pool_docs // (k * k), 1, 64))  # cheapest documents kept per pair of clusters
     w = np.full((k + 1, k + 1), math.inf)
@@ -281,6 +284,8 @@ def improve(costs: ChunkedCosts, labels: np.ndarray, cap: np.ndarray, floor: np.
             log(f"balanced assignment pass {passes}: {pool.size:,} boundary documents re-solved, "
                 f"cost {total:.6g} -> {total - max(saved, 0.0):.6g}")
         if saved <= tol:  # the pool could not use the cycle: stop rather than loop (flagged not optimal)
+            return passes, False
+        if saved < min_gain * abs(total):  # each pass reads the whole corpus; this one was not worth it
             return passes, False
     return max_passes, False
 
@@ -302,6 +307,7 @@ def chunked_balanced_assign(
     *,
     pool_docs: int = POOL_DOCS,
     max_passes: int = MAX_PASSES,
+    min_gain: float = 0.0,
     log: Log | None = None,
 ) -> ChunkedAssignment:
     """Assign each of `costs.n` documents to one of `costs.k` clusters with floor <= sizes <= cap and
@@ -314,13 +320,13 @@ def chunked_balanced_assign(
     labels, tol = priced_labels(costs, prices)
     passes = repair(costs, labels, cap_np, floor_np, log)
     solve_boundary(costs, labels, margins(costs, labels, prices), cap_np, floor_np, pool_docs, log)
-    more, optimal = improve(costs, labels, cap_np, floor_np, tol, pool_docs, max_passes, log)
+    more, optimal = improve(costs, labels, cap_np, floor_np, tol, pool_docs, max_passes, log, min_gain)
     counts = np.bincount(labels, minlength=k)
     if (counts > cap_np).any() or (counts < floor_np).any():
         raise RuntimeError(f"chunked balanced assignment violated its bounds: sizes {counts.tolist()}")
     total = total_cost(costs, labels)
     if log is not None:
         log(f"balanced assignment of {n:,} documents to {k} clusters in chunks of {costs.chunk:,}: "
-            f"{passes + more} passes, {'optimal' if optimal else 'feasible (pass limit reached)'}, "
+            f"{passes + more} passes, {'optimal' if optimal else 'feasible, not proven optimal'}, "
             f"cost {total:.6g}, {time.monotonic() - started:.1f}s")
     return ChunkedAssignment(labels, total, passes + more, optimal)

@@ -240,6 +240,7 @@ class Router:
         sample: np.ndarray | None = None,
         sample_labels: np.ndarray | torch.Tensor | None = None,
         log: Log | None = None,
+        min_gain: float = 0.0,
     ) -> ChunkedAssignment:
         """`assign_balanced` for a corpus read in chunks: `features` is any (N, D) array that slices
         by rows (a numpy memmap), bounds are those of the full N, and no (N, P) matrix is built.
@@ -257,7 +258,7 @@ class Router:
             prices = dual_prices(costs.take(np.asarray(sample)), np.asarray(sample_labels),
                                  capacity(m, p, slack), floor_size(m, p, slack, self.balance_min_fraction))
         return chunked_balanced_assign(costs, capacity(n, p, slack), floor_size(n, p, slack, self.balance_min_fraction),
-                                       prices, log=log)
+                                       prices, min_gain=min_gain, log=log)
 
     def assign_chunked(self, features: Any, chunk: int) -> np.ndarray:
         """`assign` of an (N, D) array read `chunk` rows at a time (a memmap stays on disk): (N,) int64."""

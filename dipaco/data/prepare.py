@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +50,8 @@ def check_data(data: DataConfig) -> None:
         raise ConfigError(f"data.seq_len: must be > 0, got {data.seq_len}")
     if not 0.0 < data.validation_fraction < 1.0:
         raise ConfigError(f"data.validation_fraction: must be in (0, 1), got {data.validation_fraction}")
-    if data.num_proc < 1:
-        raise ConfigError(f"data.num_proc: must be >= 1, got {data.num_proc}")
+    if data.num_proc is not None and data.num_proc < 1:
+        raise ConfigError(f"data.num_proc: must be >= 1 or null (automatic), got {data.num_proc}")
     if not 0 <= data.prefix_tokens < data.seq_len:
         raise ConfigError(f"data.prefix_tokens: must be in [0, data.seq_len={data.seq_len}), got {data.prefix_tokens}")
 
@@ -94,22 +96,30 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
     check_tokenizer(tokenizer_cfg)
     run = RunDir(run_dir)
     echo(f"[prepare] loading corpus {data.corpus!r}")
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dipaco-corpus-") as scratch:
         # before the run directory: a bad corpus leaves none
         corpus, stats = load_corpus_with_stats(corpus_spec(data), scratch)
-        echo(f"[prepare] {len(corpus['train']):,} train / {len(corpus['validation']):,} validation documents")
+        echo(f"[prepare] {len(corpus['train']):,} train / {len(corpus['validation']):,} validation documents "
+             f"({time.perf_counter() - start:.0f}s)")
         run.root.mkdir(parents=True, exist_ok=True)
         work = _work_dir(run, f"{prepare_hash(data, tokenizer_cfg)}-{stats.fingerprint}")
         # Written next to the old tokenizer and data and swapped at the end: a failure never destroys a good prepare.
         with replacing(run.tokenizer) as tmp_tok, replacing(run.data) as tmp_data:
             tokenizer = _tokenizer(tokenizer_cfg, corpus["train"], work / "tokenizer", progress)
             tokenizer.save_pretrained(tmp_tok)
+            tokenizing = time.perf_counter()
             tokenized = datasets.DatasetDict({
-                split: tokenize_to_disk(corpus[split], tokenizer, work / "tokens", split, num_proc=data.num_proc,
+                split: tokenize_to_disk(corpus[split], tokenizer, work / "tokens", split,
+                                        num_proc=tokenizer_processes(data.num_proc, len(corpus[split])),
                                         shard_docs=TOKENIZE_SHARD_DOCS)
                 for split in ("train", "validation")})
             info = _summary(tokenized, tokenizer, data, tokenizer_cfg, stats.n_skipped_empty)
-            echo(f"[prepare] writing {run.data}")
+            seconds = time.perf_counter() - tokenizing
+            tokens = sum(s["tokens"] for s in info["splits"].values())
+            processes = tokenizer_processes(data.num_proc, len(corpus["train"]))
+            echo(f"[prepare] tokenized {tokens:,} tokens in {seconds:.0f}s ({tokens / max(seconds, 1e-9):,.0f} tokens/s, "
+                 f"{processes} process{'es' if processes > 1 else ''}); writing {run.data}")
             tokenized.save_to_disk(str(tmp_data))
             (tmp_data / PREPARE_INFO).write_text(json.dumps(info, indent=2))
             (tmp_data / "config.yaml").write_text(config_yaml)
@@ -120,8 +130,16 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
     if short:
         echo(f"[prepare] note: {short} validation docs have <= {data.prefix_tokens} tokens (all routing prefix) "
              f"and score no tokens")
-    echo(f"[prepare] wrote {run.data} and {run.tokenizer}")
+    echo(f"[prepare] wrote {run.data} and {run.tokenizer} in {time.perf_counter() - start:.0f}s")
     return info
+
+
+def tokenizer_processes(num_proc: int | None, docs: int) -> int:
+    """``data.num_proc``, or when null: every core for a split of 10,000 documents or more (starting the
+    processes costs a second or two, more than a small split takes)."""
+    if num_proc is not None:
+        return num_proc
+    return (os.cpu_count() or 1) if docs >= 10_000 else 1
 
 
 def _work_dir(run: RunDir, key: str) -> Path:

@@ -79,6 +79,9 @@ REPORT = "routing_report.json"
 WORK = "routing.work"  # in the run directory, beside routing/ (which is swapped in whole): features in progress
 RECORD = "record.json"  # in WORK: what produced the features, and which chunks are done
 CHUNK_DOCS = 65_536  # route.chunk_docs' default, for callers (re-routing) that pass no job
+# The chunked balanced assignment stops improving after a pass over the corpus that lowers its cost by less
+# than this fraction: the caps always hold, and the cost is then within a hair of the minimum (not proven).
+MIN_PASS_GAIN = 1e-3
 # The settings that decide the features (and the text model fitted for them): a change to any starts over.
 FEATURE_KEYS = ("featurizer", "layers", "skip_tokens", "encoder", "encoder_max_tokens", "precision", "batch_size",
                 "svd_components", "topics", "topic_smoothing", "balance_slack", "n_init", "max_iter", "fit_docs",
@@ -480,7 +483,8 @@ def featurize_split(job: RouteJob, work: FeatureWork, split: str, ds: datasets.D
         work.mark(split, index, out)
         if chunks > 1:
             rate = computed / max(time.perf_counter() - started, 1e-9)
-            echo(f"[route] {split} features: chunk {index + 1}/{chunks} done ({rate:.0f} docs/s)")
+            how = f"{rate:.0f} docs/s" if rows.size else "its rows were the fit sample's"
+            echo(f"[route] {split} features: chunk {index + 1}/{chunks} done ({how})")
     out = work.array(split, n)
     assert out is not None
     return out
@@ -580,7 +584,7 @@ def assign_train(job: RouteJob, router: Router, train_x: np.ndarray, sample: np.
         return router.assign_chunked(train_x, chunk)
     echo(f"[route] assigning {len(train_x):,} documents in chunks of {chunk:,} under the capacity bounds")
     result = router.assign_balanced_chunked(train_x, chunk, sample=sample, sample_labels=fitted,
-                                            log=lambda line: echo(f"[route] {line}"))
+                                            log=lambda line: echo(f"[route] {line}"), min_gain=MIN_PASS_GAIN)
     router.meta.update({"assigned_inertia": result.cost, "assignment_optimal": result.optimal})
     return result.labels
 

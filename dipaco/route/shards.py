@@ -20,7 +20,7 @@ Which routing an experiment trained on is recorded and checked by :mod:`dipaco.r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,16 +35,27 @@ from dipaco.route.provenance import routed_info
 from dipaco.run_dir import RunDir
 
 
-def iid_paths(ids: Sequence[str], num_paths: int, seed: int) -> np.ndarray:
+def numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
+    """A column as one numpy array, converted from Arrow without a Python object per row (10M Python
+    ints cost ~300 MB; their int64 array 80 MB)."""
+    return np.asarray(ds.with_format("numpy", columns=[column])[column])
+
+
+def iid_paths(ids: Iterable[str], num_paths: int, seed: int) -> np.ndarray:
     # Salted so the shard does not correlate with the train/validation split, which hashes ids too.
-    return np.array([stable_hash(f"shard:{seed}:{i}") % num_paths for i in ids], dtype=np.int64)
+    return np.fromiter((stable_hash(f"shard:{seed}:{i}") % num_paths for i in ids), dtype=np.int64)
+
+
+def _ids(ds: datasets.Dataset, batch_size: int = 100_000) -> Iterator[str]:
+    for batch in ds.select_columns(["id"]).iter(batch_size=batch_size):
+        yield from batch["id"]
 
 
 def column_paths(ds: datasets.Dataset, column: str, num_paths: int) -> np.ndarray:
     if column not in ds.column_names:
         raise DataError(f"sharding=column needs a {column!r} column; the dataset has {ds.column_names}")
     try:
-        paths = np.asarray(ds[column], dtype=np.int64)
+        paths = numpy_column(ds, column).astype(np.int64)
     except (TypeError, ValueError):
         raise DataError(f"column {column!r} must hold integer path ids") from None
     bad = np.flatnonzero((paths < 0) | (paths >= num_paths))
@@ -69,7 +80,7 @@ def with_routing(prepared: Prepared, run_dir: str | Path) -> Prepared:
 def assign_paths(ds: datasets.Dataset, num_paths: int, sharding: str, seed: int, column: str = "path") -> np.ndarray:
     """Path id of every document of ``ds``."""
     if sharding == "iid":
-        return iid_paths(ds["id"], num_paths, seed)
+        return iid_paths(_ids(ds), num_paths, seed)
     if sharding == "column":
         return column_paths(ds, column, num_paths)
     if sharding == "kmeans":
@@ -84,7 +95,7 @@ def overlapping_paths(ds: datasets.Dataset, paths: np.ndarray, k: int) -> np.nda
         return paths[:, None]
     if "paths_topk" not in ds.column_names:
         raise DataError(f"route.topk={k} needs the `paths_topk` column: run `dipaco route` with route.topk={k}")
-    ranked = np.asarray(ds["paths_topk"], dtype=np.int64)
+    ranked = numpy_column(ds, "paths_topk").astype(np.int64)
     if ranked.ndim != 2 or ranked.shape[1] < k:
         raise DataError(f"route.topk={k} but the routed data holds {ranked.shape[-1]} best paths per document; "
                         f"run `dipaco route` with route.topk={k}")
@@ -113,12 +124,13 @@ def shard_members(paths: np.ndarray, num_paths: int) -> list[np.ndarray]:
     return [np.flatnonzero((paths == p).any(axis=1)) for p in range(num_paths)]
 
 
-def overlap_token_shares(paths: np.ndarray, num_paths: int, tokens: Sequence[int]) -> list[float]:
+def overlap_token_shares(paths: np.ndarray, num_paths: int, tokens: Sequence[int] | np.ndarray) -> list[float]:
     """Per path, the fraction of its documents' tokens that are its own: sum_d t_d / m_d over sum_d t_d,
     with m_d the number of paths document d trains. 1.0 everywhere without overlap."""
     paths = paths.reshape(len(paths), -1)
     t = np.asarray(tokens, dtype=np.float64)
-    multiplicity = np.array([len(set(row.tolist())) for row in paths], dtype=np.float64)
+    ranked = np.sort(paths, axis=1)
+    multiplicity = 1.0 + (np.diff(ranked, axis=1) != 0).sum(axis=1)  # distinct paths per document
     shares = []
     for members in shard_members(paths, num_paths):
         total = t[members].sum()
