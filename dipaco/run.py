@@ -26,6 +26,7 @@ from dipaco.checkpoint.store import CheckpointManager
 from dipaco.comm.placement import check_world_size, module_writers, paths_by_rank
 from dipaco.comm.world import DistEnv, World, check_dist, check_same_config, detect_env, init_world, rank_device
 from dipaco.config import Config, EvalConfig, config_diff, flatten, merge_config, to_yaml
+from dipaco.data.corpus import numpy_column
 from dipaco.data.prepare import Prepared, check_data, check_tokenizer, load_prepared, prepare
 from dipaco.errors import ConfigError, DataError
 from dipaco.eval.evaluate import EvalJob, check_eval, evaluate_experiment, evaluate_pretrained
@@ -43,7 +44,6 @@ from dipaco.route.assign import RouteJob, check_route, route
 from dipaco.route.shards import (
     assign_paths,
     build_shards,
-    numpy_column,
     overlap_token_shares,
     path_weights,
     training_paths,

@@ -268,10 +268,12 @@ def improve(costs: ChunkedCosts, labels: np.ndarray, cap: np.ndarray, floor: np.
             min_gain: float = 0.0) -> tuple[int, bool]:
     """In place: a feasible assignment improved to minimum total cost (module docstring, step 4).
     Returns the passes made and whether the last one proved optimality. ``min_gain`` > 0 stops early,
-    not proven optimal, after a pass that lowered the total cost by less than that fraction of it."""
+    not proven optimal, after a pass that lowered the total cost (as given: the inertia, not the
+    row-shifted cost the passes compare) by less than that fraction of it."""
     k = costs.k
     m = int(np.clip(pool_docs // (k * k), 1, 64))  # cheapest documents kept per pair of clusters
     w = np.full((k + 1, k + 1), math.inf)
+    enough = min_gain * abs(total_cost(costs, labels)) if min_gain > 0 else 0.0
     for passes in range(1, max_passes + 1):
         vals, docs, total = cheapest_moves(costs, labels, m)
         w[:k, :k] = vals.min(axis=2)
@@ -285,7 +287,7 @@ def improve(costs: ChunkedCosts, labels: np.ndarray, cap: np.ndarray, floor: np.
                 f"cost {total:.6g} -> {total - max(saved, 0.0):.6g}")
         if saved <= tol:  # the pool could not use the cycle: stop rather than loop (flagged not optimal)
             return passes, False
-        if saved < min_gain * abs(total):  # each pass reads the whole corpus; this one was not worth it
+        if min_gain > 0 and saved < enough:  # each pass reads the whole corpus; this one was not worth it
             return passes, False
     return max_passes, False
 

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import datasets
+import numpy as np
 import torch
 from transformers import LlamaForCausalLM
 
@@ -48,11 +50,12 @@ from dipaco.checkpoint.store import (
 )
 from dipaco.comm.world import World  # noqa: E402
 from dipaco.config import Config, ModelConfig, OptimConfig, to_yaml  # noqa: E402
+from dipaco.data.packing import DocumentTokens, PackedShard  # noqa: E402
 from dipaco.model.bank import ModuleBank  # noqa: E402
 from dipaco.model.llama import build_model, llama_config  # noqa: E402
 from dipaco.model.topology import Topology, topology_from_config  # noqa: E402
 from dipaco.paths.inner import InnerLoop, InnerOptions, build_adamw  # noqa: E402
-from dipaco.paths.sampler import ShardSampler  # noqa: E402
+from dipaco.paths.sampler import Sequences, ShardSampler  # noqa: E402
 from dipaco.precision import Precision, resolve_precision  # noqa: E402
 from dipaco.run import apply_overrides  # noqa: E402
 from dipaco.runtime import configure_backends  # noqa: E402
@@ -94,8 +97,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--round", action="store_true", help="also time whole rounds of a 2x2 grid (4 paths)")
     p.add_argument("--round-inner-steps", type=int, default=100)
     p.add_argument("--round-size", default=None, help="size for --round (default: the last of --sizes)")
+    p.add_argument("--data", choices=("disk", "memory"), default="disk",
+                   help="ours reads its rows from memory-mapped prepared data as `dipaco train` does (disk), or "
+                        "from an in-memory tensor (memory, the only way before issue 33)")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args()
+
+
+def disk_rows(tokens: torch.Tensor, eos_id: int, tmp: Path) -> PackedShard:
+    """``tokens``' rows as a PackedShard over a memory-mapped Arrow dataset, one document per row of
+    seq_len - 1 tokens (its EOS completes the row), the layout `dipaco prepare` writes."""
+    n, seq_len = tokens.shape
+    docs = tokens[:, : seq_len - 1].numpy().astype(np.uint16 if int(tokens.max()) < 1 << 16 else np.uint32)
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value(str(docs.dtype)))})
+    ds = datasets.Dataset.from_dict({"input_ids": list(docs)}, features=features)
+    ds.save_to_disk(str(tmp / "data"))
+    return PackedShard(DocumentTokens(datasets.load_from_disk(str(tmp / "data"))), np.arange(n), seq_len, eos_id)
 
 
 def sync(device: torch.device) -> None:
@@ -170,7 +187,10 @@ def bench_size(name: str, size: Size, args, device: torch.device, precision: Pre
     topology = topology_from_config(replace(Config().topology, preset="grid:2x2"), size.layers)
     bank = ModuleBank(topology, build_model(llama, seed=0, device=device))
     options = InnerOptions(precision, compile=args.compile)
-    ours = InnerLoop(bank.compose(3, build_model(llama, device=device)), ShardSampler(tokens, size.batch, seed=0),
+    data = args.data
+    tmp = tempfile.TemporaryDirectory(prefix="bench-throughput-")
+    rows: Sequences = disk_rows(tokens, 0, Path(tmp.name)) if data == "disk" else tokens
+    ours = InnerLoop(bank.compose(3, build_model(llama, device=device)), ShardSampler(rows, size.batch, seed=0),
                      optim, total_steps, device, options)
     best = BestLoop(build_model(llama, seed=0, device=device), tokens.to(device).view(-1, size.batch, size.seq_len),
                     optim, precision, args.compile)
@@ -197,7 +217,7 @@ def bench_size(name: str, size: Size, args, device: torch.device, precision: Pre
     peak = peak_flops(device)
     result = {
         "size": name, "params": sum(p.numel() for p in ours.model.parameters()), **size.__dict__,
-        "precision": precision.name, "compile": args.compile,
+        "precision": precision.name, "compile": args.compile, "data": data,
         "tokens_per_s_median": median, "tokens_per_s_blocks": rates,
         "ratio": median["dipaco_path"] / median["best_handwritten"],
         "flops_per_token": fpt,
@@ -207,7 +227,8 @@ def bench_size(name: str, size: Size, args, device: torch.device, precision: Pre
         "first_steps_overhead_s": {k: warmup_s[k] - args.warmup * step_s[k] for k in sides},
     }
     print(f"[{name}] {result['params']:,} params, batch {size.batch} x seq {size.seq_len}, {precision.name}"
-          f"{', compiled' if args.compile else ''}, {args.blocks} blocks of {args.steps} steps")
+          f"{', compiled' if args.compile else ''}, {args.blocks} blocks of {args.steps} steps, ours reads its rows "
+          f"from {'memory-mapped data' if data == 'disk' else 'memory'}")
     for side in sides:
         mfu = f", MFU {result['mfu'][side]:.1%}" if peak else ""
         mem = f", peak {memory[side]:.2f} GiB" if memory else ""

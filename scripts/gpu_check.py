@@ -467,7 +467,7 @@ def throughput_run(ctx: Context, section: Section, name: str, compiled: bool, ne
         section.results["runs"].append({"size": name, "compile": compiled, "skipped": f"needs about {need:.0f} s"})
         return
     size, stands_for = sizes(ctx)[name]
-    args = SimpleNamespace(**vars(steps), compile=compiled)
+    args = SimpleNamespace(**vars(steps), compile=compiled, data="disk")  # rows read as `dipaco train` reads them
     if compiled:
         # A fresh compile per size: dynamo would recompile the second size with dynamic shapes (slower kernels).
         # Inside one size, the hand-written loop reuses our loop's compilation, as bench_throughput documents.

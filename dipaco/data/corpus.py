@@ -381,6 +381,13 @@ def _numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
     return ds.data.column(column).to_numpy()
 
 
+def numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
+    """A column of any dataset (select()ed too) as one numpy array, converted from Arrow without a Python
+    object per row (10M Python ints cost ~300 MB; their int64 array 80 MB)."""
+    # A slice, not ds[column]: that is a lazy Column whose numpy conversion iterates row by row.
+    return np.asarray(ds.select_columns([column]).with_format("numpy")[:][column])
+
+
 def _split_from_value(value: object, spec: CorpusSpec) -> str:
     name = str(value).strip().lower()
     if name in _TRAIN_NAMES:

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dipaco.atomic import replacing
 from dipaco.config import Config, DataConfig, TokenizerConfig, config_diff, merge_config
-from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
+from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats, numpy_column
 from dipaco.data.tokenizer import load_tokenizer, token_dtype, tokenize_to_disk, train_tokenizer
 from dipaco.errors import ConfigError, DataError, DipacoError
 from dipaco.metrics import echo
@@ -112,7 +112,7 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
             tokenized = datasets.DatasetDict({
                 split: tokenize_to_disk(corpus[split], tokenizer, work / "tokens", split,
                                         num_proc=tokenizer_processes(data.num_proc, len(corpus[split])),
-                                        shard_docs=TOKENIZE_SHARD_DOCS)
+                                        shard_docs=TOKENIZE_SHARD_DOCS, log=lambda line: echo(f"[prepare] {line}"))
                 for split in ("train", "validation")})
             info = _summary(tokenized, tokenizer, data, tokenizer_cfg, stats.n_skipped_empty)
             seconds = time.perf_counter() - tokenizing
@@ -177,8 +177,7 @@ def _tokenizer(cfg: TokenizerConfig, train: datasets.Dataset, saved: Path, progr
 
 def _summary(tokenized: datasets.DatasetDict, tokenizer: PreTrainedTokenizerFast, data: DataConfig,
              tokenizer_cfg: TokenizerConfig, skipped: int) -> dict[str, Any]:
-    num_tokens = {split: np.asarray(ds.with_format("numpy", columns=["num_tokens"])["num_tokens"], dtype=np.int64)
-                  for split, ds in tokenized.items()}
+    num_tokens = {split: numpy_column(ds, "num_tokens").astype(np.int64) for split, ds in tokenized.items()}
     return {
         "prepare_hash": prepare_hash(data, tokenizer_cfg),
         "format": DATA_FORMAT,

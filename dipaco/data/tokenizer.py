@@ -174,7 +174,7 @@ def tokenize_corpus(
 
 def tokenize_to_disk(
     ds: datasets.Dataset, tokenizer: transformers.PreTrainedTokenizerBase, work_dir: Path, name: str,
-    num_proc: int = 1, shard_docs: int = 50_000, batch_size: int = 1000,
+    num_proc: int = 1, shard_docs: int = 50_000, batch_size: int = 1000, log: Callable[[str], None] | None = None,
 ) -> datasets.Dataset:
     """``ds`` tokenized as :func:`tokenize_corpus` does, written shard by shard to Arrow files in
     ``work_dir``. A shard whose file is there is read back, not tokenized again: a killed run picks up
@@ -184,10 +184,15 @@ def tokenize_to_disk(
     encode = _encoder(tokenizer)
     n_shards = max(-(-len(ds) // shard_docs), 1)
     parts = []
+    start = time.monotonic()
     for i in range(n_shards):
         part = ds.select(range(i * shard_docs, min((i + 1) * shard_docs, len(ds))))
         parts.append(part.map(
             encode, batched=True, batch_size=batch_size, num_proc=num_proc if num_proc > 1 else None,
             features=features, cache_file_name=str(work_dir / f"{name}-{i:05d}.arrow"), load_from_cache_file=True,
             desc=f"Tokenizing {name} {i + 1}/{n_shards}"))
+        if log is not None and n_shards > 1:  # the bars are drawn on a terminal only; a log gets a line a shard
+            done = min((i + 1) * shard_docs, len(ds))
+            log(f"tokenized {name} shard {i + 1}/{n_shards}: {done:,} of {len(ds):,} documents, "
+                f"{time.monotonic() - start:.0f}s")
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)

