@@ -30,8 +30,10 @@ Each step records its wall time, its peak RSS (``ru_maxrss`` of that child from 
 largest single process of its tree) and, sampled from /proc every 0.2 s, the peak summed anonymous RSS
 of the child and its descendants (tokenizer worker processes count there). Peak RSS includes the pages of
 the memory-mapped data a step touches, which the OS reads ahead and reclaims at will (a copy of 1.7 GB of
-prepared data shows as 1.7 GB of RSS); the anonymous RSS is the memory the processes own. A forked
-worker's pages shared with its parent count once in each. Between consecutive sizes each
+prepared data shows as 1.7 GB of RSS), and it starts from this script's own peak (Linux keeps the
+parent's high-water mark across vfork and exec; this process stays near 30 MB). The anonymous RSS is
+the memory the processes own; a forked worker's pages shared with its parent count once in each.
+Between consecutive sizes each
 step gets its growth exponents, log(t2/t1)/log(n2/n1) for time and the same for memory: 1 is linear,
 0 is constant. Results go to --out (JSON, written after every step) and a markdown table beside it.
 
