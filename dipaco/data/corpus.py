@@ -15,8 +15,8 @@ Pipeline: load -> pick and rename columns -> strip headers -> empty documents (e
 
 The corpus is never held in memory as one list: it is read batch by batch into Arrow files (the
 datasets cache, or ``work_dir``), which are memory-mapped. What stays in memory is a few numpy
-numbers per document (its id hash, split and emptiness: 10 bytes), so the split, the duplicate-id
-check and the max_docs sample scale to tens of millions of documents.
+numbers per document (its id hash, split, emptiness, text CRC and row index: about 30 bytes), so the
+split, the duplicate-id check and the max_docs sample scale to tens of millions of documents.
 """
 
 from __future__ import annotations
