@@ -52,7 +52,7 @@ clean-demo:
 	rm -rf $(RUN_DIR)
 
 # The one-command GPU check of issue 35 (scripts/gpu_check.py --help): throughput, the CUDA code paths and a
-# quality mini-regime within 6 minutes. CPU dry run: make gpu-check GPU_CHECK_ARGS="--device cpu --tiny".
+# quality mini-regime within 7 minutes. CPU dry run: make gpu-check GPU_CHECK_ARGS="--device cpu --tiny".
 # No `install` prerequisite: on a GPU machine without the venv, make gpu-check PY=python3.
 .PHONY: gpu-check
 gpu-check:
