@@ -61,6 +61,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -261,6 +262,9 @@ ROUTINGS = {  # variant -> (topology used to fit it, route.method, other route s
     "product2x2": ("grid:2x2", "product", []),
     "featurizer_product2x2": ("grid:2x2", "product", [o for o in improved_featurizer() if o != "route.topk=2"]),
     "kmeans16": ("grid:4x4", "kmeans", []),
+    # scripts/bench_scaling.py's DiPaCo and flat-MoE shards at 16 and 64 paths
+    "doctopics16_similar": ("grid:4x4", "kmeans", [*doc_topics_featurizer(), "route.arrange=similar"]),
+    "doctopics64_similar": ("grid:8x8", "kmeans", [*doc_topics_featurizer(), "route.arrange=similar"]),
     # Product cells are not fitted to the joint data: with the cap alone one 4x4 cell got 1 document.
     "product4x4": ("grid:4x4", "product", ["route.min_shard_fraction=0.5"]),
 }
@@ -405,7 +409,10 @@ def routing_quality(cfg: Config, num_paths: int) -> dict:
     return {"nmi": report["nmi"], "purity": report["purity"]}
 
 
-def run_row(row: Row, base: Config, out_dir: Path, resume: bool = False) -> dict:
+def run_row(row: Row, base: Config, out_dir: Path, resume: bool = False,
+            curve_at: Callable[[int], list[int]] = curve_rounds) -> dict:
+    """Trains and evaluates one row; ``curve_at(last round)``: the rounds whose checkpoints are evaluated for
+    the perplexity-vs-tokens curve (its last point is the row's result unless the row early-stops)."""
     init_ppl = None
     if row.model:
         assert row.routing is None, "rows with their own architecture are dense (no routing)"
@@ -418,7 +425,7 @@ def run_row(row: Row, base: Config, out_dir: Path, resume: bool = False) -> dict
     curve = []
     tokens_per_round = exp.topology.num_paths * cfg.train.inner_steps * cfg.train.optim.batch_size * cfg.data.seq_len
     checkpoints = {int(c.name.split("_")[-1]): c for c in CheckpointManager(exp.dir / "checkpoints").checkpoints()}
-    for rnd in curve_rounds(max(checkpoints)):
+    for rnd in curve_at(max(checkpoints)):
         report = Run(cfg).evaluate(checkpoint=str(checkpoints[rnd]))
         curve.append({"round": rnd, "tokens": rnd * tokens_per_round, "ppl": report["overall"]["ppl"]})
     final_ppl, best_rounds = curve[-1]["ppl"], None
