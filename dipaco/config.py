@@ -39,6 +39,7 @@ class DataConfig:
     format: Optional[Literal["json", "csv", "parquet", "text"]] = None  # null: inferred from the extension
     csv_columns: Optional[List[str]] = None  # headerless CSV: its column names, in order (e.g. [label, title, text])
     hub: bool = False  # a corpus name that is not builtin or local is loaded from the Hugging Face hub
+    streaming: bool = False  # hub: stream the dataset into the run's Arrow files instead of downloading it whole
     hub_config: Optional[str] = None
     hub_split: Optional[str] = None
     text_field: str = "text"
@@ -51,7 +52,7 @@ class DataConfig:
     empty_docs: Literal["error", "skip"] = "error"
     seq_len: int = 128  # packed training sequence length and eval window length
     prefix_tokens: int = 32  # routing context; never scored at evaluation
-    num_proc: Optional[int] = None  # prepare: tokenizer processes (datasets.map); null: every core from 10k documents
+    num_proc: Optional[int] = None  # prepare: tokenizer processes; null: 1 (its threads) up to 4 cores, else every core
 
 
 @dataclass

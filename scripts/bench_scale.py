@@ -15,7 +15,7 @@ is the first N lines of every larger one; documents are written block by block, 
 The steps, each run as a child process of the real CLI (``python -m dipaco ...``), per size N:
 
     corpus            this script writing the synthetic corpus (a child too, so its memory is measured)
-    prepare           dipaco prepare (data.num_proc = --num-proc)
+    prepare           dipaco prepare (data.num_proc = --num-proc, else the key's automatic default)
     route_tfidf       dipaco route, route.featurizer=tfidf_svd, on --preset (default grid:2x2)
     train             dipaco train, 1 round of --train-steps inner steps per path on those shards, random init
     route_doc_topics  dipaco route, route.featurizer=doc_topics (only when named in --steps)
@@ -29,8 +29,10 @@ their own run directories that link to the prepared data, so the training shards
 Each step records its wall time, its peak RSS (``ru_maxrss`` of that child from ``os.wait4``: the
 largest single process of its tree) and, sampled from /proc every 0.2 s, the peak summed anonymous RSS
 of the child and its descendants (tokenizer worker processes count there). Peak RSS includes the pages of
-the memory-mapped data a step touches, which the OS reads ahead and reclaims at will (a copy of 1.7 GB of
-prepared data shows as 1.7 GB of RSS), and it starts from this script's own peak (Linux keeps the
+the memory-mapped data a step touches while they are mapped, which the OS reads ahead and reclaims at
+will (dipaco's long passes close their mappings chunk by chunk: ``dipaco/data/reading.py``; on the
+sandbox this was measured in, one touch maps 2 MB of a file, so sparse reads count more than they
+read), and it starts from this script's own peak (Linux keeps the
 parent's high-water mark across vfork and exec; this process stays near 30 MB). The anonymous RSS is
 the memory the processes own; a forked worker's pages shared with its parent count once in each.
 Between consecutive sizes each
@@ -94,14 +96,15 @@ NEEDS = {  # a step runs its prerequisites first when their output is not on dis
 EXPERIMENT = "bench_scale"  # train.name
 
 # Disk estimate before a size was ever measured. Measured on the shared corpora: 6.4 characters per
-# word with its whitespace, ~60 bytes of JSON keys and id per line. The run directories of a size in
-# the format before issue 33 (Arrow, int64 ids), measured at 4k documents: prepare 1.9x the plain corpus,
-# each route another 2.1x (routed copies of the splits), 7.4x after every default step. Once a size
-# was measured, its bytes per document (stored in the results) replace this constant.
+# word with its whitespace, ~60 bytes of JSON keys and id per line. The run directories of a size, as
+# a multiple of the plain corpus, measured at 1M documents: prepare 1.6x (text and uint16 ids), each
+# route another 0.5x (its features; the routing columns are small), 2.6x after prepare, the tfidf
+# route, train and the 16x16 route (7.4x in the format before: routed copies of the splits, int64
+# ids). Once a size was measured, its bytes per document (stored in the results) replace this constant.
 BYTES_PER_WORD = 6.6
 BYTES_PER_LINE = 60
 GZIP_RATIO = 0.4
-RUN_DIR_PER_CORPUS_BYTE = 8.0
+RUN_DIR_PER_CORPUS_BYTE = 3.0
 
 
 # ----------------------------------------------------------------------------- synthetic corpus
@@ -734,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(--smoke: at most 10)")
     p.add_argument("--pretrain-steps", type=int, default=20, help="steps of the tiny model the LM-prefix route uses")
     p.add_argument("--device", default="auto", help="run.device of every step")
-    p.add_argument("--num-proc", type=int, default=None, help="data.num_proc of prepare (default 2 when the key exists)")
+    p.add_argument("--num-proc", type=int, default=None, help="data.num_proc of prepare (default: the key's own, automatic)")
     p.add_argument("--tokenizer-train-docs", type=int, default=None, help="tokenizer.train_docs (passed only when set)")
     p.add_argument("--fit-docs", type=int, default=None, help="route.fit_docs (passed only when set)")
     p.add_argument("--chunk-docs", type=int, default=None, help="route.chunk_docs (passed only when set)")
@@ -747,9 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_args(a: argparse.Namespace) -> argparse.Namespace:
     """Fills the defaults that depend on --smoke and --work."""
-    a.num_proc_given = a.num_proc is not None
-    # --smoke: tokenizer worker start-up would dominate at 2k documents, so the key's own default (1) holds
-    a.num_proc = a.num_proc if a.num_proc_given or a.smoke else 2
+    a.num_proc_given = a.num_proc is not None  # else the key's own default: one process, the tokenizer's threads
     if a.docs is None:
         a.docs = list(SMOKE_SIZES if a.smoke else FULL_SIZES)
     a.corpora = a.corpora or (["bbc"] if a.smoke else list(SOURCES))

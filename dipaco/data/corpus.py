@@ -29,7 +29,9 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from typing import Any
 import datasets
 import numpy as np
 
+from dipaco.data.reading import SplitReader, release_mappings
 from dipaco.errors import ConfigError, DataError
 
 BUILTIN_CORPORA = ("bbc",)
@@ -52,6 +55,8 @@ DEFAULT_LABEL_FIELD = "label"  # used when the corpus has such a column; any oth
 _TRAIN, _VALIDATION, _UNSPLIT = 0, 1, -1  # the `split` work column
 _WORK_COLUMNS = ["split", "hash", "empty", "crc"]  # computed while reading, dropped from the result
 _BATCH = 10_000  # rows per batch while reading: bounds the memory of a step, not of the corpus
+_SOURCE = "source"  # in a work_dir: the datasets conversion of local files (removed once read)
+_PIECE_ROWS = 200_000  # rows read through one mapping of the source: bounds its resident pages
 
 
 @dataclass
@@ -73,6 +78,7 @@ class CorpusSpec:
     cache_dir: str | None = None  # datasets' cache for local/hub loads; None = HF default
     csv_columns: list[str] | None = None  # headerless CSV: the names of its columns, in order
     hub: bool = False  # a source that is not builtin or local is loaded from the Hugging Face hub
+    streaming: bool = False  # a hub source is streamed into Arrow files batch by batch, not downloaded whole first
 
 
 @dataclass
@@ -121,17 +127,22 @@ def load_corpus_with_stats(
     datasets cache of the source, or stay in memory for an in-memory source.
     """
     _check_spec(spec)
-    raw = _load_raw(spec)
-    docs, split_method = _normalized(raw, spec, None if work_dir is None else Path(work_dir))
-    hashes = _numpy_column(docs, "hash")
-    empty = _numpy_column(docs, "empty")
+    work = None if work_dir is None else Path(work_dir)
+    raw = _load_raw(spec, work)
+    docs, split_method = _normalized(raw, spec, work)
+    if work is not None and (work / _SOURCE).is_dir():  # the source's Arrow conversion is read once: free its disk now
+        del raw
+        release_mappings()
+        shutil.rmtree(work / _SOURCE, ignore_errors=True)
+    hashes = numpy_column(docs, "hash")
+    empty = numpy_column(docs, "empty")
     keep = _handle_empty_docs(docs, empty, spec)
     _check_unique_ids(docs, hashes[keep], keep)
 
     if split_method == SPLIT_BY_HASH:
         is_val = (hashes >> np.uint64(32)).astype(np.float64) / 2**32 < spec.validation_fraction
     else:
-        is_val = _numpy_column(docs, "split") == _VALIDATION
+        is_val = numpy_column(docs, "split") == _VALIDATION
     train, validation = keep[~is_val[keep]], keep[is_val[keep]]
     _check_both_splits(train, validation, split_method, spec)
 
@@ -139,7 +150,7 @@ def load_corpus_with_stats(
     if spec.max_docs is not None and spec.max_docs < n_before:
         train, validation = _subsample(hashes, train, validation, spec.max_docs)
 
-    fingerprint = _fingerprint(hashes, _numpy_column(docs, "crc"), train, validation)
+    fingerprint = _fingerprint(hashes, numpy_column(docs, "crc"), train, validation)
     docs = docs.remove_columns(_WORK_COLUMNS)
     corpus = datasets.DatasetDict(train=docs.select(train), validation=docs.select(validation))
     stats = CorpusStats(
@@ -286,11 +297,20 @@ def _normalized(raw: datasets.DatasetDict, spec: CorpusSpec, work_dir: Path | No
                                   "empty": datasets.Value("bool"), "crc": datasets.Value("uint32")})
     normalized, offset = [], 0
     for number, (ds, split) in enumerate(parts):
-        rows = _Rows(spec, ds.features, split, use_split_column, with_labels, offset)
-        cache = None if work_dir is None else str(work_dir / f"corpus-{number}.arrow")
-        normalized.append(ds.map(rows, batched=True, batch_size=_BATCH, with_indices=True, features=features,
-                                 remove_columns=ds.column_names, cache_file_name=cache, load_from_cache_file=False,
-                                 desc="Reading corpus"))
+        # In pieces, each read through its own mapping of the source's files (released after it):
+        # one mapping over a 10 GB source would keep every page of it resident.
+        reader = SplitReader(ds)
+        for piece, start in enumerate(range(0, max(len(ds), 1), _PIECE_ROWS)):
+            stop = min(start + _PIECE_ROWS, len(ds))
+            rows = _Rows(spec, ds.features, split, use_split_column, with_labels, offset + start)
+            cache = None if work_dir is None else str(work_dir / f"corpus-{number}-{piece:05d}.arrow")
+            source = reader.dataset(start, stop)
+            normalized.append(source.map(
+                rows, batched=True, batch_size=_BATCH, with_indices=True, features=features,
+                remove_columns=source.column_names, cache_file_name=cache, load_from_cache_file=False,
+                desc="Reading corpus"))
+            del source
+            reader.release()
         offset += len(ds)
     docs = normalized[0] if len(normalized) == 1 else datasets.concatenate_datasets(normalized)
     return docs, split_method
@@ -376,16 +396,34 @@ def _as_strings(values: list, feature: object) -> list[str | None]:
     return [None if v is None else str(v) for v in values]
 
 
-def _numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
-    """A numeric column of an unselected dataset as one numpy array (a copy out of the Arrow chunks)."""
-    return ds.data.column(column).to_numpy()
+_COLUMN_CHUNK = 262_144  # rows of a column read through one mapping
 
 
 def numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
     """A column of any dataset (select()ed too) as one numpy array, converted from Arrow without a Python
-    object per row (10M Python ints cost ~300 MB; their int64 array 80 MB)."""
+    object per row (10M Python ints cost ~300 MB; their int64 array 80 MB), and read in chunks through
+    their own mappings (:class:`SplitReader`): a column's pages lie between the other columns' in the file."""
+    parts = [batch[column] for _, batch in SplitReader(ds).chunks([column], _COLUMN_CHUNK, numpy=True)]
+    if parts:
+        return np.concatenate(parts)
     # A slice, not ds[column]: that is a lazy Column whose numpy conversion iterates row by row.
     return np.asarray(ds.select_columns([column]).with_format("numpy")[:][column])
+
+
+def _stream_rows(stream: datasets.IterableDataset) -> Iterator[dict]:
+    yield from stream
+
+
+def _written(loaded: Any, cache_dir: str | Path | None) -> datasets.Dataset | datasets.DatasetDict:
+    """A streamed (Iterable) dataset or dict of them, each split written to Arrow as it is read."""
+    def write(stream: datasets.IterableDataset) -> datasets.Dataset:
+        return datasets.Dataset.from_generator(_stream_rows, features=stream.features, gen_kwargs={"stream": stream},
+                                               cache_dir=None if cache_dir is None else str(cache_dir))
+    if isinstance(loaded, datasets.IterableDatasetDict):
+        return datasets.DatasetDict({name: write(split) for name, split in loaded.items()})
+    if isinstance(loaded, datasets.IterableDataset):
+        return write(loaded)
+    return loaded
 
 
 def _split_from_value(value: object, spec: CorpusSpec) -> str:
@@ -403,12 +441,12 @@ def _split_from_value(value: object, spec: CorpusSpec) -> str:
 # ----------------------------------------------------------------------------- loading
 
 
-def _load_raw(spec: CorpusSpec) -> datasets.DatasetDict:
+def _load_raw(spec: CorpusSpec, work_dir: Path | None = None) -> datasets.DatasetDict:
     if spec.source in BUILTIN_CORPORA:
         return datasets.DatasetDict(train=_load_bbc())
     files = _local_files(spec.source, spec.format)
     if files is not None:
-        return _load_local(files, spec)
+        return _load_local(files, spec, work_dir)
     if _looks_like_local_path(spec.source):
         raise DataError(f"no such file or directory: {spec.source!r}")
     if not spec.hub:
@@ -416,7 +454,7 @@ def _load_raw(spec: CorpusSpec) -> datasets.DatasetDict:
             f"data.corpus: {spec.source!r} is not a builtin corpus ({', '.join(BUILTIN_CORPORA)}) or an existing "
             f"file, directory or glob; set data.hub=true to load it from the Hugging Face hub"
         )
-    return _load_hub(spec)
+    return _load_hub(spec, work_dir)
 
 
 def _load_bbc() -> datasets.Dataset:
@@ -489,7 +527,10 @@ def _looks_like_local_path(source: str) -> bool:
     )
 
 
-def _load_local(files: list[Path], spec: CorpusSpec) -> datasets.DatasetDict:
+def _load_local(files: list[Path], spec: CorpusSpec, work_dir: Path | None = None) -> datasets.DatasetDict:
+    """The files as Arrow datasets. ``datasets`` converts them into its cache; given a ``work_dir`` (and no
+    ``cache_dir``), the conversion goes there instead and leaves with it: a prepared corpus does not
+    leave a second copy of itself in the user's datasets cache."""
     fmt = spec.format or _single_format(files)
     if spec.csv_columns is not None and fmt != "csv":
         raise ConfigError(f"data.csv_columns: only for csv data, but {_file_listing(files)} is {fmt}")
@@ -504,7 +545,8 @@ def _load_local(files: list[Path], spec: CorpusSpec) -> datasets.DatasetDict:
     if spec.csv_columns is not None:  # no header row: every line is data
         kwargs.update(column_names=list(spec.csv_columns), header=None)
     try:
-        loaded = datasets.load_dataset(fmt, data_files=data_files, cache_dir=spec.cache_dir, **kwargs)
+        cache_dir = spec.cache_dir or (None if work_dir is None else str(work_dir / _SOURCE))
+        loaded = datasets.load_dataset(fmt, data_files=data_files, cache_dir=cache_dir, **kwargs)
     except Exception as e:  # pyarrow/json/csv parse errors arrive as many types; name the files instead
         if fmt == "json":
             for path in files:
@@ -612,9 +654,15 @@ def _file_listing(files: list[Path]) -> str:
     return ", ".join(names) + (f" and {len(files) - 3} more file(s)" if len(files) > 3 else "")
 
 
-def _load_hub(spec: CorpusSpec) -> datasets.DatasetDict:
+def _load_hub(spec: CorpusSpec, work_dir: Path | None = None) -> datasets.DatasetDict:
+    """The hub dataset's splits as Arrow datasets. Downloaded and converted by ``datasets`` (its cache
+    keeps both), or with ``streaming``: read as a stream and written batch by batch to Arrow files in
+    ``work_dir`` (default: the datasets cache), so neither the raw download nor memory grows with it."""
     try:
-        loaded = datasets.load_dataset(spec.source, spec.hub_config, split=spec.hub_split, cache_dir=spec.cache_dir)
+        loaded = datasets.load_dataset(spec.source, spec.hub_config, split=spec.hub_split, cache_dir=spec.cache_dir,
+                                       streaming=spec.streaming)
+        if spec.streaming:
+            loaded = _written(loaded, spec.cache_dir if work_dir is None else work_dir / _SOURCE)
     except Exception as e:  # offline, unknown name, gated repo, bad config: all one message for the user
         raise DataError(
             f"could not load {spec.source!r} from the Hugging Face hub "

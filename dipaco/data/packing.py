@@ -26,6 +26,7 @@ import datasets
 import numpy as np
 import torch
 
+from dipaco.data.reading import SplitReader, release_mappings
 from dipaco.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100  # label of a position that is not scored (torch/HF cross-entropy convention)
@@ -81,14 +82,34 @@ class DocumentTokens:
         return {**self.__dict__, "_views": None}
 
     def _loaded(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-        """Per Arrow chunk: its flat token values and its offsets into them; and each chunk's first row."""
+        """Per Arrow chunk: its flat token values (a view of the file) and its offsets into them (in
+        memory, 8 bytes a document); and each chunk's first row."""
         if self._views is None:
             chunks = self._ds.data.column(self._column).chunks
             values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
-            offsets = [c.offsets.to_numpy(zero_copy_only=False).astype(np.int64, copy=False) for c in chunks]
+            offsets = self._offsets() or [c.offsets.to_numpy(zero_copy_only=False).astype(np.int64) for c in chunks]
+            if len(offsets) != len(chunks):
+                raise DataError(f"the {self._column!r} column's files hold {len(offsets)} Arrow chunks, the dataset "
+                                f"{len(chunks)}")
             first_rows = np.cumsum([0] + [len(c) for c in chunks])
             self._views = (values, offsets, first_rows)
         return self._views
+
+    def _offsets(self) -> list[np.ndarray] | None:
+        """Every chunk's offsets, read file by file through mappings closed after each: the offsets lie
+        between the tokens in the file, and reading them through the dataset's one mapping would leave
+        much of the tokens resident too. None where the column is not read from stacked files."""
+        files = SplitReader(self._ds).files_with([self._column])
+        if files is None:
+            return None
+        offsets = []
+        for f in files:
+            part = datasets.Dataset.from_file(f.path)
+            offsets += [c.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+                        for c in part.data.column(self._column).chunks]
+            del part
+            release_mappings()
+        return offsets
 
     def _table_rows(self, rows: np.ndarray) -> np.ndarray:
         indices = self._ds._indices  # a select()ed dataset maps its rows onto the table's

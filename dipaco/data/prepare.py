@@ -19,20 +19,24 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 from transformers import PreTrainedTokenizerFast
 
 from dipaco.atomic import replacing
 from dipaco.config import Config, DataConfig, TokenizerConfig, config_diff, merge_config
 from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats, numpy_column
+from dipaco.data.reading import SplitReader
 from dipaco.data.tokenizer import load_tokenizer, token_dtype, tokenize_to_disk, train_tokenizer
 from dipaco.errors import ConfigError, DataError, DipacoError
 from dipaco.metrics import echo
 from dipaco.run_dir import RunDir
 
 PREPARE_INFO = "prepare.json"
-# 2: token ids stored as uint16/uint32 (:func:`dipaco.data.tokenizer.token_dtype`); data without a format
-# (1) stored them as int64 and is read the same way
-DATA_FORMAT = 2
+# 3: each split is the tokenized shard files themselves (``<split>-NNNNN.arrow``, listed in prepare.json),
+#    hard-linked from prepare.work instead of copied by ``save_to_disk``: no second copy of the corpus
+#    on disk or in the page cache. 2: a ``save_to_disk`` DatasetDict, token ids uint16/uint32
+#    (:func:`dipaco.data.tokenizer.token_dtype`); 1 (no format): the same with int64 ids. All are read.
+DATA_FORMAT = 3
 _DONE = "done"  # marks a finished step in prepare.work
 TOKENIZE_SHARD_DOCS = 50_000  # documents per tokenized shard: what a killed prepare redoes at most
 _NOT_PREPARE_KEYS = ("seq_len", "prefix_tokens", "num_proc")  # not what the data is: later jobs', or speed
@@ -66,6 +70,7 @@ def check_tokenizer(tokenizer: TokenizerConfig) -> None:
 def prepare_hash(data: DataConfig, tokenizer: TokenizerConfig) -> str:
     corpus = asdict(corpus_spec(data))
     corpus.pop("hub")  # permission to use the hub, not a property of the data
+    corpus.pop("streaming")  # how it is read, not what it is
     if corpus["csv_columns"] is None:  # keys added later hash as before while unset
         corpus.pop("csv_columns")
     tokenizer_keys = asdict(tokenizer)
@@ -97,7 +102,10 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
     run = RunDir(run_dir)
     echo(f"[prepare] loading corpus {data.corpus!r}")
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="dipaco-corpus-") as scratch:
+    # Scratch beside the run directory, not in the system temp dir: it holds a copy of the corpus, and
+    # /tmp is often small, or a tmpfs whose files live in memory.
+    parent = run.root.resolve().parent
+    with tempfile.TemporaryDirectory(prefix=".dipaco-corpus-", dir=parent if parent.is_dir() else None) as scratch:
         # before the run directory: a bad corpus leaves none
         corpus, stats = load_corpus_with_stats(corpus_spec(data), scratch)
         echo(f"[prepare] {len(corpus['train']):,} train / {len(corpus['validation']):,} validation documents "
@@ -120,7 +128,7 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
             processes = tokenizer_processes(data.num_proc, len(corpus["train"]))
             echo(f"[prepare] tokenized {tokens:,} tokens in {seconds:.0f}s ({tokens / max(seconds, 1e-9):,.0f} tokens/s, "
                  f"{processes} process{'es' if processes > 1 else ''}); writing {run.data}")
-            tokenized.save_to_disk(str(tmp_data))
+            info["files"] = _link_shards(tokenized, tmp_data)
             (tmp_data / PREPARE_INFO).write_text(json.dumps(info, indent=2))
             (tmp_data / "config.yaml").write_text(config_yaml)
     shutil.rmtree(run.prepare_work, ignore_errors=True)
@@ -134,12 +142,51 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
     return info
 
 
+def _link_shards(tokenized: datasets.DatasetDict, out: Path) -> dict[str, list[str]]:
+    """Puts each split's tokenized shard files into ``out`` as ``<split>-NNNNN.arrow``, hard-linked (copied
+    where the file system cannot link): prepare.work keeps its files until the new data is in place."""
+    out.mkdir(parents=True)
+    files = {}
+    for split, ds in tokenized.items():
+        files[split] = [f"{split}-{i:05d}.arrow" for i in range(len(ds.cache_files))]
+        for cached, name in zip(ds.cache_files, files[split]):
+            try:
+                os.link(cached["filename"], out / name)
+            except OSError:
+                shutil.copyfile(cached["filename"], out / name)
+    return files
+
+
+def _load_splits(data_dir: Path, info: dict) -> dict[str, datasets.Dataset]:
+    """The prepared splits of any data format (see ``DATA_FORMAT``), memory-mapped."""
+    fmt = info.get("format", 1)
+    if fmt > DATA_FORMAT:
+        raise DataError(f"{data_dir}: prepared data format {fmt}, newer than this dipaco reads ({DATA_FORMAT}); "
+                        f"upgrade dipaco or rerun `dipaco prepare`")
+    if fmt < 3:
+        return dict(datasets.load_from_disk(str(data_dir)))
+    splits = {}
+    for split, names in info["files"].items():
+        try:
+            parts = [datasets.Dataset.from_file(str(data_dir / name)) for name in names]
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise DataError(f"{data_dir}: cannot read the prepared {split} split ({exc}); rerun `dipaco prepare`") from None
+        splits[split] = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        if len(splits[split]) != info["splits"][split]["docs"]:
+            raise DataError(f"{data_dir}: the {split} split has {len(splits[split]):,} documents, prepare.json says "
+                            f"{info['splits'][split]['docs']:,}; rerun `dipaco prepare`")
+    return splits
+
+
 def tokenizer_processes(num_proc: int | None, docs: int) -> int:
-    """``data.num_proc``, or when null: every core for a split of 10,000 documents or more (starting the
-    processes costs a second or two, more than a small split takes)."""
+    """``data.num_proc``, or when null: one process on a machine of up to 4 cores, where the Rust
+    tokenizer's own threads already use every core (measured on 2 cores: the speed of 2 processes at a
+    quarter of their memory); else one per core for a split of 10,000 documents or more (a forked
+    worker tokenizes on one thread, and starting the processes costs more than a small split takes)."""
     if num_proc is not None:
         return num_proc
-    return (os.cpu_count() or 1) if docs >= 10_000 else 1
+    cores = os.cpu_count() or 1
+    return cores if cores > 4 and docs >= 10_000 else 1
 
 
 def _work_dir(run: RunDir, key: str) -> Path:
@@ -168,7 +215,7 @@ def _tokenizer(cfg: TokenizerConfig, train: datasets.Dataset, saved: Path, progr
         rows = np.sort(np.random.default_rng(0).choice(len(train), cfg.train_docs, replace=False))
         sample = train.select(rows)
     echo(f"[prepare] training a byte-level BPE tokenizer, vocab {cfg.vocab_size}, on {len(sample):,} documents")
-    texts = (text for batch in sample.iter(batch_size=1000) for text in batch["text"])
+    texts = (text for _, batch in SplitReader(sample).chunks(["text"], 1000) for text in batch["text"])
     tokenizer = train_tokenizer(texts, cfg.vocab_size, saved, show_progress=progress,
                                 log=lambda line: echo(f"[prepare] {line}"))
     (saved / _DONE).touch()
@@ -200,7 +247,7 @@ def _prepared_diff(data: DataConfig, tokenizer: TokenizerConfig, saved: Path) ->
     diff = [
         line for line in config_diff(then, Config(data=data, tokenizer=tokenizer), ignore=())
         if line.startswith(("data.", "tokenizer."))
-        and line.split(":", 1)[0] not in {f"data.{k}" for k in (*_NOT_PREPARE_KEYS, "hub")}
+        and line.split(":", 1)[0] not in {f"data.{k}" for k in (*_NOT_PREPARE_KEYS, "hub", "streaming")}
     ]
     if not diff:
         return f" (see {saved})"
@@ -220,5 +267,5 @@ def load_prepared(run_dir: str | Path, data: DataConfig, tokenizer: TokenizerCon
             f"{run.data} was prepared with different data/tokenizer settings than this config"
             f"{_prepared_diff(data, tokenizer, run.data / 'config.yaml')}; rerun `dipaco prepare` or use the same config"
         )
-    splits = datasets.load_from_disk(str(run.data))
+    splits = _load_splits(run.data, info)
     return Prepared(load_tokenizer(run.tokenizer), splits["train"], splits["validation"], info)

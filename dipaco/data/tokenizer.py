@@ -14,17 +14,19 @@ exactly the tokens of the whole text; another tokenizer (``tokenizer.path``) may
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from dipaco.data.reading import SplitReader
 from dipaco.errors import ConfigError, DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -138,21 +140,36 @@ def token_features(features: datasets.Features, vocab_size: int) -> datasets.Fea
                               "num_tokens": datasets.Value("int64")})
 
 
-def _encoder(tokenizer: transformers.PreTrainedTokenizerBase) -> Callable[[dict[str, list]], dict[str, Any]]:
-    dtype = np.dtype(token_dtype(len(tokenizer)))
+def encode_texts(backend: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens added."""
+    return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
-    def encode(batch: dict[str, list]) -> dict[str, Any]:
-        texts = batch["text"]
+
+def _encoder(tokenizer: transformers.PreTrainedTokenizerBase) -> Callable[[pa.Table], pa.Table]:
+    """The batch function of tokenization, on an Arrow batch (``with_format("arrow")``): the batch with
+    ``input_ids`` and ``num_tokens`` appended. It calls the Rust tokenizer directly (``encode_batch_fast``:
+    no character offsets, threads across the batch) and builds the Arrow column from the flat token
+    array and its offsets, with no numpy array per document; the other columns pass through as Arrow.
+    The ids are those of ``tokenizer(texts)``."""
+    dtype = np.dtype(token_dtype(len(tokenizer)))
+    backend = tokenizer.backend_tokenizer
+
+    def ids_of(texts: list[str]) -> list[list[int]]:
+        return encode_texts(backend, texts)
+
+    def encode(batch: pa.Table) -> pa.Table:
+        texts = batch.column("text").to_pylist()
         long = [i for i, t in enumerate(texts) if len(t) > MAX_PIECE_CHARS]
-        short = [t if len(t) <= MAX_PIECE_CHARS else "" for t in texts]
-        input_ids = tokenizer(short, add_special_tokens=False)["input_ids"]
+        input_ids = ids_of([t if len(t) <= MAX_PIECE_CHARS else "" for t in texts])
         for i in long:  # piece by piece: the tokenizer's memory is bounded by the piece, not the text
-            ids: list[int] = []
-            for piece in text_pieces(texts[i]):
-                ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
-            input_ids[i] = ids
-        return {"input_ids": [np.asarray(ids, dtype=dtype) for ids in input_ids],
-                "num_tokens": [len(ids) for ids in input_ids]}
+            input_ids[i] = [t for piece in text_pieces(texts[i]) for t in ids_of([piece])[0]]
+        lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
+        offsets = np.zeros(len(input_ids) + 1, dtype=np.int32)  # a batch of text holds < 2**31 characters
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.fromiter(itertools.chain.from_iterable(input_ids), dtype=dtype, count=int(offsets[-1]))
+        batch = batch.drop_columns([c for c in ("input_ids", "num_tokens") if c in batch.column_names])
+        return (batch.append_column("input_ids", pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat)))
+                .append_column("num_tokens", pa.array(lengths)))
 
     return encode
 
@@ -168,8 +185,9 @@ def tokenize_corpus(
     if isinstance(ds, datasets.DatasetDict):
         return datasets.DatasetDict({name: tokenize_corpus(split, tokenizer, batch_size, num_proc)
                                      for name, split in ds.items()})
-    return ds.map(_encoder(tokenizer), batched=True, batch_size=batch_size, num_proc=num_proc,
-                  features=token_features(ds.features, len(tokenizer)), desc="Tokenizing")
+    return ds.with_format("arrow").map(
+        _encoder(tokenizer), batched=True, batch_size=batch_size, num_proc=num_proc,
+        features=token_features(ds.features, len(tokenizer)), desc="Tokenizing").with_format(None)
 
 
 def tokenize_to_disk(
@@ -185,12 +203,15 @@ def tokenize_to_disk(
     n_shards = max(-(-len(ds) // shard_docs), 1)
     parts = []
     start = time.monotonic()
+    reader = SplitReader(ds)  # each shard read through its own mapping: pages do not pile up over the corpus
     for i in range(n_shards):
-        part = ds.select(range(i * shard_docs, min((i + 1) * shard_docs, len(ds))))
-        parts.append(part.map(
+        part = reader.dataset(i * shard_docs, min((i + 1) * shard_docs, len(ds)))
+        parts.append(part.with_format("arrow").map(
             encode, batched=True, batch_size=batch_size, num_proc=num_proc if num_proc > 1 else None,
             features=features, cache_file_name=str(work_dir / f"{name}-{i:05d}.arrow"), load_from_cache_file=True,
-            desc=f"Tokenizing {name} {i + 1}/{n_shards}"))
+            desc=f"Tokenizing {name} {i + 1}/{n_shards}").with_format(None))
+        del part
+        reader.release()
         if log is not None and n_shards > 1:  # the bars are drawn on a terminal only; a log gets a line a shard
             done = min((i + 1) * shard_docs, len(ds))
             log(f"tokenized {name} shard {i + 1}/{n_shards}: {done:,} of {len(ds):,} documents, "

@@ -8,13 +8,15 @@ pretrained dense model's mean last hidden state over the first ``data.prefix_tok
 (balanced, optionally product) k-means on the train features and assigns both splits. It
 writes, under ``<run.dir>/routing/``:
 
-    data/                 the prepared splits plus a `path` column (and `paths_topk`), HF Arrow
+    data/                 the `path` column of each split (and `paths_topk`), HF Arrow; joined to the
+                          prepared splits row by row (``dipaco.route.shards.with_routing``), never a copy
     router/               the Router artifact (safetensors + JSON), reused for new documents
     features.safetensors  the features, so re-routing does not featurize again
     routing_report.json   docs/tokens per path, balance, inertia, time, NMI/ARI/purity vs labels
 
 A corpus need not fit in memory. Documents are read, featurized and assigned ``route.chunk_docs``
-at a time; the features go to memory-mapped ``.npy`` files in ``<run.dir>/routing.work/`` with a
+at a time, each chunk through its own memory map (``dipaco.data.reading``); the features go to
+``.npy`` files in ``<run.dir>/routing.work/``, written and read a chunk at a time, with a
 record of the chunks done and of what produced them (prepare hash, featurizer settings, seed, the
 pretrained model's files), so a killed ``dipaco route`` resumes at the next chunk and changed
 settings start over; the folder is removed once ``routing/`` is written. Text featurizers and
@@ -46,12 +48,12 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import torch
-from numpy.lib.format import open_memmap
 from transformers import PreTrainedModel
 
 from dipaco.atomic import replacing, write_text
 from dipaco.config import RouteConfig
 from dipaco.data.prepare import Prepared
+from dipaco.data.reading import ChunkedArray, SplitReader
 from dipaco.errors import ConfigError, DataError
 from dipaco.metrics import echo
 from dipaco.model.topology import Topology
@@ -211,17 +213,17 @@ def fit_transform(job: RouteJob, train_features: torch.Tensor) -> FeatureTransfo
     return FeatureTransform.fit(train_features, job.route.transform, job.route.transform_components)
 
 
-def _batches(ds: datasets.Dataset, columns: list[str], chunk: int) -> Iterator[tuple[int, dict]]:
-    """(first row, columns of rows [first, first + chunk)) over the dataset: never a whole column."""
-    view = ds.select_columns(columns)
-    for start in range(0, len(ds), chunk):
-        yield start, view[start : start + chunk]
+def _batches(ds: datasets.Dataset, columns: list[str], chunk: int,
+             numpy: bool = False) -> Iterator[tuple[int, dict]]:
+    """(first row, columns of rows [first, first + chunk)) over the dataset: never a whole column, and
+    each chunk through its own mapping of the files (:class:`SplitReader`)."""
+    yield from SplitReader(ds).chunks(columns, chunk, numpy)
 
 
 def _numbers(ds: datasets.Dataset, column: str, chunk: int = CHUNK_DOCS) -> np.ndarray:
     """A numeric column as one (N,) int64 array, read in chunks (no Python list of N values)."""
     out = np.empty(len(ds), dtype=np.int64)
-    for start, batch in _batches(ds.with_format("numpy"), [column], chunk):
+    for start, batch in _batches(ds, [column], chunk, numpy=True):
         out[start : start + len(batch[column])] = batch[column]
     return out
 
@@ -269,13 +271,14 @@ def _topk_column(topk: np.ndarray) -> pa.Array:
 
 def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
                        topk: np.ndarray | None, features: Mapping[str, Any], report: dict) -> str:
+    # Only the routing columns: training joins them to the prepared splits row by row
+    # (:func:`dipaco.route.shards.with_routing`), so routing never copies the corpus.
     splits = {}
-    for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
-        ds = ds.remove_columns([c for c in ("path", "paths_topk") if c in ds.column_names])
-        ds = ds.add_column("path", np.asarray(paths[split], dtype=np.int64))
+    for split in ("train", "validation"):
+        columns = {"path": pa.array(np.asarray(paths[split], dtype=np.int64))}
         if topk is not None and split == "train":
-            ds = ds.add_column("paths_topk", _topk_column(topk))
-        splits[split] = ds
+            columns["paths_topk"] = _topk_column(topk)
+        splits[split] = datasets.Dataset(pa.table(columns))
     datasets.DatasetDict(splits).save_to_disk(str(tmp / "data"))
     router.save(tmp / "router")
     routed = {**paths, **({"train_topk": topk} if topk is not None else {})}
@@ -406,24 +409,22 @@ class FeatureWork:
     def done(self, split: str) -> set[int]:
         return set(self.record["splits"].get(split, {}).get("done", []))
 
-    def array(self, split: str, rows: int, dim: int | None = None) -> np.ndarray | None:
-        """The split's memory-mapped features, opened for writing; created when ``dim`` is given and
+    def array(self, split: str, rows: int, dim: int | None = None) -> ChunkedArray | None:
+        """The split's features, read and written a chunk at a time; created when ``dim`` is given and
         there are none yet (None then)."""
         entry = self.record["splits"].get(split)
         path = self.root / f"{split}.npy"
         if entry is None:
             if dim is None:
                 return None
-            out = open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, dim))
+            out = ChunkedArray.create(path, rows, dim)
             self.record["splits"][split] = {"dim": dim, "done": []}
             self._save()
             return out
-        return open_memmap(path, mode="r+")
+        return ChunkedArray(path)
 
-    def mark(self, split: str, chunk: int, out: np.ndarray) -> None:
-        """Chunk ``chunk`` of ``split`` is written: flushed to disk first, so the record never runs ahead."""
-        if isinstance(out, np.memmap):
-            out.flush()
+    def mark(self, split: str, chunk: int, out: ChunkedArray) -> None:
+        """Chunk ``chunk`` of ``split`` is written (each write is flushed: the record never runs ahead)."""
         self.record["splits"][split]["done"].append(chunk)
         self._save()
 
@@ -448,23 +449,24 @@ class FeatureWork:
 Featurize = Callable[[list[str]], np.ndarray]  # routing contexts -> (n, D) float32 features
 
 
-def featurize_chunk(featurize: Featurize, ds: datasets.Dataset, prepared: Prepared, rows: np.ndarray,
+def featurize_chunk(featurize: Featurize, reader: SplitReader, prepared: Prepared, rows: np.ndarray,
                     prefix_tokens: int) -> np.ndarray:
-    """Features of the documents ``rows`` (contiguous, or nearly: one chunk) of ``ds``."""
-    part = ds.select_columns(["input_ids"])[int(rows[0]) : int(rows[-1]) + 1]["input_ids"]
+    """Features of the documents ``rows`` (contiguous, or nearly: one chunk) of the reader's split."""
+    part = reader.rows(int(rows[0]), int(rows[-1]) + 1, ["input_ids"])["input_ids"]
     keep = rows - rows[0]
     texts = prepared.tokenizer.batch_decode([list(part[i][:prefix_tokens]) for i in keep])
     return np.asarray(featurize(texts), dtype=np.float32)
 
 
 def featurize_split(job: RouteJob, work: FeatureWork, split: str, ds: datasets.Dataset, prepared: Prepared,
-                    featurize: Featurize, skip: np.ndarray | None = None, dim: int | None = None) -> np.ndarray:
+                    featurize: Featurize, skip: np.ndarray | None = None, dim: int | None = None) -> ChunkedArray:
     """The split's features, chunk by chunk into the work folder; chunks already done are kept, and rows
     where ``skip`` is true (already written by the text model's fit) are left as they are."""
     n, chunk = len(ds), job.route.chunk_docs
     chunks = math.ceil(n / chunk)
     done = work.done(split)
     out = work.array(split, n, dim)
+    reader = SplitReader(ds)
     started, computed = time.perf_counter(), 0
     for index in range(chunks):
         if index in done:
@@ -473,7 +475,7 @@ def featurize_split(job: RouteJob, work: FeatureWork, split: str, ds: datasets.D
         if skip is not None:
             rows = rows[~skip[rows]]
         if rows.size:
-            x = featurize_chunk(featurize, ds, prepared, rows, job.prefix_tokens)
+            x = featurize_chunk(featurize, reader, prepared, rows, job.prefix_tokens)
             if out is None:
                 out = work.array(split, n, x.shape[1])
             assert out is not None
@@ -540,14 +542,12 @@ def fit_text_model(job: RouteJob, work: FeatureWork, prepared: Prepared, sample:
     assert out is not None
     for a in range(0, len(sample), job.route.chunk_docs):
         out[sample[a : a + job.route.chunk_docs]] = x[a : a + job.route.chunk_docs]
-    if isinstance(out, np.memmap):
-        out.flush()
     work.save_text_model(model)
     return model
 
 
 def compute_features(job: RouteJob, work: FeatureWork, prepared: Prepared, sample: np.ndarray,
-                     num_paths: int) -> tuple[dict[str, np.ndarray], TfidfSvd | DocTopics | None, dict]:
+                     num_paths: int) -> tuple[dict[str, ChunkedArray], TfidfSvd | DocTopics | None, dict]:
     """Memory-mapped features of both splits, the fitted text model (or None) and the featurizer spec."""
     text_model, skip, dim = None, None, None
     if job.route.featurizer in TEXT_MODELS:
@@ -572,7 +572,7 @@ def compute_features(job: RouteJob, work: FeatureWork, prepared: Prepared, sampl
     return features, text_model, spec
 
 
-def assign_train(job: RouteJob, router: Router, train_x: np.ndarray, sample: np.ndarray,
+def assign_train(job: RouteJob, router: Router, train_x: ChunkedArray, sample: np.ndarray,
                  fitted: np.ndarray) -> np.ndarray:
     """Every training document's cluster: the fit's own labels when it saw them all, else assigned in
     chunks (balanced under the full N's bounds, priced from the fit's optimal sample assignment)."""

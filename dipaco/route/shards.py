@@ -13,7 +13,8 @@ Sharding rules:
 
 * ``iid``: a salted hash of the document id, uniform over paths (for DiLoCo-style baselines);
 * ``column``: an integer path column already in the dataset;
-* ``kmeans``: the ``path`` column that ``dipaco route`` adds to both splits (``routing/data``).
+* ``kmeans``: the ``path`` column that ``dipaco route`` writes for both splits (``routing/data``, joined to
+  the prepared rows by :func:`with_routing`).
 
 Which routing an experiment trained on is recorded and checked by :mod:`dipaco.route.provenance`.
 """
@@ -59,15 +60,30 @@ def column_paths(ds: datasets.Dataset, column: str, num_paths: int) -> np.ndarra
     return paths
 
 
+ROUTING_COLUMNS = ("path", "paths_topk")
+
+
 def with_routing(prepared: Prepared, run_dir: str | Path) -> Prepared:
-    """``prepared`` with the copies of its splits that ``dipaco route`` wrote with a ``path`` column."""
+    """``prepared`` with the ``path`` (and ``paths_topk``) columns ``dipaco route`` wrote, joined row by
+    row without a copy. Routing from before that (a full copy of the splits with the columns) is read as is."""
     run = RunDir(run_dir)
     info = routed_info(run)
     if info is None:
         raise DataError(f"sharding=kmeans needs routed data in {run.routing / 'data'}; run `dipaco route` first")
     if info.get("prepare_hash") != prepared.info["prepare_hash"]:
         raise DataError(f"{run.routing} was routed from different prepared data; rerun `dipaco route`")
-    splits = datasets.load_from_disk(str(run.routing / "data"))
+    routed = datasets.load_from_disk(str(run.routing / "data"))
+    splits = {}
+    for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
+        columns = routed[split]
+        if "input_ids" in columns.column_names:  # the old layout: the whole split, routed
+            splits[split] = columns
+            continue
+        if len(columns) != len(ds):
+            raise DataError(f"{run.routing / 'data'}: {len(columns):,} routed {split} documents, but the prepared "
+                            f"data has {len(ds):,}; rerun `dipaco route`")
+        ds = ds.remove_columns([c for c in ROUTING_COLUMNS if c in ds.column_names])
+        splits[split] = datasets.concatenate_datasets([ds, columns], axis=1)
     return replace(prepared, train=splits["train"], validation=splits["validation"])
 
 

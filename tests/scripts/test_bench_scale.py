@@ -170,7 +170,9 @@ def test_growth_exponent_is_one_for_linear_and_zero_for_constant(bench):
 def test_new_config_keys_are_passed_only_when_asked(bench, tmp_path):
     args = bench.resolve_args(bench.build_parser().parse_args(["--work", str(tmp_path)]))
     with_keys = bench.Plan(args, {"data.num_proc", "route.fit_docs"})
-    assert with_keys.optional_keys() == ["data.num_proc=2"]  # the default, because the key exists
+    assert with_keys.optional_keys() == []  # every key at the checkout's own default
+    two = bench.resolve_args(bench.build_parser().parse_args(["--work", str(tmp_path), "--num-proc", "2"]))
+    assert bench.Plan(two, {"data.num_proc"}).optional_keys() == ["data.num_proc=2"]
     assert bench.Plan(args, set()).optional_keys() == []  # a checkout before the key: nothing passed
     asked = bench.resolve_args(bench.build_parser().parse_args(["--work", str(tmp_path), "--chunk-docs", "4096"]))
     with pytest.raises(SystemExit, match="route.chunk_docs"):

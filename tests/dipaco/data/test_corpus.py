@@ -397,3 +397,45 @@ def test_numpy_column_reads_selected_and_list_columns():
     assert numpy_column(picked, "n").tolist() == [7, 2, 5]
     assert numpy_column(picked, "pair").tolist() == [[7, -7], [2, -2], [5, -5]]
     assert numpy_column(ds, "n").dtype.kind == "i"
+
+
+def test_a_streamed_hub_corpus_is_the_downloaded_one(tmp_path, monkeypatch):
+    """data.streaming=true: the hub loader is asked for a stream, which is written to Arrow batch by batch;
+    the documents and their split are those of the ordinary download. The "hub" here is local JSON lines
+    read by the real `load_dataset`."""
+    local = tmp_path / "hub.jsonl"
+    local.write_text("".join(json.dumps({"id": f"d{i}", "text": f"document {i} " * (i % 7 + 1), "label": f"l{i % 3}"})
+                             + "\n" for i in range(300)))
+    real = datasets.load_dataset
+    asked = []
+
+    def hub(name, config=None, split=None, cache_dir=None, streaming=False):
+        assert name == "someorg/somecorpus"
+        asked.append(streaming)
+        return real("json", data_files={"train": str(local)}, split=split, cache_dir=str(tmp_path / "cache"),
+                    streaming=streaming)
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    streamed, stats = load_corpus_with_stats(CorpusSpec(source="someorg/somecorpus", hub=True, streaming=True),
+                                             tmp_path / "work")
+    downloaded, want = load_corpus_with_stats(CorpusSpec(source="someorg/somecorpus", hub=True))
+    assert asked == [True, False]
+    assert stats == want and stats.n_train + stats.n_validation == 300
+    for split in ("train", "validation"):
+        assert streamed[split]["id"] == downloaded[split]["id"] and streamed[split]["text"] == downloaded[split]["text"]
+    assert all(str(tmp_path / "work") in f["filename"] for f in streamed["train"].cache_files)
+    assert not (tmp_path / "work" / "source").exists()  # the stream's own Arrow copy, removed once read
+
+
+def test_a_local_corpus_is_converted_in_the_work_dir_not_the_datasets_cache(tmp_path):
+    """Prepare loads with its scratch dir as work_dir: the Arrow conversion of the files goes there (and
+    leaves with it) unless a cache_dir is set, instead of staying in ~/.cache as a second copy."""
+    path = write_jsonl(tmp_path / "c.jsonl", docs(40))
+    corpus = load_corpus(CorpusSpec(source=str(path)), tmp_path / "work")
+    assert len(corpus["train"]) + len(corpus["validation"]) == 40
+    # the conversion went to work/source and was removed once read; the corpus is the work dir's own files
+    assert not (tmp_path / "work" / "source").exists()
+    assert all(str(tmp_path / "work") in f["filename"] for f in corpus["train"].cache_files)
+    kept = load_corpus(spec(tmp_path, path), tmp_path / "work2")
+    assert list((tmp_path / "hf_cache").rglob("*.arrow"))  # a cache_dir that is asked for keeps it
+    assert kept["train"]["id"] == corpus["train"]["id"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import datasets
@@ -11,6 +12,8 @@ from tiny import corpus_source_missing, tiny_config, write_corpus_slice
 
 import dipaco.data.prepare as prepare_module
 import dipaco.data.tokenizer as tokenizer_module
+from dipaco.data.prepare import load_prepared
+from dipaco.errors import DataError
 from dipaco.run import Run
 
 pytestmark = pytest.mark.skipif(corpus_source_missing() is not None, reason=str(corpus_source_missing()))
@@ -21,9 +24,9 @@ def corpus(tmp_path_factory) -> Path:
     return write_corpus_slice(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", per_label=24)
 
 
-def prepared(run_dir: Path) -> tuple[datasets.DatasetDict, dict, dict]:
-    data = datasets.load_from_disk(str(run_dir / "data"))
+def prepared(run_dir: Path) -> tuple[dict[str, datasets.Dataset], dict, dict]:
     info = json.loads((run_dir / "data" / "prepare.json").read_text())
+    data = prepare_module._load_splits(run_dir / "data", info)
     vocab = json.loads((run_dir / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
     return data, info, vocab
 
@@ -50,8 +53,44 @@ def test_token_ids_are_uint16_and_the_summary_says_so(tmp_path, corpus):
     info = Run(cfg).prepare()
     data, saved, _ = prepared(tmp_path / "run")
     assert data["train"].features["input_ids"].feature.dtype == "uint16"
-    assert saved["format"] == 2 and saved["token_dtype"] == "uint16" == info["token_dtype"]
+    assert saved["format"] == 3 and saved["token_dtype"] == "uint16" == info["token_dtype"]
     assert not (tmp_path / "run" / "prepare.work").exists()  # removed once prepare succeeded
+
+
+def test_the_data_is_the_tokenized_shards_not_a_copy(tmp_path, corpus, monkeypatch):
+    """Format 3: data/ holds the shard files prepare.work tokenized into (linked, so the corpus is
+    written once), listed in prepare.json; data in the older save_to_disk layout is still read."""
+    monkeypatch.setattr(prepare_module, "TOKENIZE_SHARD_DOCS", 40)
+    cfg = tiny_config(tmp_path / "run", corpus)
+    Run(cfg).prepare()
+    data_dir = tmp_path / "run" / "data"
+    data, info, _ = prepared(tmp_path / "run")
+    assert len(info["files"]["train"]) > 1
+    assert sorted(p.name for p in data_dir.glob("*.arrow")) == sorted(info["files"]["train"] + info["files"]["validation"])
+    assert not (data_dir / "dataset_dict.json").exists()
+    assert [len(data[s]) for s in ("train", "validation")] == [info["splits"][s]["docs"] for s in ("train", "validation")]
+
+    old = tmp_path / "old" / "data"  # what format 2 wrote: a DatasetDict saved whole
+    datasets.DatasetDict(data).save_to_disk(str(old))
+    (old / "prepare.json").write_text(json.dumps({**{k: v for k, v in info.items() if k != "files"}, "format": 2}))
+    (old / "config.yaml").write_text((data_dir / "config.yaml").read_text())
+    shutil.copytree(tmp_path / "run" / "tokenizer", tmp_path / "old" / "tokenizer")
+    then = load_prepared(tmp_path / "old", cfg.data, cfg.tokenizer)
+    assert then.train["input_ids"] == data["train"]["input_ids"] and then.validation["id"] == data["validation"]["id"]
+
+
+def test_unreadable_prepared_data_is_one_clear_error(tmp_path, corpus):
+    cfg = tiny_config(tmp_path / "run", corpus)
+    Run(cfg).prepare()
+    info_path = tmp_path / "run" / "data" / "prepare.json"
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({**info, "format": 99}))
+    with pytest.raises(DataError, match="format 99, newer than this dipaco reads"):
+        load_prepared(tmp_path / "run", cfg.data, cfg.tokenizer)
+    info_path.write_text(json.dumps(info))
+    (tmp_path / "run" / "data" / info["files"]["validation"][0]).write_bytes(b"not arrow")
+    with pytest.raises(DataError, match="cannot read the prepared validation split"):
+        load_prepared(tmp_path / "run", cfg.data, cfg.tokenizer)
 
 
 def test_a_killed_prepare_resumes_from_its_finished_shards(tmp_path, corpus, monkeypatch, capsys):
@@ -102,5 +141,5 @@ def test_the_bpe_trains_on_at_most_train_docs_documents(tmp_path, corpus, monkey
     monkeypatch.setattr(prepare_module, "train_tokenizer", counted)
     Run(tiny_config(tmp_path / "run", corpus, "tokenizer.train_docs=30")).prepare()
     Run(tiny_config(tmp_path / "all", corpus, "tokenizer.train_docs=null")).prepare()
-    n_train = len(datasets.load_from_disk(str(tmp_path / "all" / "data"))["train"])
+    n_train = len(prepared(tmp_path / "all")[0]["train"])
     assert counts == [30, n_train] and n_train > 30

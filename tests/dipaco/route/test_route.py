@@ -143,7 +143,8 @@ def test_improved_featurizer_with_top2_overlap_trains_and_serves_on_the_same_rou
     assert router.featurizer == {"kind": "lm_prefix", "prefix_tokens": 16, "layers": [1, 2], "skip_tokens": 2}
     assert router.transform is not None and router.transform.kind == "whiten_l2" and router.dim == 64
     stored = load_tensors(run.routing / FEATURES)
-    splits = datasets.load_from_disk(str(run.routing / "data"))
+    joined = Run(cfg).prepared(routed=True)
+    splits = {"train": joined.train, "validation": joined.validation}
     assert router.assign(stored["validation"]).tolist() == splits["validation"]["path"]
 
     exp = Run(cfg).train()
@@ -205,7 +206,7 @@ def test_doc_topics_routes_the_bbc_slice_more_topically_than_the_prefix_tfidf(ru
     assert topics["validation"]["nmi"] > tfidf["validation"]["nmi"]
     run = RunDir(run_cfg.run.dir)
     router = Router.load(run.routing / "router")
-    splits = datasets.load_from_disk(str(run.routing / "data"))
+    splits = {"validation": Run(run_cfg).prepared(routed=True).validation}
     tokenizer = load_tokenizer(run.tokenizer)
     contexts = tokenizer.batch_decode([ids[:16] for ids in splits["validation"]["input_ids"]])
     assert router.assign(router.featurize(contexts)).tolist() == splits["validation"]["path"]

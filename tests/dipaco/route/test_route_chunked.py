@@ -13,6 +13,7 @@ import torch
 
 import dipaco.route.assign as assign
 from dipaco.config import Config
+from dipaco.errors import DataError
 from dipaco.route.assign import FEATURES, WORK, routing_context
 from dipaco.run import Run
 from dipaco.run_dir import RunDir
@@ -123,3 +124,34 @@ def test_changed_settings_start_the_features_over(run_cfg, monkeypatch, capsys):
     Run(cfg).route()  # tfidf: another featurizer, so the LM chunk done is not reused
     assert "from other settings; starting over" in capsys.readouterr().out
     assert Router.load(RunDir(cfg.run.dir).routing / "router").featurizer["kind"] == "tfidf_svd"
+
+
+def test_routing_writes_only_its_columns_and_joins_them_to_the_prepared_splits(run_cfg):
+    """`routing/data` holds the path columns only, not a copy of the corpus; training sees them joined to
+    the prepared rows. Routing written whole by older versions is still read."""
+    cfg = routed(run_cfg, topk=2)
+    Run(cfg).route()
+    run = RunDir(cfg.run.dir)
+    written = datasets.load_from_disk(str(run.routing / "data"))
+    assert written["train"].column_names == ["path", "paths_topk"]
+    assert written["validation"].column_names == ["path"]
+    prepared, joined = Run(cfg).prepared(routed=False), Run(cfg).prepared(routed=True)
+    assert joined.train["id"] == prepared.train["id"] and joined.train["path"] == written["train"]["path"]
+    assert joined.validation["input_ids"] == prepared.validation["input_ids"]
+
+    old = {"train": joined.train, "validation": joined.validation}  # the layout before: the whole split, routed
+    info = (run.routing / "data" / "routing_info.json").read_text()
+    datasets.DatasetDict(old).save_to_disk(str(run.routing / "data.old"))
+    (run.routing / "data.old" / "routing_info.json").write_text(info)
+    (run.routing / "data").rename(run.routing / "data.new")
+    (run.routing / "data.old").rename(run.routing / "data")
+    again = Run(cfg).prepared(routed=True)
+    assert again.train["paths_topk"] == joined.train["paths_topk"] and again.validation["id"] == prepared.validation["id"]
+
+    (run.routing / "data").rename(run.routing / "data.old")
+    short = {"train": datasets.Dataset.from_dict(written["train"].to_dict()),
+             "validation": datasets.Dataset.from_dict({"path": written["validation"]["path"][:-1]})}
+    datasets.DatasetDict(short).save_to_disk(str(run.routing / "data"))
+    (run.routing / "data" / "routing_info.json").write_text(info)
+    with pytest.raises(DataError, match="routed validation documents, but the prepared data has"):
+        Run(cfg).prepared(routed=True)

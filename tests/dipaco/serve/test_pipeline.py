@@ -4,7 +4,6 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 
@@ -35,7 +34,7 @@ def copy_run(cfg, tmp_path: Path) -> Path:
 
 
 def test_routes_prompts_as_validation_documents_were_routed(pipe, served_run):
-    val = datasets.load_from_disk(str(RunDir(served_run.run.dir).routing / "data"))["validation"]
+    val = Run(served_run).prepared(routed=True).validation
     for text, stored in zip(val["text"], val["path"]):
         path, scores = pipe.route(text)
         assert path == stored
@@ -174,7 +173,7 @@ def test_text_router_reads_only_the_routing_prefix(served_run, tmp_path, featuri
     Run(cfg).train()
     pipe = Pipeline.from_run(cfg.run.dir)
     assert pipe.router.featurizer["kind"] == featurizer
-    val = datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))["validation"]
+    val = Run(cfg).prepared(routed=True).validation
     assert [pipe.route(t)[0] for t in val["text"]] == val["path"]
     report = Run(cfg).reroute_evaluate([32])
     assert report["featurizer"] == featurizer and report["results"][1]["decisions"] > 0

@@ -1,0 +1,196 @@
+"""Passes over corpus-sized files whose memory does not grow with the corpus.
+
+A memory-mapped file costs nothing to open, but every page a pass reads stays mapped into the
+process, and counted in its resident set, until the mapping is closed. One pass over a 10 GB split
+through one mapping leaves 10 GB resident: page cache the kernel may drop under pressure, but the
+process's peak RSS all the same, and on a machine that is short of memory, real pressure.
+
+So the long passes here open a fresh mapping for each chunk and close it after, keeping about one
+chunk's pages:
+
+* :class:`SplitReader`: rows of a memory-mapped ``datasets`` split, through the Arrow files that hold
+  those rows only;
+* :class:`ChunkedArray`: an (N, D) ``.npy`` file read and written a chunk at a time.
+
+Random access in training (``dipaco.data.packing.PackedShard``) keeps one mapping: it reads a batch
+of rows per step, a bounded working set that the kernel manages.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+from numpy.lib.format import open_memmap
+
+RELEASE_MIN_BYTES = 256 << 20  # below this, a split's pages are few enough to keep
+
+
+@dataclass(frozen=True)
+class _ArrowFile:
+    path: str
+    first: int  # the split's row number of the file's first row
+    rows: int
+
+
+def _open(paths: list[str]) -> datasets.Dataset:
+    parts = [datasets.Dataset.from_file(p) for p in paths]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _numpy(column: pa.ChunkedArray) -> np.ndarray:
+    """A numeric column as a numpy array in memory, its own dtype kept; a list column of equal-length
+    lists (e.g. ``paths_topk``) as a 2-d array."""
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
+        rows = column.to_numpy(zero_copy_only=False)
+        return np.stack(rows).copy() if len(rows) else np.empty((0, 0), dtype=column.type.value_type.to_pandas_dtype())
+    return np.array(column.to_numpy(), copy=True)
+
+
+def release_mappings() -> None:
+    # A Dataset holds its memory map through reference cycles; collecting them closes the map now.
+    gc.collect()
+
+
+class SplitReader:
+    """Rows of a split, each read through a mapping of only the Arrow files that hold them, closed
+    after the read.
+
+    A split whose rows are Arrow files stacked in order, as ``dipaco prepare`` writes and
+    ``load_from_disk`` reads (optionally ``select()``-ed, or with columns joined beside them, as
+    routing joins its path column), is read that way for the columns those files hold. Anything else
+    (in memory, a slice) is read through the dataset itself: correct, without the release."""
+
+    def __init__(self, ds: datasets.Dataset, min_bytes: int | None = None) -> None:
+        """``min_bytes`` (default ``RELEASE_MIN_BYTES``): splits whose files are smaller are read in place
+        (their pages are few, and each release costs a garbage collection)."""
+        self.ds = ds
+        size = sum(os.path.getsize(f["filename"]) for f in ds.cache_files if os.path.exists(f["filename"]))
+        least = RELEASE_MIN_BYTES if min_bytes is None else min_bytes
+        self._groups = self._stacked_groups(ds) if size >= least and size > 0 else []
+        self._indices: np.ndarray | None = None
+        if self._groups and ds._indices is not None:
+            self._indices = ds._indices.column(0).to_numpy().astype(np.int64)
+
+    @staticmethod
+    def _stacked_groups(ds: datasets.Dataset) -> list[tuple[frozenset[str], list[_ArrowFile]]]:
+        """Runs of consecutive cache files with the same columns that stack to every row of the table."""
+        runs: list[tuple[tuple[str, ...], list[_ArrowFile]]] = []
+        for f in ds.cache_files:
+            try:
+                part = datasets.Dataset.from_file(f["filename"])
+            except (OSError, ValueError):
+                return []
+            columns, rows = tuple(part.column_names), len(part)
+            del part
+            if not runs or runs[-1][0] != columns:
+                runs.append((columns, []))
+            files = runs[-1][1]
+            files.append(_ArrowFile(f["filename"], files[-1].first + files[-1].rows if files else 0, rows))
+        release_mappings()
+        table_rows = ds.data.num_rows
+        return [(frozenset(columns), files) for columns, files in runs if files[-1].first + files[-1].rows == table_rows]
+
+    def files_with(self, columns: list[str]) -> list[_ArrowFile] | None:
+        """The stacked files that hold ``columns`` (None: they are read through the dataset)."""
+        for held, files in self._groups:
+            if set(columns) <= held:
+                return files
+        return None
+
+    @property
+    def releases(self) -> bool:
+        """Whether reads go through their own mappings (else through the dataset's own)."""
+        return bool(self._groups)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def dataset(self, start: int, stop: int, columns: list[str] | None = None) -> datasets.Dataset:
+        """Rows [start, stop) (of ``columns``, default all) as a dataset of their own, over a fresh
+        mapping where it can: drop it (and :func:`release_mappings`) to give its pages back."""
+        columns = list(self.ds.column_names) if columns is None else columns
+        files = self.files_with(columns)
+        if files is None or start >= stop:
+            return self.ds.select_columns(columns).select(range(start, stop))
+        if self._indices is None:
+            files = [f for f in files if f.first < stop and start < f.first + f.rows]
+            base = _open([f.path for f in files]).select_columns(columns)
+            return base.select(range(start - files[0].first, stop - files[0].first))
+        base = _open([f.path for f in files]).select_columns(columns)
+        return base.select(self._indices[start:stop], keep_in_memory=True)
+
+    def rows(self, start: int, stop: int, columns: list[str], numpy: bool = False) -> dict[str, Any]:
+        """``columns`` of rows [start, stop) as Python lists, or numpy arrays (``numpy``, for numeric
+        columns); nothing returned refers to the mapping it was read through."""
+        part = self.dataset(start, stop, columns)
+        if numpy:  # through Arrow: the datasets numpy format turns uint64 into int64
+            table = part.with_format("arrow")[:]
+            out = {c: _numpy(table.column(c)) for c in columns}
+        else:
+            batch = part[:]
+            out = {c: batch[c] for c in columns}
+            del batch
+        del part
+        self.release()
+        return out
+
+    def release(self) -> None:
+        """Closes the mappings of reads already dropped (a no-op for a split read in place)."""
+        if self._groups:
+            release_mappings()
+
+    def chunks(self, columns: list[str], chunk: int, numpy: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(first row, :meth:`rows` of [first, first + chunk)) over the split."""
+        for start in range(0, len(self), chunk):
+            yield start, self.rows(start, min(start + chunk, len(self)), columns, numpy)
+
+
+class ChunkedArray:
+    """An (N, D) ``.npy`` file read and written through a memory map opened for each access and closed
+    after it: ``x[a:b]``, ``x[rows]`` and ``x[rows] = values`` keep only what they touch. A read returns
+    a copy in memory."""
+
+    ndim = 2
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        mapped = open_memmap(self.path, mode="r")
+        self.shape: tuple[int, ...] = tuple(mapped.shape)
+        self.dtype = mapped.dtype
+        del mapped
+
+    @classmethod
+    def create(cls, path: str | Path, rows: int, dim: int, dtype: Any = np.float32) -> ChunkedArray:
+        open_memmap(Path(path), mode="w+", dtype=dtype, shape=(rows, dim)).flush()
+        return cls(path)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        mapped = open_memmap(self.path, mode="r")
+        try:
+            return np.array(mapped[key])
+        finally:
+            del mapped
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        mapped = open_memmap(self.path, mode="r+")
+        try:
+            mapped[key] = value
+            mapped.flush()
+        finally:
+            del mapped
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """The whole array in memory (for small inputs and tests)."""
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)

@@ -1,0 +1,128 @@
+"""Chunked passes over memory-mapped splits and feature files: the same rows as reading in place, and the
+pages they touch leave the process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import dipaco.data.reading as reading
+from dipaco.data.packing import DocumentTokens, PackedShard, pack_documents
+from dipaco.data.reading import ChunkedArray, SplitReader, release_mappings
+
+
+def stacked_split(tmp_path: Path, files: int = 3, rows: int = 50, tokens: int = 20) -> datasets.Dataset:
+    """A split that is ``files`` Arrow files stacked in order, as ``dipaco prepare`` writes one."""
+    rng = np.random.default_rng(0)
+    parts = []
+    for f in range(files):
+        flat = rng.integers(0, 500, rows * tokens)
+        table = pa.table({"id": [f"{f}-{i}" for i in range(rows)],
+                          "input_ids": pa.ListArray.from_arrays(pa.array(np.arange(0, rows * tokens + 1, tokens,
+                                                                                    dtype=np.int32)), pa.array(flat)),
+                          "num_tokens": pa.array(np.full(rows, tokens))})
+        path = tmp_path / f"part-{f}.arrow"
+        datasets.Dataset(table).map(lambda batch: batch, batched=True, cache_file_name=str(path))
+        parts.append(datasets.Dataset.from_file(str(path)))
+    return datasets.concatenate_datasets(parts)
+
+
+def test_rows_and_chunks_equal_reading_in_place(tmp_path):
+    ds = stacked_split(tmp_path)
+    reader = SplitReader(ds, min_bytes=0)
+    assert reader.releases and len(reader) == 150
+    for start, stop in [(0, 150), (40, 110), (49, 51), (149, 150)]:
+        assert reader.rows(start, stop, ["id", "input_ids"]) == ds.select_columns(["id", "input_ids"])[start:stop]
+    counts = np.concatenate([b["num_tokens"] for _, b in reader.chunks(["num_tokens"], 64, numpy=True)])
+    assert counts.dtype == np.int64 and counts.tolist() == ds["num_tokens"]
+    assert [s for s, _ in reader.chunks(["id"], 64)] == [0, 64, 128]
+
+
+def test_a_selected_split_is_read_through_its_row_mapping(tmp_path):
+    ds = stacked_split(tmp_path)
+    rows = np.random.default_rng(1).permutation(150)[:70]
+    selected = ds.select(rows)
+    reader = SplitReader(selected, min_bytes=0)
+    assert reader.releases
+    assert reader.rows(10, 60, ["id"])["id"] == [ds["id"][r] for r in rows[10:60]]
+    assert reader.dataset(5, 9)["input_ids"] == selected.select(range(5, 9))["input_ids"]
+
+
+def test_other_datasets_are_read_through_themselves(tmp_path):
+    in_memory = datasets.Dataset.from_dict({"id": ["a", "b", "c"], "n": [1, 2, 3]})
+    reader = SplitReader(in_memory, min_bytes=0)
+    assert not reader.releases
+    assert reader.rows(1, 3, ["id"]) == {"id": ["b", "c"]}
+    assert reader.rows(0, 3, ["n"], numpy=True)["n"].tolist() == [1, 2, 3]
+    big = datasets.Dataset(pa.table({"h": pa.array(np.array([2**63 + 5, 3], dtype=np.uint64)),
+                                     "k": [[1, 2], [3, 4]]}))
+    read = SplitReader(big, min_bytes=0).rows(0, 2, ["h", "k"], numpy=True)  # uint64 kept (a hash), lists as rows
+    assert read["h"].dtype == np.uint64 and read["h"][0] == 2**63 + 5 and read["k"].tolist() == [[1, 2], [3, 4]]
+    side_by_side = datasets.concatenate_datasets([stacked_split(tmp_path, files=1),
+                                                   datasets.Dataset.from_dict({"path": list(range(50))})], axis=1)
+    joined = SplitReader(side_by_side, min_bytes=0)  # routing joins its columns so: the file's columns still release
+    assert joined.releases and joined.files_with(["id", "input_ids"]) and joined.files_with(["path"]) is None
+    assert joined.rows(3, 5, ["id", "path"]) == {"id": ["0-3", "0-4"], "path": [3, 4]}
+    assert joined.rows(48, 50, ["num_tokens"], numpy=True)["num_tokens"].tolist() == [20, 20]
+    assert not SplitReader(side_by_side.select(range(10, 20)), min_bytes=0).releases  # a slice of the files: read in place
+    assert not SplitReader(side_by_side).releases  # a small split is read in place by default
+
+
+def _rss_file_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.skipif(_rss_file_mb() is None, reason="needs Linux's /proc/self/status RssFile")
+def test_a_pass_keeps_about_one_chunk_of_pages(tmp_path):
+    """The regression this module exists for: a pass through one mapping leaves every page it read
+    resident; the reader's pass gives them back."""
+    ds = stacked_split(tmp_path, files=4, rows=2000, tokens=2000)  # 4 x 2000 docs x 2000 int64 tokens: 128 MB
+    size_mb = sum(Path(f["filename"]).stat().st_size for f in ds.cache_files) / 2**20
+    release_mappings()
+    before = _rss_file_mb()
+    total = sum(len(b["input_ids"]) for _, b in SplitReader(ds, min_bytes=0).chunks(["input_ids"], 1000, numpy=True))
+    grown = _rss_file_mb() - before
+    assert total == 8000
+    assert grown < size_mb / 4, f"RssFile grew {grown:.0f} MB over a {size_mb:.0f} MB pass"
+
+
+def test_chunked_array_reads_and_writes_like_the_array(tmp_path):
+    want = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
+    x = ChunkedArray.create(tmp_path / "x.npy", 40, 3)
+    assert x.shape == (40, 3) and len(x) == 40 and not np.asarray(x).any()
+    x[0:25] = want[0:25]
+    rows = np.array([25, 30, 31, 39, 26, 27, 28, 29, 32, 33, 34, 35, 36, 37, 38])
+    x[rows] = want[rows]
+    assert np.array_equal(np.asarray(x), want)
+    assert np.array_equal(x[5:9], want[5:9]) and np.array_equal(x[np.array([3, 1])], want[[3, 1]])
+    assert np.array_equal(np.load(tmp_path / "x.npy"), want)  # an ordinary .npy file
+    assert ChunkedArray(tmp_path / "x.npy").shape == (40, 3)
+
+
+def test_packed_rows_are_the_same_with_offsets_read_file_by_file(tmp_path, monkeypatch):
+    """Training's document table reads each chunk's offsets through the files (a big split) or in place
+    (a small one): the packed rows are the rows of pack_documents either way."""
+    ds = stacked_split(tmp_path, files=3, rows=40, tokens=7)
+    want = pack_documents(ds["input_ids"], 16, eos_id=999)
+    rows = np.arange(len(ds))
+    in_place = DocumentTokens(ds)
+    assert in_place._offsets() is None  # small: read in place
+    monkeypatch.setattr(reading, "RELEASE_MIN_BYTES", 0)
+    by_file = DocumentTokens(ds)
+    assert by_file._offsets() is not None and len(by_file._offsets()) == len(ds.data.column("input_ids").chunks)
+    for tokens in (in_place, by_file):
+        assert torch.equal(PackedShard(tokens, rows, 16, 999).materialize(), want)
+    some = np.array([3, 50, 51, 119])
+    assert torch.equal(PackedShard(by_file, some, 16, 999).materialize(),
+                       pack_documents([ds["input_ids"][i] for i in some], 16, eos_id=999))
