@@ -18,15 +18,17 @@ preceding token in the same window; the shared first token of a later window is 
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import torch
 
-from dipaco.data.reading import SplitReader, release_mappings
+from dipaco.data.reading import SplitReader
 from dipaco.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100  # label of a position that is not scored (torch/HF cross-entropy convention)
@@ -69,7 +71,16 @@ class DocumentTokens:
 
     Nothing is copied when it is built: a document's tokens are a numpy view of the Arrow file, which
     the OS pages in and out. It pickles as the dataset does (by the path of its files), so a shard
-    sent to another process or machine reads the same files, e.g. on shared storage."""
+    sent to another process or machine reads the same files, e.g. on shared storage.
+
+    Where the column comes from stacked Arrow files (a prepared split of at least
+    ``dipaco.data.reading.RELEASE_MIN_BYTES``), it maps those files itself and, every
+    ``RELEASE_TOKENS`` tokens gathered, tells the OS it no longer needs their pages
+    (``madvise(MADV_DONTNEED)``: they leave the process and stay in the page cache). Random reads over
+    a large corpus otherwise leave a page resident for every read: the process would grow with the
+    steps trained until it held the whole corpus."""
+
+    RELEASE_TOKENS = 1 << 14  # 8 batches of 16 x 128: a few MB of pages on Linux, 256 MB where a touch maps 2 MB
 
     def __init__(self, ds: datasets.Dataset, column: str = "input_ids") -> None:
         if column not in ds.column_names:
@@ -77,39 +88,51 @@ class DocumentTokens:
         self._ds = ds
         self._column = column
         self._views: tuple[list[np.ndarray], list[np.ndarray], np.ndarray] | None = None
+        self._maps: list[mmap.mmap] = []
+        self._gathered = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_views": None}
+        return {**self.__dict__, "_views": None, "_maps": [], "_gathered": 0}
 
     def _loaded(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
         """Per Arrow chunk: its flat token values (a view of the file) and its offsets into them (in
-        memory, 8 bytes a document); and each chunk's first row."""
+        memory, 8 bytes a document); and each chunk's first row of the table."""
         if self._views is None:
-            chunks = self._ds.data.column(self._column).chunks
-            values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
-            offsets = self._offsets() or [c.offsets.to_numpy(zero_copy_only=False).astype(np.int64) for c in chunks]
-            if len(offsets) != len(chunks):
-                raise DataError(f"the {self._column!r} column's files hold {len(offsets)} Arrow chunks, the dataset "
-                                f"{len(chunks)}")
-            first_rows = np.cumsum([0] + [len(c) for c in chunks])
-            self._views = (values, offsets, first_rows)
+            self._views = self._mapped_files() or self._in_place()
         return self._views
 
-    def _offsets(self) -> list[np.ndarray] | None:
-        """Every chunk's offsets, read file by file through mappings closed after each: the offsets lie
-        between the tokens in the file, and reading them through the dataset's one mapping would leave
-        much of the tokens resident too. None where the column is not read from stacked files."""
+    def _in_place(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        chunks = self._ds.data.column(self._column).chunks
+        values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
+        offsets = [c.offsets.to_numpy(zero_copy_only=False).astype(np.int64) for c in chunks]
+        return values, offsets, np.cumsum([0] + [len(c) for c in chunks])
+
+    def _mapped_files(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray] | None:
+        """The column's chunks read from its own maps of the stacked files (None: not such a split)."""
         files = SplitReader(self._ds).files_with([self._column])
-        if files is None:
+        if files is None or not hasattr(mmap, "MADV_DONTNEED"):
             return None
-        offsets = []
+        values, offsets, rows, maps = [], [], [0], []
         for f in files:
-            part = datasets.Dataset.from_file(f.path)
-            offsets += [c.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
-                        for c in part.data.column(self._column).chunks]
-            del part
-            release_mappings()
-        return offsets
+            with open(f.path, "rb") as handle:
+                maps.append(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+            for batch in pa.ipc.open_stream(pa.py_buffer(maps[-1])):
+                column = batch.column(self._column)
+                values.append(column.values.to_numpy(zero_copy_only=False))
+                offsets.append(column.offsets.to_numpy(zero_copy_only=False).astype(np.int64))
+                rows.append(rows[-1] + len(column))
+        if rows[-1] != self._ds.data.num_rows:
+            raise DataError(f"the {self._column!r} column's files hold {rows[-1]:,} rows, the dataset "
+                            f"{self._ds.data.num_rows:,}")
+        self._maps = maps
+        self.release()
+        return values, offsets, np.asarray(rows)
+
+    def release(self) -> None:
+        """Gives the pages of the token files back to the OS (a no-op for a column read in place)."""
+        for mapped in self._maps:
+            mapped.madvise(mmap.MADV_DONTNEED)
+        self._gathered = 0
 
     def _table_rows(self, rows: np.ndarray) -> np.ndarray:
         indices = self._ds._indices  # a select()ed dataset maps its rows onto the table's
@@ -137,6 +160,9 @@ class DocumentTokens:
         for c in np.unique(chunk):
             mine = chunk == c
             out[mine] = values[c][position[mine]]
+        self._gathered += len(position)
+        if self._maps and self._gathered >= self.RELEASE_TOKENS:
+            self.release()
         return out
 
 

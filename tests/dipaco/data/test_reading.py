@@ -110,19 +110,41 @@ def test_chunked_array_reads_and_writes_like_the_array(tmp_path):
     assert ChunkedArray(tmp_path / "x.npy").shape == (40, 3)
 
 
-def test_packed_rows_are_the_same_with_offsets_read_file_by_file(tmp_path, monkeypatch):
-    """Training's document table reads each chunk's offsets through the files (a big split) or in place
-    (a small one): the packed rows are the rows of pack_documents either way."""
+def test_packed_rows_are_the_same_from_the_token_files_own_maps(tmp_path, monkeypatch):
+    """Training's document table maps a big split's token files itself (to release their pages) or reads
+    the dataset in place (a small one): the packed rows are the rows of pack_documents either way."""
     ds = stacked_split(tmp_path, files=3, rows=40, tokens=7)
     want = pack_documents(ds["input_ids"], 16, eos_id=999)
-    rows = np.arange(len(ds))
     in_place = DocumentTokens(ds)
-    assert in_place._offsets() is None  # small: read in place
+    in_place._loaded()
+    assert not in_place._maps  # small: read in place
     monkeypatch.setattr(reading, "RELEASE_MIN_BYTES", 0)
-    by_file = DocumentTokens(ds)
-    assert by_file._offsets() is not None and len(by_file._offsets()) == len(ds.data.column("input_ids").chunks)
-    for tokens in (in_place, by_file):
-        assert torch.equal(PackedShard(tokens, rows, 16, 999).materialize(), want)
+    mapped = DocumentTokens(ds)
+    mapped._loaded()
+    assert len(mapped._maps) == 3
+    for tokens in (in_place, mapped):
+        assert torch.equal(PackedShard(tokens, np.arange(len(ds)), 16, 999).materialize(), want)
     some = np.array([3, 50, 51, 119])
-    assert torch.equal(PackedShard(by_file, some, 16, 999).materialize(),
+    assert torch.equal(PackedShard(mapped, some, 16, 999).materialize(),
                        pack_documents([ds["input_ids"][i] for i in some], 16, eos_id=999))
+    selected = ds.select([5, 2, 90])  # a select()ed split maps its rows onto the files'
+    assert torch.equal(PackedShard(DocumentTokens(selected), np.arange(3), 8, 999).materialize(),
+                       pack_documents(selected["input_ids"], 8, eos_id=999))
+
+
+@pytest.mark.skipif(_rss_file_mb() is None, reason="needs Linux's /proc/self/status RssFile")
+def test_random_training_reads_give_their_pages_back(tmp_path, monkeypatch):
+    """Random rows over a big split leave a page resident per read unless released: the regression this
+    guards is a trainer that grows with its steps until it holds the corpus."""
+    monkeypatch.setattr(reading, "RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(DocumentTokens, "RELEASE_TOKENS", 2048)
+    ds = stacked_split(tmp_path, files=4, rows=2000, tokens=2000)  # 128 MB of int64 tokens
+    size_mb = sum(Path(f["filename"]).stat().st_size for f in ds.cache_files) / 2**20
+    shard = PackedShard(DocumentTokens(ds), np.arange(len(ds)), 128, 0)
+    release_mappings()
+    before = _rss_file_mb()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        shard[rng.integers(0, len(shard), 16)]
+    grown = _rss_file_mb() - before
+    assert grown < size_mb / 2, f"RssFile grew {grown:.0f} MB over random reads of a {size_mb:.0f} MB split"
