@@ -31,6 +31,7 @@ import numpy as np
 from dipaco.data.corpus import numpy_column, stable_hash
 from dipaco.data.packing import DocumentTokens, PackedShard
 from dipaco.data.prepare import Prepared
+from dipaco.data.reading import SplitReader
 from dipaco.errors import ConfigError, DataError
 from dipaco.route.provenance import routed_info
 from dipaco.run_dir import RunDir
@@ -42,7 +43,8 @@ def iid_paths(ids: Iterable[str], num_paths: int, seed: int) -> np.ndarray:
 
 
 def _ids(ds: datasets.Dataset, batch_size: int = 100_000) -> Iterator[str]:
-    for batch in ds.select_columns(["id"]).iter(batch_size=batch_size):
+    # Chunks through their own maps: the ids lie between the texts in the file (dipaco.data.reading).
+    for _, batch in SplitReader(ds).chunks(["id"], batch_size):
         yield from batch["id"]
 
 
