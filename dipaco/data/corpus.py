@@ -38,6 +38,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 
 from dipaco.data.reading import SplitReader, release_mappings
 from dipaco.errors import ConfigError, DataError
@@ -56,7 +57,7 @@ _TRAIN, _VALIDATION, _UNSPLIT = 0, 1, -1  # the `split` work column
 _WORK_COLUMNS = ["split", "hash", "empty", "crc"]  # computed while reading, dropped from the result
 _BATCH = 10_000  # rows per batch while reading: bounds the memory of a step, not of the corpus
 _SOURCE = "source"  # in a work_dir: the datasets conversion of local files (removed once read)
-_PIECE_ROWS = 200_000  # rows read through one mapping of the source: bounds its resident pages
+_PIECE_ROWS = 100_000  # rows of the source in memory at a time
 
 
 @dataclass
@@ -128,11 +129,8 @@ def load_corpus_with_stats(
     """
     _check_spec(spec)
     work = None if work_dir is None else Path(work_dir)
-    raw = _load_raw(spec, work)
-    docs, split_method = _normalized(raw, spec, work)
+    docs, split_method = _normalized(_load_raw(spec, work), spec, work)
     if work is not None and (work / _SOURCE).is_dir():  # the source's Arrow conversion is read once: free its disk now
-        del raw
-        release_mappings()
         shutil.rmtree(work / _SOURCE, ignore_errors=True)
     hashes = numpy_column(docs, "hash")
     empty = numpy_column(docs, "empty")
@@ -295,25 +293,62 @@ def _normalized(raw: datasets.DatasetDict, spec: CorpusSpec, work_dir: Path | No
                                   **({"label": datasets.Value("string")} if with_labels else {}),
                                   "split": datasets.Value("int8"), "hash": datasets.Value("uint64"),
                                   "empty": datasets.Value("bool"), "crc": datasets.Value("uint32")})
+    sources = [(_pieces(ds), ds.features, split) for ds, split in parts]
+    del raw, parts, ds  # the source's own memory maps close here: it is read with plain reads below
+    release_mappings()
     normalized, offset = [], 0
-    for number, (ds, split) in enumerate(parts):
-        # In pieces, each read through its own mapping of the source's files (released after it):
-        # one mapping over a 10 GB source would keep every page of it resident.
-        reader = SplitReader(ds)
-        for piece, start in enumerate(range(0, max(len(ds), 1), _PIECE_ROWS)):
-            stop = min(start + _PIECE_ROWS, len(ds))
-            rows = _Rows(spec, ds.features, split, use_split_column, with_labels, offset + start)
+    for number, (pieces, source_features, split) in enumerate(sources):
+        for piece, source in enumerate(pieces):
+            rows = _Rows(spec, source_features, split, use_split_column, with_labels, offset)
             cache = None if work_dir is None else str(work_dir / f"corpus-{number}-{piece:05d}.arrow")
-            source = reader.dataset(start, stop)
             normalized.append(source.map(
                 rows, batched=True, batch_size=_BATCH, with_indices=True, features=features,
                 remove_columns=source.column_names, cache_file_name=cache, load_from_cache_file=False,
                 desc="Reading corpus"))
+            offset += len(source)
             del source
-            reader.release()
-        offset += len(ds)
     docs = normalized[0] if len(normalized) == 1 else datasets.concatenate_datasets(normalized)
     return docs, split_method
+
+
+def _pieces(ds: datasets.Dataset) -> Iterator[datasets.Dataset]:
+    """``ds`` in order, as in-memory datasets of about ``_PIECE_ROWS`` rows (at least one, maybe empty).
+
+    A split stored whole in Arrow files, as ``datasets`` converts local files and hub downloads, is read
+    from them with plain reads, not through a memory map: opening a stream file maps every record batch's
+    header, so one 11 GB conversion held about 750 MB resident while it was open, and as much again for
+    each reopen. Anything else is sliced from the dataset itself."""
+    files = [f["filename"] for f in ds.cache_files]
+    if ds._indices is not None or not files or _file_columns(files[0]) != ds.column_names:  # e.g. added ids
+        return (ds.select(range(start, min(start + _PIECE_ROWS, len(ds)))) for start in range(0, max(len(ds), 1), _PIECE_ROWS))
+    return _file_pieces(files, ds.features, len(ds))
+
+
+def _file_columns(path: str) -> list[str]:
+    with pa.memory_map(path) as source:
+        return pa.ipc.open_stream(source).schema.names
+
+
+def _file_pieces(files: list[str], features: datasets.Features, rows: int) -> Iterator[datasets.Dataset]:
+    info = datasets.DatasetInfo(features=features)
+    batches: list[pa.RecordBatch] = []
+    held = read = 0
+    for path in files:
+        with pa.OSFile(path) as f:
+            stream = pa.ipc.open_stream(f)
+            schema = stream.schema
+            for batch in stream:
+                batches.append(batch)
+                held += batch.num_rows
+                if held >= _PIECE_ROWS:
+                    yield datasets.Dataset(pa.Table.from_batches(batches), info=info)
+                    read += held
+                    batches, held = [], 0
+    if batches or not read:
+        yield datasets.Dataset(pa.Table.from_batches(batches, schema=schema), info=info)
+        read += held
+    if read != rows:  # the files were not the dataset's rows after all: never silently read other rows
+        raise DataError(f"the corpus's Arrow files hold {read:,} rows, its dataset {rows:,}: {', '.join(files)}")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dipaco.atomic import replacing
 from dipaco.config import Config, DataConfig, TokenizerConfig, config_diff, merge_config
-from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats, numpy_column
+from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
 from dipaco.data.reading import SplitReader
 from dipaco.data.tokenizer import load_tokenizer, token_dtype, tokenize_to_disk, train_tokenizer
 from dipaco.errors import ConfigError, DataError, DipacoError
@@ -117,11 +117,11 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
             tokenizer = _tokenizer(tokenizer_cfg, corpus["train"], work / "tokenizer", progress)
             tokenizer.save_pretrained(tmp_tok)
             tokenizing = time.perf_counter()
-            tokenized = datasets.DatasetDict({
+            tokenized = {
                 split: tokenize_to_disk(corpus[split], tokenizer, work / "tokens", split,
                                         num_proc=tokenizer_processes(data.num_proc, len(corpus[split])),
                                         shard_docs=TOKENIZE_SHARD_DOCS, log=lambda line: echo(f"[prepare] {line}"))
-                for split in ("train", "validation")})
+                for split in ("train", "validation")}
             info = _summary(tokenized, tokenizer, data, tokenizer_cfg, stats.n_skipped_empty)
             seconds = time.perf_counter() - tokenizing
             tokens = sum(s["tokens"] for s in info["splits"].values())
@@ -142,18 +142,18 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
     return info
 
 
-def _link_shards(tokenized: datasets.DatasetDict, out: Path) -> dict[str, list[str]]:
+def _link_shards(tokenized: dict[str, list[Path]], out: Path) -> dict[str, list[str]]:
     """Puts each split's tokenized shard files into ``out`` as ``<split>-NNNNN.arrow``, hard-linked (copied
     where the file system cannot link): prepare.work keeps its files until the new data is in place."""
     out.mkdir(parents=True)
     files = {}
-    for split, ds in tokenized.items():
-        files[split] = [f"{split}-{i:05d}.arrow" for i in range(len(ds.cache_files))]
-        for cached, name in zip(ds.cache_files, files[split]):
+    for split, shards in tokenized.items():
+        files[split] = [f"{split}-{i:05d}.arrow" for i in range(len(shards))]
+        for shard, name in zip(shards, files[split]):
             try:
-                os.link(cached["filename"], out / name)
+                os.link(shard, out / name)
             except OSError:
-                shutil.copyfile(cached["filename"], out / name)
+                shutil.copyfile(shard, out / name)
     return files
 
 
@@ -222,18 +222,32 @@ def _tokenizer(cfg: TokenizerConfig, train: datasets.Dataset, saved: Path, progr
     return tokenizer
 
 
-def _summary(tokenized: datasets.DatasetDict, tokenizer: PreTrainedTokenizerFast, data: DataConfig,
+def _shard_lengths(shards: list[Path]) -> tuple[np.ndarray, list[str]]:
+    """``num_tokens`` of every document of a split's shard files, and their columns; one file open at a time."""
+    lengths, columns = [], []
+    for path in shards:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+            lengths.append(np.array(table.column("num_tokens").to_numpy(), dtype=np.int64))
+            columns = table.column_names
+            del table
+    return np.concatenate(lengths), columns
+
+
+def _summary(tokenized: dict[str, list[Path]], tokenizer: PreTrainedTokenizerFast, data: DataConfig,
              tokenizer_cfg: TokenizerConfig, skipped: int) -> dict[str, Any]:
-    num_tokens = {split: numpy_column(ds, "num_tokens").astype(np.int64) for split, ds in tokenized.items()}
+    num_tokens, columns = {}, {}
+    for split, shards in tokenized.items():
+        num_tokens[split], columns[split] = _shard_lengths(shards)
     return {
         "prepare_hash": prepare_hash(data, tokenizer_cfg),
         "format": DATA_FORMAT,
         "vocab_size": len(tokenizer),
         "token_dtype": token_dtype(len(tokenizer)),
-        "splits": {split: {"docs": len(ds), "tokens": int(num_tokens[split].sum())} for split, ds in tokenized.items()},
+        "splits": {split: {"docs": len(n), "tokens": int(n.sum())} for split, n in num_tokens.items()},
         "skipped_empty_docs": skipped,
         "validation_docs_within_prefix": int((num_tokens["validation"] <= data.prefix_tokens).sum()),
-        "has_labels": "label" in tokenized["train"].column_names,
+        "has_labels": "label" in columns["train"],
     }
 
 

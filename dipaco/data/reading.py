@@ -28,6 +28,7 @@ from typing import Any
 import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from numpy.lib.format import open_memmap
 
 RELEASE_MIN_BYTES = 256 << 20  # below this, a split's pages are few enough to keep
@@ -45,6 +46,11 @@ def _open(paths: list[str]) -> datasets.Dataset:
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
+def _overlapping(files: list[_ArrowFile], start: int, stop: int) -> list[_ArrowFile]:
+    """The files holding any of rows [start, stop) (start < stop)."""
+    return [f for f in files if f.first < stop and start < f.first + f.rows]
+
+
 def _numpy(column: pa.ChunkedArray) -> np.ndarray:
     """A numeric column as a numpy array in memory, its own dtype kept; a list column of equal-length
     lists (e.g. ``paths_topk``) as a 2-d array."""
@@ -52,6 +58,17 @@ def _numpy(column: pa.ChunkedArray) -> np.ndarray:
         rows = column.to_numpy(zero_copy_only=False)
         return np.stack(rows).copy() if len(rows) else np.empty((0, 0), dtype=column.type.value_type.to_pandas_dtype())
     return np.array(column.to_numpy(), copy=True)
+
+
+def _converted(table: pa.Table, columns: list[str], numpy: bool, list_prefix: int | None) -> dict[str, Any]:
+    out = {}
+    for name in columns:
+        column = table.column(name)
+        if list_prefix is not None and pa.types.is_list(column.type):
+            column = pc.list_slice(column, 0, list_prefix)
+        # numpy through Arrow: the datasets numpy format turns uint64 into int64
+        out[name] = _numpy(column) if numpy else column.to_pylist()
+    return out
 
 
 def release_mappings() -> None:
@@ -85,16 +102,16 @@ class SplitReader:
         runs: list[tuple[tuple[str, ...], list[_ArrowFile]]] = []
         for f in ds.cache_files:
             try:
-                part = datasets.Dataset.from_file(f["filename"])
-            except (OSError, ValueError):
+                with pa.memory_map(f["filename"]) as source:
+                    table = pa.ipc.open_stream(source).read_all()
+                    columns, rows = tuple(table.column_names), table.num_rows
+                    del table
+            except (OSError, pa.ArrowInvalid):
                 return []
-            columns, rows = tuple(part.column_names), len(part)
-            del part
             if not runs or runs[-1][0] != columns:
                 runs.append((columns, []))
             files = runs[-1][1]
             files.append(_ArrowFile(f["filename"], files[-1].first + files[-1].rows if files else 0, rows))
-        release_mappings()
         table_rows = ds.data.num_rows
         return [(frozenset(columns), files) for columns, files in runs if files[-1].first + files[-1].rows == table_rows]
 
@@ -121,26 +138,40 @@ class SplitReader:
         if files is None or start >= stop:
             return self.ds.select_columns(columns).select(range(start, stop))
         if self._indices is None:
-            files = [f for f in files if f.first < stop and start < f.first + f.rows]
+            files = _overlapping(files, start, stop)
             base = _open([f.path for f in files]).select_columns(columns)
             return base.select(range(start - files[0].first, stop - files[0].first))
+        # Only the files the selected rows lie in: a sorted selection (a split of a corpus) reads one or two.
+        rows = self._indices[start:stop]
+        files = _overlapping(files, int(rows.min()), int(rows.max()) + 1)
         base = _open([f.path for f in files]).select_columns(columns)
-        return base.select(self._indices[start:stop], keep_in_memory=True)
+        return base.select(rows - files[0].first, keep_in_memory=True)
 
-    def rows(self, start: int, stop: int, columns: list[str], numpy: bool = False) -> dict[str, Any]:
+    def rows(self, start: int, stop: int, columns: list[str], numpy: bool = False,
+             list_prefix: int | None = None) -> dict[str, Any]:
         """``columns`` of rows [start, stop) as Python lists, or numpy arrays (``numpy``, for numeric
-        columns); nothing returned refers to the mapping it was read through."""
-        part = self.dataset(start, stop, columns)
-        if numpy:  # through Arrow: the datasets numpy format turns uint64 into int64
-            table = part.with_format("arrow")[:]
-            out = {c: _numpy(table.column(c)) for c in columns}
-        else:
-            batch = part[:]
-            out = {c: batch[c] for c in columns}
-            del batch
-        del part
-        self.release()
-        return out
+        columns); ``list_prefix``: list columns cut to their first values (a routing prefix), before any
+        conversion. Nothing returned refers to the files it was read from.
+
+        Read with pyarrow alone, each file through a memory map closed as soon as the rows are copied
+        out: no ``datasets`` object, whose reference cycles only a garbage collection closes (a full
+        collection per chunk cost 31 s of a 2:50 route of 1M documents)."""
+        files = self.files_with(columns)
+        if files is None or start >= stop:
+            return _converted(self.ds.select_columns(columns).select(range(start, stop)).with_format("arrow")[:],
+                              columns, numpy, list_prefix)
+        rows = None if self._indices is None else self._indices[start:stop]
+        lo, hi = (start, stop) if rows is None else (int(rows.min()), int(rows.max()) + 1)
+        files = _overlapping(files, lo, hi)
+        maps = [pa.memory_map(f.path) for f in files]
+        try:
+            table = pa.concat_tables([pa.ipc.open_stream(m).read_all().select(columns) for m in maps])
+            table = table.slice(lo - files[0].first, hi - lo) if rows is None else table.take(rows - files[0].first)
+            return _converted(table, columns, numpy, list_prefix)
+        finally:
+            table = None
+            for m in maps:
+                m.close()
 
     def release(self) -> None:
         """Closes the mappings of reads already dropped (a no-op for a split read in place)."""

@@ -54,6 +54,7 @@ from dipaco.atomic import replacing, write_text
 from dipaco.config import RouteConfig
 from dipaco.data.prepare import Prepared
 from dipaco.data.reading import ChunkedArray, SplitReader
+from dipaco.data.tokenizer import decode_batch
 from dipaco.errors import ConfigError, DataError
 from dipaco.metrics import echo
 from dipaco.model.topology import Topology
@@ -236,9 +237,10 @@ def routing_context(ds: datasets.Dataset, prepared: Prepared, prefix_tokens: int
     router would pick a validation document's path from the very text it is judged on. Training
     documents are cut the same way so the router is fitted on what it will see at test time.
     """
-    texts: list[str] = []
-    for _, batch in _batches(ds, ["input_ids"], chunk):
-        texts += prepared.tokenizer.batch_decode([list(ids[:prefix_tokens]) for ids in batch["input_ids"]])
+    reader, texts = SplitReader(ds), []
+    for start in range(0, len(ds), chunk):
+        ids = reader.rows(start, min(start + chunk, len(ds)), ["input_ids"], list_prefix=prefix_tokens)["input_ids"]
+        texts += decode_batch(prepared.tokenizer, ids)
     return texts
 
 
@@ -452,9 +454,8 @@ Featurize = Callable[[list[str]], np.ndarray]  # routing contexts -> (n, D) floa
 def featurize_chunk(featurize: Featurize, reader: SplitReader, prepared: Prepared, rows: np.ndarray,
                     prefix_tokens: int) -> np.ndarray:
     """Features of the documents ``rows`` (contiguous, or nearly: one chunk) of the reader's split."""
-    part = reader.rows(int(rows[0]), int(rows[-1]) + 1, ["input_ids"])["input_ids"]
-    keep = rows - rows[0]
-    texts = prepared.tokenizer.batch_decode([list(part[i][:prefix_tokens]) for i in keep])
+    part = reader.rows(int(rows[0]), int(rows[-1]) + 1, ["input_ids"], list_prefix=prefix_tokens)["input_ids"]
+    texts = decode_batch(prepared.tokenizer, [part[i] for i in rows - rows[0]])
     return np.asarray(featurize(texts), dtype=np.float32)
 
 
