@@ -232,6 +232,9 @@ class RouteConfig:
     # k-means is fitted on at most this many training documents (a seeded sample); every document is then
     # assigned in chunks under the same capacity bounds; null = fit on all
     fit_docs: Optional[int] = 50_000
+    # when fitted on a sample: Lloyd rounds over every training document before the final assignment,
+    # each one pass over the features (Router.refine_chunked); one-level k-means only
+    refine_rounds: int = 2
     chunk_docs: int = 65_536  # documents featurized and assigned per chunk (bounds routing's memory)
 
 

@@ -260,6 +260,55 @@ class Router:
         return chunked_balanced_assign(costs, capacity(n, p, slack), floor_size(n, p, slack, self.balance_min_fraction),
                                        prices, min_gain=min_gain, log=log)
 
+    def refine_chunked(
+        self,
+        features: Any,
+        chunk: int,
+        sample: np.ndarray,
+        sample_labels: np.ndarray | torch.Tensor,
+        rounds: int,
+        log: Log | None = None,
+    ) -> np.ndarray:
+        """Lloyd rounds over the whole corpus for a one-level k-means router fitted on a ``sample`` of it;
+        returns the sample's balanced labels under the new centroids (to price `assign_balanced_chunked`).
+
+        Fitted on a sample, centroids carry its noise: at 256 clusters and 50k fit documents (195 a
+        cluster) the balanced route of 100k documents had 2.5% more inertia than a fit on all of them.
+        Each round reads the corpus once, in chunks: every document takes its priced cluster
+        (argmin of distance - price, with the dual prices of the sample's optimal balanced assignment:
+        near the balanced optimum of the whole corpus, see `routing.chunked`), each centroid moves to
+        the mean of its documents (a cluster left empty keeps its centroid), and the sample is solved
+        exactly again under the new centroids. Memory: the (k, D) sums, never an (N, k) matrix.
+        What it guarantees is only what the final assignment does: the rounds move centroids, and
+        the bounds are enforced by `assign_balanced_chunked` after them."""
+        if self.kind != "kmeans":
+            raise ValueError(f"refine_chunked refines one-level k-means routers, not {self.kind!r}")
+        slack = 0.0 if self.balance_slack is None else float(self.balance_slack)
+        k, m, n = self.num_paths, len(sample), len(features)
+        cap, floor = capacity(m, k, slack), floor_size(m, k, slack, self.balance_min_fraction)
+        costs = feature_costs(features, lambda x: -self.scores(x), k, chunk)  # reads self.centroids when called
+        labels = np.asarray(sample_labels, dtype=np.int64)
+        for r in range(rounds):
+            prices = torch.from_numpy(dual_prices(costs.take(sample), labels, cap, floor))
+            centers = prepare(self.centroids[0], self.metric)
+            sums = torch.zeros(centers.shape, dtype=torch.float64)
+            counts = torch.zeros(k, dtype=torch.int64)
+            inertia = 0.0
+            for a in range(0, n, chunk):
+                x = prepare(self._features(np.asarray(features[a : a + chunk])), self.metric)
+                d = sq_distances(x, centers)
+                own = (d.double() - prices).argmin(dim=1)
+                sums.index_add_(0, own, x.double())
+                counts += torch.bincount(own, minlength=k)
+                inertia += float(d.gather(1, own[:, None]).sum(dtype=torch.float64))
+            moved = torch.where((counts > 0)[:, None], sums / counts.clamp_min(1)[:, None], centers.double())
+            self.centroids = [prepare(moved.to(self.centroids[0].dtype), self.metric)]
+            labels = balanced_assign_costs(costs.take(sample), cap, floor).numpy().astype(np.int64)
+            if log is not None:
+                log(f"refinement round {r + 1}/{rounds} over all {n:,} documents: priced inertia {inertia:.6g} "
+                    f"before the centroids moved")
+        return labels
+
     def assign_chunked(self, features: Any, chunk: int) -> np.ndarray:
         """`assign` of an (N, D) array read `chunk` rows at a time (a memmap stays on disk): (N,) int64."""
         return np.concatenate([self.assign(np.asarray(features[a : a + chunk])).numpy().astype(np.int64)

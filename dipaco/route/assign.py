@@ -132,6 +132,8 @@ def check_route(route: RouteConfig, prefix_tokens: int) -> None:
                           f"its per-level clusters; there is no numbering to choose)")
     if route.fit_docs is not None and route.fit_docs <= 0:
         raise ConfigError(f"route.fit_docs: must be > 0 or null (fit on every training document), got {route.fit_docs}")
+    if route.refine_rounds < 0:
+        raise ConfigError(f"route.refine_rounds: must be >= 0, got {route.refine_rounds}")
     if route.chunk_docs <= 0:
         raise ConfigError(f"route.chunk_docs: must be > 0, got {route.chunk_docs}")
     if route.featurizer == "encoder" and not route.encoder:
@@ -583,6 +585,10 @@ def assign_train(job: RouteJob, router: Router, train_x: ChunkedArray, sample: n
     router.meta["fit_docs"] = len(sample)
     if job.route.balance_slack is None:
         return router.assign_chunked(train_x, chunk)
+    if job.route.refine_rounds and router.kind == "kmeans":
+        fitted = router.refine_chunked(train_x, chunk, sample, fitted, job.route.refine_rounds,
+                                       log=lambda line: echo(f"[route] {line}"))
+        router.meta["refine_rounds"] = job.route.refine_rounds
     echo(f"[route] assigning {len(train_x):,} documents in chunks of {chunk:,} under the capacity bounds")
     result = router.assign_balanced_chunked(train_x, chunk, sample=sample, sample_labels=fitted,
                                             log=lambda line: echo(f"[route] {line}"), min_gain=MIN_PASS_GAIN)

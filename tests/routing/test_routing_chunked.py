@@ -141,3 +141,33 @@ def test_router_assigns_a_memory_mapped_corpus_as_it_would_in_memory(tmp_path):
     assert np.bincount(result.labels).max() <= capacity(len(x), 4, 0.05)
     np.testing.assert_array_equal(router.assign_chunked(stored, 64), router.assign(x).numpy())
     np.testing.assert_array_equal(router.assign_topk_chunked(stored, 2, 64), router.assign_topk(x, 2).numpy())
+
+
+def test_refining_on_the_whole_corpus_lowers_the_cost_of_a_sample_fit(tmp_path):
+    """A fit on a small sample misplaces its centroids; Lloyd rounds over every document, read in chunks,
+    bring the balanced assignment's cost toward that of a fit on all, and the bounds still hold."""
+    x = torch.randn(6000, 8, generator=torch.Generator().manual_seed(3))  # no clusters to find: the fit is noisy
+    stored = open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32, shape=tuple(x.shape))
+    stored[:] = x.numpy()
+    sample = np.sort(np.random.default_rng(0).choice(len(x), 400, replace=False))
+    costs = {}
+    for rounds in (0, 3):
+        router, fitted = fit_router(x[sample], [16], slack=0.1, seed=0)
+        before = [c.clone() for c in router.centroids]
+        lines: list[str] = []
+        labels = router.refine_chunked(stored, 1000, sample, fitted, rounds, log=lines.append) if rounds else fitted
+        assert len(lines) == rounds and (rounds == 0 or not torch.equal(router.centroids[0], before[0]))
+        result = router.assign_balanced_chunked(stored, 1000, sample=sample, sample_labels=labels)
+        assert np.bincount(result.labels, minlength=16).max() <= capacity(len(x), 16, 0.1)
+        costs[rounds] = result.cost
+    full, full_labels = fit_router(x, [16], slack=0.1, seed=0)
+    on_all = full.assign_balanced_chunked(stored, 1000, sample=np.arange(len(x)), sample_labels=full_labels).cost
+    assert costs[3] < costs[0]
+    assert (costs[3] - on_all) < 0.5 * (costs[0] - on_all), (costs, on_all)
+
+
+def test_only_one_level_k_means_is_refined():
+    x, _ = make_blobs(50, 4, 4, seed=1)
+    router, labels = fit_router(x, [2, 2], slack=0.1, seed=0)
+    with pytest.raises(ValueError, match="one-level k-means"):
+        router.refine_chunked(x.numpy(), 64, np.arange(len(x)), labels, 1)

@@ -13,7 +13,7 @@ import torch
 
 import dipaco.route.assign as assign
 from dipaco.config import Config
-from dipaco.errors import DataError
+from dipaco.errors import ConfigError, DataError
 from dipaco.route.assign import FEATURES, WORK, routing_context
 from dipaco.run import Run
 from dipaco.run_dir import RunDir
@@ -65,11 +65,17 @@ def test_a_sample_fit_assigns_every_document_within_the_bounds_of_the_full_n(run
     sizes = np.bincount(paths["train"], minlength=4)
     assert sizes.max() <= capacity(n, 4, 0.05) and sizes.min() >= floor_size(n, 4, 0.05, 0.5)
     assert router.meta["fit_docs"] == 120 and router.meta["assignment_optimal"] is True
+    assert router.meta["refine_rounds"] == cfg.route.refine_rounds == 2  # the default: centroids refined on all
     assert report["train"]["docs_per_path"] == sizes.tolist() and report["fit_docs"] == 120
     # The assignment is the exact balanced optimum of the full N for the sample's centroids.
     stored = load_tensors(RunDir(cfg.run.dir).routing / FEATURES)
     np.testing.assert_array_equal(paths["train"], router.assign_balanced(stored["train"]).numpy())
     np.testing.assert_array_equal(paths["validation"], router.assign(stored["validation"]).numpy())
+
+
+def test_refine_rounds_must_not_be_negative(run_cfg):
+    with pytest.raises(ConfigError, match="route.refine_rounds: must be >= 0"):
+        Run(routed(run_cfg, refine_rounds=-1)).route()
 
 
 def test_a_killed_route_resumes_at_the_next_chunk_and_ends_as_an_uninterrupted_one(run_cfg, monkeypatch, capsys):
