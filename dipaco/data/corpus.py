@@ -40,7 +40,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from dipaco.data.reading import SplitReader, release_mappings
+from dipaco.data.reading import WRITER_BATCH_ROWS, SplitReader, release_mappings
 from dipaco.errors import ConfigError, DataError
 
 BUILTIN_CORPORA = ("bbc",)
@@ -304,7 +304,7 @@ def _normalized(raw: datasets.DatasetDict, spec: CorpusSpec, work_dir: Path | No
             normalized.append(source.map(
                 rows, batched=True, batch_size=_BATCH, with_indices=True, features=features,
                 remove_columns=source.column_names, cache_file_name=cache, load_from_cache_file=False,
-                desc="Reading corpus"))
+                writer_batch_size=WRITER_BATCH_ROWS, desc="Reading corpus"))
             offset += len(source)
             del source
     docs = normalized[0] if len(normalized) == 1 else datasets.concatenate_datasets(normalized)
@@ -453,6 +453,7 @@ def _written(loaded: Any, cache_dir: str | Path | None) -> datasets.Dataset | da
     """A streamed (Iterable) dataset or dict of them, each split written to Arrow as it is read."""
     def write(stream: datasets.IterableDataset) -> datasets.Dataset:
         return datasets.Dataset.from_generator(_stream_rows, features=stream.features, gen_kwargs={"stream": stream},
+                                               writer_batch_size=WRITER_BATCH_ROWS,
                                                cache_dir=None if cache_dir is None else str(cache_dir))
     if isinstance(loaded, datasets.IterableDatasetDict):
         return datasets.DatasetDict({name: write(split) for name, split in loaded.items()})
@@ -581,7 +582,8 @@ def _load_local(files: list[Path], spec: CorpusSpec, work_dir: Path | None = Non
         kwargs.update(column_names=list(spec.csv_columns), header=None)
     try:
         cache_dir = spec.cache_dir or (None if work_dir is None else str(work_dir / _SOURCE))
-        loaded = datasets.load_dataset(fmt, data_files=data_files, cache_dir=cache_dir, **kwargs)
+        loaded = datasets.load_dataset(fmt, data_files=data_files, cache_dir=cache_dir,
+                                       writer_batch_size=WRITER_BATCH_ROWS, **kwargs)
     except Exception as e:  # pyarrow/json/csv parse errors arrive as many types; name the files instead
         if fmt == "json":
             for path in files:

@@ -26,7 +26,7 @@ import pyarrow as pa
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dipaco.data.reading import SplitReader, release_mappings
+from dipaco.data.reading import WRITER_BATCH_ROWS, SplitReader, release_mappings
 from dipaco.errors import ConfigError, DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -221,6 +221,7 @@ def tokenize_to_disk(
         tokenized = part.with_format("arrow").map(
             encode, batched=True, batch_size=batch_size, num_proc=num_proc if num_proc > 1 else None,
             features=features, cache_file_name=str(work_dir / f"{name}-{i:05d}.arrow"), load_from_cache_file=True,
+            writer_batch_size=WRITER_BATCH_ROWS,
             desc=f"Tokenizing {name} {i + 1}/{n_shards}")
         files += [Path(f["filename"]) for f in tokenized.cache_files]  # one a process
         del part, tokenized

@@ -6,6 +6,7 @@ from itertools import islice
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pytest
 
 import dipaco.data.corpus as corpus_module
@@ -464,8 +465,11 @@ def test_the_source_is_read_in_pieces_without_a_memory_map(tmp_path, monkeypatch
         return real(self, batch, indices)
 
     monkeypatch.setattr(corpus_module._Rows, "__call__", normalize)
+    monkeypatch.setattr(corpus_module, "WRITER_BATCH_ROWS", 60)  # rows per record batch written: few headers
     pieces = load_corpus(CorpusSpec(source=str(path)), tmp_path / "work")
     assert source_mapped and not any(source_mapped)
+    with pa.memory_map(pieces["train"].cache_files[0]["filename"]) as written:
+        assert [b.num_rows for b in pa.ipc.open_stream(written)] == [60, 60, 60, 60, 10]
     for split in ("train", "validation"):
         assert pieces[split].to_dict() == whole[split].to_dict()
 

@@ -2,9 +2,11 @@ import json
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pytest
 import transformers
 
+import dipaco.data.tokenizer as tokenizer_module
 from dipaco.data.tokenizer import (
     EOS_TOKEN,
     PAD_TOKEN,
@@ -129,11 +131,14 @@ def test_decode_batch_is_batch_decode(tokenizer_dir):
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
-def test_tokenize_to_disk_returns_its_files_and_keeps_none_mapped(tokenizer_dir, tmp_path):
+def test_tokenize_to_disk_returns_its_files_and_keeps_none_mapped(tokenizer_dir, tmp_path, monkeypatch):
     """Every open shard held pages of its metadata: at 10M documents, 180 shards held hundreds of MB."""
     tok = load_tokenizer(tokenizer_dir)
     ds = datasets.Dataset.from_dict({"id": [str(i) for i in range(25)], "text": texts(25)})
+    monkeypatch.setattr(tokenizer_module, "WRITER_BATCH_ROWS", 4)  # rows per record batch: few headers to map
     files = tokenize_to_disk(ds, tok, tmp_path / "tokens", "train", shard_docs=10)
+    with pa.memory_map(str(files[0])) as source:
+        assert [b.num_rows for b in pa.ipc.open_stream(source)] == [4, 4, 2]
     assert [f.name for f in files] == ["train-00000.arrow", "train-00001.arrow", "train-00002.arrow"]
     assert not any(str(tmp_path / "tokens") in line for line in Path("/proc/self/maps").read_text().splitlines())
     read = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
