@@ -13,6 +13,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -102,10 +104,7 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
     run = RunDir(run_dir)
     echo(f"[prepare] loading corpus {data.corpus!r}")
     start = time.perf_counter()
-    # Scratch beside the run directory, not in the system temp dir: it holds a copy of the corpus, and
-    # /tmp is often small, or a tmpfs whose files live in memory.
-    parent = run.root.resolve().parent
-    with tempfile.TemporaryDirectory(prefix=".dipaco-corpus-", dir=parent if parent.is_dir() else None) as scratch:
+    with _scratch(run) as scratch:
         # before the run directory: a bad corpus leaves none
         corpus, stats = load_corpus_with_stats(corpus_spec(data), scratch)
         echo(f"[prepare] {len(corpus['train']):,} train / {len(corpus['validation']):,} validation documents "
@@ -140,6 +139,21 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
              f"and score no tokens")
     echo(f"[prepare] wrote {run.data} and {run.tokenizer} in {time.perf_counter() - start:.0f}s")
     return info
+
+
+@contextmanager
+def _scratch(run: RunDir) -> Iterator[Path]:
+    """``.<run dir name>.prepare-scratch`` beside the run directory, removed after. Not in the system temp
+    dir: it holds a copy of the corpus, and /tmp is often small, or a tmpfs whose files live in memory.
+    One fixed name, so what a killed prepare left there (11 GB at 10M documents) goes with the next one."""
+    parent = run.root.resolve().parent
+    scratch = (parent if parent.is_dir() else Path(tempfile.gettempdir())) / f".{run.root.name}.prepare-scratch"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _link_shards(tokenized: dict[str, list[Path]], out: Path) -> dict[str, list[str]]:

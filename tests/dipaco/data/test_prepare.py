@@ -129,6 +129,17 @@ def test_a_killed_prepare_resumes_from_its_finished_shards(tmp_path, corpus, mon
     assert not (run_dir / "prepare.work").exists()
 
 
+def test_the_scratch_a_killed_prepare_left_goes_with_the_next_one(tmp_path, corpus):
+    """A kill -9 runs no clean-up: the scratch copy of the corpus (11 GB at 10M documents) has one fixed
+    name beside the run directory, so the next prepare removes it instead of leaving it forever."""
+    left = tmp_path / ".run.prepare-scratch"
+    (left / "source").mkdir(parents=True)
+    (left / "source" / "old.arrow").write_bytes(b"x" * 1000)
+    Run(tiny_config(tmp_path / "run", corpus)).prepare()
+    assert not left.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_the_bpe_trains_on_at_most_train_docs_documents(tmp_path, corpus, monkeypatch):
     counts = []
     real = prepare_module.train_tokenizer
