@@ -135,10 +135,12 @@ def load_corpus_with_stats(
     hashes = numpy_column(docs, "hash")
     empty = numpy_column(docs, "empty")
     keep = _handle_empty_docs(docs, empty, spec)
-    _check_unique_ids(docs, hashes[keep], keep)
+    _check_unique_ids(docs, hashes if len(keep) == len(hashes) else hashes[keep], keep)
 
     if split_method == SPLIT_BY_HASH:
-        is_val = (hashes >> np.uint64(32)).astype(np.float64) / 2**32 < spec.validation_fraction
+        # (h >> 32) / 2**32 < fraction, compared as (h >> 32) < fraction * 2**32: the same test (both
+        # sides scaled by a power of two), without two float64 copies of 10M hashes
+        is_val = (hashes >> np.uint64(32)) < spec.validation_fraction * 2**32
     else:
         is_val = numpy_column(docs, "split") == _VALIDATION
     train, validation = keep[~is_val[keep]], keep[is_val[keep]]
@@ -150,7 +152,11 @@ def load_corpus_with_stats(
 
     fingerprint = _fingerprint(hashes, numpy_column(docs, "crc"), train, validation)
     docs = docs.remove_columns(_WORK_COLUMNS)
-    corpus = datasets.DatasetDict(train=docs.select(train), validation=docs.select(validation))
+    # The splits' row numbers go to files in the work dir (memory-mapped), not into memory: 8 bytes a document.
+    corpus = datasets.DatasetDict({
+        name: docs.select(rows, indices_cache_file_name=None if work is None else str(work / f"{name}-rows.arrow"),
+                          writer_batch_size=WRITER_BATCH_ROWS * 10)
+        for name, rows in (("train", train), ("validation", validation))})
     stats = CorpusStats(
         n_train=len(train),
         n_validation=len(validation),
@@ -162,12 +168,15 @@ def load_corpus_with_stats(
     return corpus, stats
 
 
-def _fingerprint(hashes: np.ndarray, crcs: np.ndarray, train: np.ndarray, validation: np.ndarray) -> str:
+def _fingerprint(hashes: np.ndarray, crcs: np.ndarray, train: np.ndarray, validation: np.ndarray,
+                 chunk: int = 1 << 20) -> str:
+    # Fed in chunks (the same bytes, so the same digest): no copy of a column of the whole corpus.
     digest = hashlib.sha256()
     for rows in (train, validation):
         digest.update(len(rows).to_bytes(8, "little"))
-        digest.update(hashes[rows].tobytes())
-        digest.update(crcs[rows].tobytes())
+        for column in (hashes, crcs):
+            for start in range(0, len(rows), chunk):
+                digest.update(column[rows[start : start + chunk]].tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -218,10 +227,12 @@ def _handle_empty_docs(docs: datasets.Dataset, empty: np.ndarray, spec: CorpusSp
 
 def _check_unique_ids(docs: datasets.Dataset, hashes: np.ndarray, rows: np.ndarray) -> None:
     """Equal ids have equal hashes: only rows whose 64-bit hash repeats are compared by id."""
+    ranked = np.sort(hashes)
+    if not (ranked[1:] == ranked[:-1]).any():  # the usual case, with one copy of the hashes, not three
+        return
+    del ranked
     order = np.argsort(hashes, kind="stable")
     repeats = hashes[order][1:] == hashes[order][:-1]
-    if not repeats.any():
-        return
     suspects = np.sort(rows[np.union1d(order[1:][repeats], order[:-1][repeats])])
     seen: set[str] = set()
     duplicates: dict[str, None] = {}  # a dict keeps first-seen order for the message
@@ -438,9 +449,14 @@ def numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
     """A column of any dataset (select()ed too) as one numpy array, converted from Arrow without a Python
     object per row (10M Python ints cost ~300 MB; their int64 array 80 MB), and read in chunks through
     their own mappings (:class:`SplitReader`): a column's pages lie between the other columns' in the file."""
-    parts = [batch[column] for _, batch in SplitReader(ds).chunks([column], _COLUMN_CHUNK, numpy=True)]
-    if parts:
-        return np.concatenate(parts)
+    out = None
+    for start, batch in SplitReader(ds).chunks([column], _COLUMN_CHUNK, numpy=True):
+        part = batch[column]
+        if out is None:  # filled in place: no list of parts and their concatenation, two copies at once
+            out = np.empty((len(ds), *part.shape[1:]), dtype=part.dtype)
+        out[start : start + len(part)] = part
+    if out is not None:
+        return out
     # A slice, not ds[column]: that is a lazy Column whose numpy conversion iterates row by row.
     return np.asarray(ds.select_columns([column]).with_format("numpy")[:][column])
 

@@ -96,9 +96,9 @@ class SplitReader:
         size = sum(os.path.getsize(f["filename"]) for f in ds.cache_files if os.path.exists(f["filename"]))
         least = RELEASE_MIN_BYTES if min_bytes is None else min_bytes
         self._groups = self._stacked_groups(ds) if size >= least and size > 0 else []
-        self._indices: np.ndarray | None = None
-        if self._groups and ds._indices is not None:
-            self._indices = ds._indices.column(0).to_numpy().astype(np.int64)
+        # A select()ed split's row numbers, read a slice at a time (they may be a memory-mapped file of
+        # 8 bytes a document: a copy in memory would grow with the corpus).
+        self._indices: pa.ChunkedArray | None = ds._indices.column(0) if self._groups and ds._indices is not None else None
 
     @staticmethod
     def _stacked_groups(ds: datasets.Dataset) -> list[tuple[frozenset[str], list[_ArrowFile]]]:
@@ -146,7 +146,7 @@ class SplitReader:
             base = _open([f.path for f in files]).select_columns(columns)
             return base.select(range(start - files[0].first, stop - files[0].first))
         # Only the files the selected rows lie in: a sorted selection (a split of a corpus) reads one or two.
-        rows = self._indices[start:stop]
+        rows = self._index_rows(start, stop)
         files = _overlapping(files, int(rows.min()), int(rows.max()) + 1)
         base = _open([f.path for f in files]).select_columns(columns)
         return base.select(rows - files[0].first, keep_in_memory=True)
@@ -164,18 +164,36 @@ class SplitReader:
         if files is None or start >= stop:
             return _converted(self.ds.select_columns(columns).select(range(start, stop)).with_format("arrow")[:],
                               columns, numpy, list_prefix)
-        rows = None if self._indices is None else self._indices[start:stop]
-        lo, hi = (start, stop) if rows is None else (int(rows.min()), int(rows.max()) + 1)
-        files = _overlapping(files, lo, hi)
+        if self._indices is not None:
+            return _converted(self._taken(files, self._index_rows(start, stop), columns), columns, numpy, list_prefix)
+        files = _overlapping(files, start, stop)
         maps = [pa.memory_map(f.path) for f in files]
         try:
             table = pa.concat_tables([pa.ipc.open_stream(m).read_all().select(columns) for m in maps])
-            table = table.slice(lo - files[0].first, hi - lo) if rows is None else table.take(rows - files[0].first)
-            return _converted(table, columns, numpy, list_prefix)
+            return _converted(table.slice(start - files[0].first, stop - start), columns, numpy, list_prefix)
         finally:
             table = None
             for m in maps:
                 m.close()
+
+    def _index_rows(self, start: int, stop: int) -> np.ndarray:
+        assert self._indices is not None
+        return np.asarray(self._indices.slice(start, stop - start).to_numpy(), dtype=np.int64)
+
+    @staticmethod
+    def _taken(files: list[_ArrowFile], rows: np.ndarray, columns: list[str]) -> pa.Table:
+        """``columns`` of table rows ``rows`` (any order) in memory, one file mapped at a time: a sparse
+        selection (the BPE's sample) would otherwise hold a page of every file it touches at once."""
+        parts, found = [], []
+        for f in _overlapping(files, int(rows.min()), int(rows.max()) + 1):
+            mine = np.flatnonzero((rows >= f.first) & (rows < f.first + f.rows))
+            if mine.size:
+                with pa.memory_map(f.path) as source:  # take() copies the rows out before the map closes
+                    parts.append(pa.ipc.open_stream(source).read_all().select(columns).take(rows[mine] - f.first))
+                found.append(mine)
+        table = pa.concat_tables(parts)
+        order = np.concatenate(found)
+        return table if (order[1:] > order[:-1]).all() else table.take(np.argsort(order))
 
     def release(self) -> None:
         """Closes the mappings of reads already dropped (a no-op for a split read in place)."""

@@ -439,6 +439,8 @@ def test_a_local_corpus_is_converted_in_the_work_dir_not_the_datasets_cache(tmp_
     # the conversion went to work/source and was removed once read; the corpus is the work dir's own files
     assert not (tmp_path / "work" / "source").exists()
     assert all(str(tmp_path / "work") in f["filename"] for f in corpus["train"].cache_files)
+    # the split's row numbers too: a file in the work dir, memory-mapped, not 8 bytes a document in memory
+    assert any(f["filename"].endswith("train-rows.arrow") for f in corpus["train"].cache_files)
     kept = load_corpus(spec(tmp_path, path), tmp_path / "work2")
     assert list((tmp_path / "hf_cache").rglob("*.arrow"))  # a cache_dir that is asked for keeps it
     assert kept["train"]["id"] == corpus["train"]["id"]
