@@ -10,7 +10,8 @@ chunk's pages:
 
 * :class:`SplitReader`: rows of a memory-mapped ``datasets`` split, through the Arrow files that hold
   those rows only;
-* :class:`ChunkedArray`: an (N, D) ``.npy`` file read and written a chunk at a time.
+* :class:`ChunkedArray`: an (N, D) ``.npy`` file read and written with positioned reads and writes,
+  never mapped: a read keeps nothing resident, however sparse its rows.
 
 Random access in training (``dipaco.data.packing.PackedShard``) keeps one mapping: it reads a batch
 of rows per step, a bounded working set that the kernel manages.
@@ -207,41 +208,103 @@ class SplitReader:
 
 
 class ChunkedArray:
-    """An (N, D) ``.npy`` file read and written through a memory map opened for each access and closed
-    after it: ``x[a:b]``, ``x[rows]`` and ``x[rows] = values`` keep only what they touch. A read returns
-    a copy in memory."""
+    """An (N, D) ``.npy`` file read and written with plain positioned reads and writes (``os.pread``,
+    ``os.pwrite``), never memory-mapped: ``x[a:b]``, ``x[rows]`` and ``x[rows] = values`` keep nothing
+    resident, however sparse the rows. (Through a memory map each row read makes a whole folio of the
+    file resident: the 50k rows of a k-means fit sample touch nearly every folio of 9M documents'
+    4.6 GB of features.) A read returns a new array in memory."""
 
     ndim = 2
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        mapped = open_memmap(self.path, mode="r")
-        self.shape: tuple[int, ...] = tuple(mapped.shape)
-        self.dtype = mapped.dtype
-        del mapped
+        with open(self.path, "rb") as f:
+            major, _ = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+            self._offset = f.tell()
+        if len(shape) != 2 or fortran:
+            raise ValueError(f"{self.path}: expected a C-ordered 2-d array, got shape {shape} (fortran order: {fortran})")
+        self.shape: tuple[int, ...] = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self._row_bytes = int(shape[1]) * self.dtype.itemsize
 
     @classmethod
     def create(cls, path: str | Path, rows: int, dim: int, dtype: Any = np.float32) -> ChunkedArray:
-        open_memmap(Path(path), mode="w+", dtype=dtype, shape=(rows, dim)).flush()
+        open_memmap(Path(path), mode="w+", dtype=dtype, shape=(rows, dim)).flush()  # header, then a sparse file
         return cls(path)
 
     def __len__(self) -> int:
         return self.shape[0]
 
+    def _rows(self, key: Any) -> np.ndarray | slice:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            return slice(start, max(start, stop)) if step == 1 else np.arange(start, stop, step)
+        if isinstance(key, (int, np.integer)):
+            raise TypeError("ChunkedArray reads rows by slice or index array, not one int")
+        rows = np.asarray(key)
+        if rows.dtype == bool:
+            rows = np.flatnonzero(rows)
+        rows = rows.astype(np.int64).reshape(-1)
+        if rows.size and (rows.min() < -len(self) or rows.max() >= len(self)):
+            raise IndexError(f"row index out of range for {len(self)} rows")
+        return np.where(rows < 0, rows + len(self), rows)
+
+    def _runs(self, rows: np.ndarray) -> Iterator[tuple[np.ndarray, int, int]]:
+        """(positions in ``rows`` of first, first + 1, ..., in that order; first; count) of each run of
+        consecutive rows."""
+        order = np.argsort(rows, kind="stable")
+        ranked = rows[order]
+        breaks = np.flatnonzero(np.diff(ranked) != 1) + 1
+        for part in np.split(np.arange(len(ranked)), breaks):
+            if part.size:
+                yield order[part], int(ranked[part[0]]), int(part.size)
+
+    def _read(self, fd: int, first: int, count: int) -> bytes:
+        want, pos, parts = count * self._row_bytes, self._offset + first * self._row_bytes, []
+        while want:  # a read may return less than asked (above 2 GB on Linux)
+            got = os.pread(fd, want, pos)
+            if not got:
+                raise EOFError(f"{self.path}: ends before row {first + count}")
+            parts.append(got)
+            want, pos = want - len(got), pos + len(got)
+        return b"".join(parts)
+
+    def _write(self, fd: int, block: np.ndarray, first: int) -> None:
+        data, pos = memoryview(block.tobytes()), self._offset + first * self._row_bytes
+        while data:  # a write may take less than given
+            done = os.pwrite(fd, data, pos)
+            data, pos = data[done:], pos + done
+
     def __getitem__(self, key: Any) -> np.ndarray:
-        mapped = open_memmap(self.path, mode="r")
+        rows = self._rows(key)
+        fd = os.open(self.path, os.O_RDONLY)
         try:
-            return np.array(mapped[key])
+            if isinstance(rows, slice):
+                data = self._read(fd, rows.start, rows.stop - rows.start)
+                return np.frombuffer(data, dtype=self.dtype).reshape(-1, self.shape[1]).copy()
+            out = np.empty((len(rows), self.shape[1]), dtype=self.dtype)
+            for where, first, count in self._runs(rows):
+                block = np.frombuffer(self._read(fd, first, count), dtype=self.dtype).reshape(count, self.shape[1])
+                out[where] = block
+            return out
         finally:
-            del mapped
+            os.close(fd)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        mapped = open_memmap(self.path, mode="r+")
+        rows = self._rows(key)
+        count = rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+        values = np.ascontiguousarray(np.broadcast_to(np.asarray(value, dtype=self.dtype), (count, self.shape[1])))
+        fd = os.open(self.path, os.O_WRONLY)
         try:
-            mapped[key] = value
-            mapped.flush()
+            if isinstance(rows, slice):
+                self._write(fd, values, rows.start)
+                return
+            for where, first, _ in self._runs(rows):
+                self._write(fd, values[where], first)
         finally:
-            del mapped
+            os.close(fd)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         """The whole array in memory (for small inputs and tests)."""
