@@ -121,6 +121,7 @@ class DocumentTokens:
                 values.append(column.values.to_numpy(zero_copy_only=False))
                 offsets.append(column.offsets.to_numpy(zero_copy_only=False).astype(np.int64))
                 rows.append(rows[-1] + len(column))
+            maps[-1].madvise(mmap.MADV_DONTNEED)  # each file's offset pages now, not all 180 files' at the end
         if rows[-1] != self._ds.data.num_rows:
             raise DataError(f"the {self._column!r} column's files hold {rows[-1]:,} rows, the dataset "
                             f"{self._ds.data.num_rows:,}")

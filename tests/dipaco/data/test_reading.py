@@ -230,3 +230,26 @@ def test_a_sparse_selection_maps_one_file_at_a_time(tmp_path, monkeypatch):
     assert reader.rows(0, 7, ["id", "input_ids"]) == {"id": [ds["id"][r] for r in rows],
                                                       "input_ids": [ds["input_ids"][r] for r in rows]}
     assert len(open_at_read) == 4 and max(open_at_read) == 1
+
+
+def test_the_token_files_are_released_one_by_one_while_their_offsets_load(tmp_path, monkeypatch):
+    """Loading reads every record batch's offsets: at 10M documents, a folio of each of 900 batches. Each
+    file's pages are given back before the next file is mapped, not all at the end."""
+    import mmap as mmap_module
+
+    monkeypatch.setattr(reading, "RELEASE_MIN_BYTES", 0)
+    ds = stacked_split(tmp_path, files=3, rows=40, tokens=7)
+    events: list[str] = []
+
+    class Recorded(mmap_module.mmap):
+        def __new__(cls, *args, **kwargs):
+            events.append("map")
+            return super().__new__(cls, *args, **kwargs)
+
+        def madvise(self, *args):
+            events.append("release")
+            return super().madvise(*args)
+
+    monkeypatch.setattr(mmap_module, "mmap", Recorded)
+    DocumentTokens(ds)._loaded()
+    assert events[:6] == ["map", "release"] * 3
