@@ -33,7 +33,8 @@ import pyarrow.compute as pc
 from numpy.lib.format import open_memmap
 
 RELEASE_MIN_BYTES = 256 << 20  # below this, a split's pages are few enough to keep
-# Rows per record batch of the Arrow files dipaco writes (datasets' default: 1,000). Opening a file
+# Rows per record batch of the corpus files dipaco writes (datasets' default: 1,000; ``map`` writes a
+# function's returned batch as it is, so the tokenized shards keep the tokenizer's 1,000-row batches). Opening a file
 # reads every batch's header, and each header read maps a whole folio of the file (up to 2 MB here):
 # with 1 MB batches, opening the 11 GB conversion of 10M documents made 750 MB of it resident.
 WRITER_BATCH_ROWS = 10_000
