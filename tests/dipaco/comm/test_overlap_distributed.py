@@ -59,9 +59,12 @@ def test_two_ranks_stream_the_same_bank_as_one_process(copied):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fragment", ["module", "blocks:1"])
-def test_two_rank_resume_with_a_4bit_adaptive_fragment_in_flight_is_bit_exact(copied, fragment):
+def test_two_rank_resume_with_a_4bit_adaptive_fragment_in_flight_is_bit_exact(copied):
+    """Fragments of block slices, the richer case: per-slice residuals and codec choices, an embedding half in
+    flight. Whole-module fragments resuming bit-exactly are tested in one process (tests/dipaco/sync/
+    test_streaming.py); their two-rank 4-bit run here added 47 s to CI for the same codec and checkpoint code."""
     cfg, cfg_file = copied
+    fragment = "blocks:1"
     lossy = (*STREAM, "dist.comm_dtype=fp4", "dist.chunk_size=64", "dist.adaptive=true",
              f"outer.streaming.fragment={fragment}")
     name = fragment.replace(":", "")
@@ -70,11 +73,11 @@ def test_two_rank_resume_with_a_4bit_adaptive_fragment_in_flight_is_bit_exact(co
     ckpt = Path(cfg.run.dir) / "train" / f"part_{name}" / "checkpoints" / "round_000001"
     assert rank_files(ckpt, "streaming.safetensors")  # a fragment was in flight at the checkpoint
     assert rank_files(ckpt, "comm.safetensors") and rank_files(ckpt, "adaptive.safetensors")
-    if fragment != "module":  # residuals and codec choices per slice: the embedding's and the head's halves
-        residuals = {k for f in rank_files(ckpt, "comm.safetensors").values() for k in load_tensors(f)}
-        assert {"embedding.0[0:8192]", "embedding.0[8192:16384]", "head.0[0:8208]"} <= residuals
-        in_flight = {k for f in rank_files(ckpt, "streaming.safetensors").values() for k in load_tensors(f)}
-        assert any(k.startswith(("0/embedding.0[", "0/head.0[")) for k in in_flight)
+    # residuals and codec choices per slice: the embedding's and the head's halves
+    residuals = {k for f in rank_files(ckpt, "comm.safetensors").values() for k in load_tensors(f)}
+    assert {"embedding.0[0:8192]", "embedding.0[8192:16384]", "head.0[0:8208]"} <= residuals
+    in_flight = {k for f in rank_files(ckpt, "streaming.safetensors").values() for k in load_tensors(f)}
+    assert any(k.startswith(("0/embedding.0[", "0/head.0[")) for k in in_flight)
     run(cfg_file, *lossy, f"train.name=part_{name}", "--resume")
     a, b = final_bank(cfg, f"whole_{name}"), final_bank(cfg, f"part_{name}")
     assert all(torch.equal(a[k], b[k]) for k in a)
