@@ -231,10 +231,13 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     heldout = np.zeros(len(paths), dtype=bool)
     if train.early_stopping_holdout > 0:
         heldout = early_stopping_holdout(train_ds["id"], train.early_stopping_holdout, cfg.run.seed)
-    kept = np.flatnonzero(~heldout)
-    trains = training_paths(train_ds, paths, topology.num_paths, cfg.route.topk, train.sharding)[kept]
-    shards = build_shards(train_ds.select(kept), trains, topology.num_paths, cfg.data.seq_len,
-                          prepared.tokenizer.eos_token_id)
+    trains = training_paths(train_ds, paths, topology.num_paths, cfg.route.topk, train.sharding)
+    # Without a holdout every document trains: no selection, and no copies of 8 bytes a document.
+    kept = np.flatnonzero(~heldout) if heldout.any() else None
+    if kept is not None:
+        trains = trains[kept]
+    shards = build_shards(train_ds if kept is None else train_ds.select(kept), trains, topology.num_paths,
+                          cfg.data.seq_len, prepared.tokenizer.eos_token_id)
     by_rank = paths_by_rank([s.numel() for s in shards], world.size)
     mine = by_rank[world.rank]
 
@@ -250,7 +253,10 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
         sampler = ShardSampler(shards[p], train.optim.batch_size, seed=cfg.run.seed * 7919 + p)
         loops[p] = InnerLoop(bank.compose(p, model), sampler, train.optim, train.rounds * train.inner_steps, device,
                              options)
-    shares = overlap_token_shares(trains, topology.num_paths, numpy_column(train_ds, "num_tokens")[kept])
+    shares = None
+    if trains.shape[1] > 1:  # overlapping shards; else every share is 1
+        tokens = numpy_column(train_ds, "num_tokens")
+        shares = overlap_token_shares(trains, topology.num_paths, tokens if kept is None else tokens[kept])
     weights = path_weights(shards, cfg.outer.weighting, shares)
     exp_dir = RunDir(cfg.run.dir).experiment(train.name)
     early_stopping = None

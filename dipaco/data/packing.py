@@ -66,12 +66,24 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> 
     return torch.from_numpy(stream[: n_rows * seq_len].reshape(n_rows, seq_len))
 
 
+def _by_chunk(chunk: np.ndarray) -> Iterator[tuple[int, np.ndarray | slice]]:
+    """(chunk, where its elements are) for each chunk in ``chunk``: one pass, not a mask per chunk (a
+    shard of 2.5M documents spans thousands of chunks)."""
+    if chunk.size == 0:
+        return
+    order = None if (chunk[1:] >= chunk[:-1]).all() else np.argsort(chunk, kind="stable")
+    ordered = chunk if order is None else chunk[order]
+    bounds = np.concatenate(([0], np.flatnonzero(ordered[1:] != ordered[:-1]) + 1, [chunk.size]))
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        yield int(ordered[lo]), (slice(lo, hi) if order is None else order[lo:hi])
+
+
 class DocumentTokens:
     """Every document's token ids, read in place from a dataset's memory-mapped Arrow column.
 
-    Nothing is copied when it is built: a document's tokens are a numpy view of the Arrow file, which
-    the OS pages in and out. It pickles as the dataset does (by the path of its files), so a shard
-    sent to another process or machine reads the same files, e.g. on shared storage.
+    Nothing is copied when it is built: a document's tokens and the column's offsets are numpy views of
+    the Arrow file, which the OS pages in and out. It pickles as the dataset does (by the path of its
+    files), so a shard sent to another process or machine reads the same files, e.g. on shared storage.
 
     Where the column comes from stacked Arrow files (a prepared split of at least
     ``dipaco.data.reading.RELEASE_MIN_BYTES``), it maps those files itself and, every
@@ -95,8 +107,8 @@ class DocumentTokens:
         return {**self.__dict__, "_views": None, "_maps": [], "_gathered": 0}
 
     def _loaded(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-        """Per Arrow chunk: its flat token values (a view of the file) and its offsets into them (in
-        memory, 8 bytes a document); and each chunk's first row of the table."""
+        """Per Arrow chunk: its flat token values and its offsets into them (views, nothing copied); and
+        each chunk's first row of the table."""
         if self._views is None:
             self._views = self._mapped_files() or self._in_place()
         return self._views
@@ -104,7 +116,7 @@ class DocumentTokens:
     def _in_place(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
         chunks = self._ds.data.column(self._column).chunks
         values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
-        offsets = [c.offsets.to_numpy(zero_copy_only=False).astype(np.int64) for c in chunks]
+        offsets = [c.offsets.to_numpy(zero_copy_only=False) for c in chunks]
         return values, offsets, np.cumsum([0] + [len(c) for c in chunks])
 
     def _mapped_files(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray] | None:
@@ -119,9 +131,9 @@ class DocumentTokens:
             for batch in pa.ipc.open_stream(pa.py_buffer(maps[-1])):
                 column = batch.column(self._column)
                 values.append(column.values.to_numpy(zero_copy_only=False))
-                offsets.append(column.offsets.to_numpy(zero_copy_only=False).astype(np.int64))
+                offsets.append(column.offsets.to_numpy(zero_copy_only=False))
                 rows.append(rows[-1] + len(column))
-            maps[-1].madvise(mmap.MADV_DONTNEED)  # each file's offset pages now, not all 180 files' at the end
+            maps[-1].madvise(mmap.MADV_DONTNEED)  # each file's header pages now, not all 180 files' at the end
         if rows[-1] != self._ds.data.num_rows:
             raise DataError(f"the {self._column!r} column's files hold {rows[-1]:,} rows, the dataset "
                             f"{self._ds.data.num_rows:,}")
@@ -135,32 +147,39 @@ class DocumentTokens:
             mapped.madvise(mmap.MADV_DONTNEED)
         self._gathered = 0
 
-    def _table_rows(self, rows: np.ndarray) -> np.ndarray:
-        indices = self._ds._indices  # a select()ed dataset maps its rows onto the table's
-        return rows if indices is None else indices.column(0).to_numpy().astype(np.int64)[rows]
+    def table_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The table's row numbers of the dataset's ``rows``: a select()ed dataset maps its rows onto its
+        table's (only the rows asked for are read of that mapping)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        indices = self._ds._indices
+        if indices is None:
+            return rows
+        return np.asarray(indices.column(0).take(pa.array(rows)).to_numpy(), dtype=np.int64)
 
-    def spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For each of ``rows``: the Arrow chunk holding it, its first token's position in that chunk's
-        values, and its length."""
+    def locate(self, table_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For each of the table's ``table_rows``: the Arrow chunk holding it, its first token's position
+        in that chunk's values, and its length (int64 each)."""
         _, offsets, first_rows = self._loaded()
-        table_rows = self._table_rows(np.asarray(rows, dtype=np.int64))
+        table_rows = np.asarray(table_rows, dtype=np.int64)
         chunk = np.searchsorted(first_rows, table_rows, side="right") - 1
         start = np.empty(len(table_rows), dtype=np.int64)
         length = np.empty(len(table_rows), dtype=np.int64)
-        for c in np.unique(chunk):
-            mine = chunk == c
-            local = table_rows[mine] - first_rows[c]
-            start[mine] = offsets[c][local]
-            length[mine] = offsets[c][local + 1] - offsets[c][local]
-        return chunk.astype(np.int32), start, length
+        for c, where in _by_chunk(chunk):
+            local = table_rows[where] - first_rows[c]
+            start[where] = offsets[c][local]
+            length[where] = offsets[c][local + 1] - start[where]
+        return chunk, start, length
+
+    def spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`locate` for the dataset's ``rows``."""
+        return self.locate(self.table_rows(rows))
 
     def gather(self, chunk: np.ndarray, position: np.ndarray) -> np.ndarray:
         """The token at ``position`` of Arrow chunk ``chunk``, elementwise, as int64."""
         values = self._loaded()[0]
         out = np.empty(len(position), dtype=np.int64)
-        for c in np.unique(chunk):
-            mine = chunk == c
-            out[mine] = values[c][position[mine]]
+        for c, where in _by_chunk(np.asarray(chunk)):
+            out[where] = values[c][position[where]]
         self._gathered += len(position)
         if self._maps and self._gathered >= self.RELEASE_TOKENS:
             self.release()
@@ -170,12 +189,14 @@ class DocumentTokens:
 class PackedShard:
     """The rows :func:`pack_documents` would build from a shard's documents, read from disk on demand.
 
-    Only the shard's document table is in memory (where each document starts in the Arrow file, and
-    where it starts in the packed stream: about 24 bytes a document); the tokens stay in the
-    memory-mapped file. Indexing it like the (n_rows, seq_len) tensor gives exactly that tensor's rows,
-    so training on either is the same run."""
+    Only the shard's document table is in memory: each document's row of the Arrow table (4 bytes, 8
+    past 2^31 rows) and where it ends in the packed stream (8 bytes). Where a document's tokens start in
+    the file, and how many there are, is read from the column's offsets for the rows of a batch; the
+    tokens stay in the memory-mapped file. Indexing it like the (n_rows, seq_len) tensor gives exactly
+    that tensor's rows, so training on either is the same run."""
 
     ndim = 2
+    _BUILD_ROWS = 1 << 20  # documents located at a time while building the table: bounded temporaries
 
     def __init__(self, tokens: DocumentTokens, rows: np.ndarray, seq_len: int, eos_id: int) -> None:
         if seq_len < 1:
@@ -183,8 +204,14 @@ class PackedShard:
         if len(rows) == 0:
             raise DataError("cannot pack an empty shard (no documents)")
         self.tokens, self.seq_len, self.eos_id = tokens, seq_len, eos_id
-        self._chunk, self._start, self._length = tokens.spans(np.asarray(rows, dtype=np.int64))
-        self._end = np.cumsum(self._length + 1)  # one past each document's EOS in the packed stream
+        table_rows = tokens.table_rows(rows)
+        self._rows = table_rows.astype(np.int32) if table_rows.max() < 2**31 else table_rows
+        self._end = np.empty(len(table_rows), dtype=np.int64)  # one past each document's EOS in the packed stream
+        for i in range(0, len(table_rows), self._BUILD_ROWS):
+            self._end[i : i + self._BUILD_ROWS] = tokens.locate(table_rows[i : i + self._BUILD_ROWS])[2] + 1
+        del table_rows
+        np.cumsum(self._end, out=self._end)
+        tokens.release()  # the offsets just read: the whole column's
         total = int(self._end[-1])
         if total < seq_len:
             raise DataError(
@@ -206,10 +233,13 @@ class PackedShard:
             raise IndexError(f"row index out of range for a shard of {self.shape[0]} rows")
         position = (rows[:, None] * self.seq_len + np.arange(self.seq_len)).reshape(-1)
         doc = np.searchsorted(self._end, position, side="right")
-        offset = position - (self._end[doc] - self._length[doc] - 1)  # within the document; == length: its EOS
+        begin = np.where(doc > 0, self._end[doc - 1], 0)  # the document's first position in the stream
+        offset = position - begin
+        is_token = offset < self._end[doc] - begin - 1  # == the document's length: its EOS
         out = np.full(position.size, self.eos_id, dtype=np.int64)
-        is_token = offset < self._length[doc]
-        out[is_token] = self.tokens.gather(self._chunk[doc[is_token]], self._start[doc[is_token]] + offset[is_token])
+        docs, which = np.unique(doc[is_token], return_inverse=True)
+        chunk, start, _ = self.tokens.locate(self._rows[docs])
+        out[is_token] = self.tokens.gather(chunk[which], start[which] + offset[is_token])
         return torch.from_numpy(out.reshape(rows.size, self.seq_len))
 
     def materialize(self) -> torch.Tensor:

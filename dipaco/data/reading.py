@@ -33,8 +33,8 @@ import pyarrow.compute as pc
 from numpy.lib.format import open_memmap
 
 RELEASE_MIN_BYTES = 256 << 20  # below this, a split's pages are few enough to keep
-# Rows per record batch of the corpus files dipaco writes (datasets' default: 1,000; ``map`` writes a
-# function's returned batch as it is, so the tokenized shards keep the tokenizer's 1,000-row batches). Opening a file
+# Rows per record batch of the corpus and token files dipaco writes (datasets' default: 1,000; ``map`` writes a
+# function's returned batch as it is, so the tokenizer encodes batches of this many rows). Opening a file
 # reads every batch's header, and each header read maps a whole folio of the file (up to 2 MB here):
 # with 1 MB batches, opening the 11 GB conversion of 10M documents made 750 MB of it resident.
 WRITER_BATCH_ROWS = 10_000
@@ -95,7 +95,7 @@ class SplitReader:
         """``min_bytes`` (default ``RELEASE_MIN_BYTES``): splits whose files are smaller are read in place
         (their pages are few, and each release costs a garbage collection)."""
         self.ds = ds
-        size = sum(os.path.getsize(f["filename"]) for f in ds.cache_files if os.path.exists(f["filename"]))
+        size = sum(os.path.getsize(f) for f in {c["filename"] for c in ds.cache_files} if os.path.exists(f))
         least = RELEASE_MIN_BYTES if min_bytes is None else min_bytes
         self._groups = self._stacked_groups(ds) if size >= least and size > 0 else []
         # A select()ed split's row numbers, read a slice at a time (they may be a memory-mapped file of
@@ -104,22 +104,26 @@ class SplitReader:
 
     @staticmethod
     def _stacked_groups(ds: datasets.Dataset) -> list[tuple[frozenset[str], list[_ArrowFile]]]:
-        """Runs of consecutive cache files with the same columns that stack to every row of the table."""
-        runs: list[tuple[tuple[str, ...], list[_ArrowFile]]] = []
-        for f in ds.cache_files:
+        """The cache files grouped by their columns, each group in row order, where a group stacks to
+        every row of the table.
+
+        A table with columns joined beside it (routing's path column) lists its cache files interleaved,
+        one entry per block of rows: the 180 files of a split of 10M documents came out as (train-00000,
+        routing data, train-00001, routing data, ...), which no run of consecutive files stacks."""
+        groups: dict[tuple[str, ...], list[_ArrowFile]] = {}
+        for name in dict.fromkeys(f["filename"] for f in ds.cache_files):
             try:
-                with pa.memory_map(f["filename"]) as source:
+                with pa.memory_map(name) as source:
                     table = pa.ipc.open_stream(source).read_all()
                     columns, rows = tuple(table.column_names), table.num_rows
                     del table
             except (OSError, pa.ArrowInvalid):
                 return []
-            if not runs or runs[-1][0] != columns:
-                runs.append((columns, []))
-            files = runs[-1][1]
-            files.append(_ArrowFile(f["filename"], files[-1].first + files[-1].rows if files else 0, rows))
+            files = groups.setdefault(columns, [])
+            files.append(_ArrowFile(name, files[-1].first + files[-1].rows if files else 0, rows))
         table_rows = ds.data.num_rows
-        return [(frozenset(columns), files) for columns, files in runs if files[-1].first + files[-1].rows == table_rows]
+        return [(frozenset(columns), files) for columns, files in groups.items()
+                if files[-1].first + files[-1].rows == table_rows]
 
     def files_with(self, columns: list[str]) -> list[_ArrowFile] | None:
         """The stacked files that hold ``columns`` (None: they are read through the dataset)."""

@@ -130,10 +130,10 @@ def training_paths(train_ds: datasets.Dataset, paths: np.ndarray, num_paths: int
     return overlapping_paths(train_ds, paths, topk)
 
 
-def shard_members(paths: np.ndarray, num_paths: int) -> list[np.ndarray]:
-    """Document indices of each path's shard; ``paths`` is (N,) or (N, k) for overlapping shards."""
+def shard_members(paths: np.ndarray, path: int) -> np.ndarray:
+    """Document indices of ``path``'s shard; ``paths`` is (N,) or (N, k) for overlapping shards."""
     paths = paths.reshape(len(paths), -1)
-    return [np.flatnonzero((paths == p).any(axis=1)) for p in range(num_paths)]
+    return np.flatnonzero(paths[:, 0] == path if paths.shape[1] == 1 else (paths == path).any(axis=1))
 
 
 def overlap_token_shares(paths: np.ndarray, num_paths: int, tokens: Sequence[int] | np.ndarray) -> list[float]:
@@ -144,7 +144,7 @@ def overlap_token_shares(paths: np.ndarray, num_paths: int, tokens: Sequence[int
     ranked = np.sort(paths, axis=1)
     multiplicity = 1.0 + (np.diff(ranked, axis=1) != 0).sum(axis=1)  # distinct paths per document
     shares = []
-    for members in shard_members(paths, num_paths):
+    for members in (shard_members(paths, p) for p in range(num_paths)):
         total = t[members].sum()
         shares.append(float((t[members] / multiplicity[members]).sum() / total) if total > 0 else 1.0)
     return shares
@@ -158,7 +158,8 @@ def build_shards(
     (N, k) for overlapping shards."""
     docs = DocumentTokens(ds)
     shards = []
-    for p, members in enumerate(shard_members(paths, num_paths)):
+    for p in range(num_paths):
+        members = shard_members(paths, p)
         if members.size == 0:
             raise DataError(
                 f"shard of path {p} is empty: no training document was routed to it; "

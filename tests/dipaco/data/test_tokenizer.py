@@ -130,6 +130,16 @@ def test_decode_batch_is_batch_decode(tokenizer_dir):
     assert decode_batch(tok, ids) == tok.batch_decode(ids)
 
 
+def test_tokenized_shards_are_written_in_record_batches_of_writer_batch_rows(tokenizer_dir, tmp_path, monkeypatch):
+    """The encoder's batches were 1,000 rows whatever the writer's: 10x the headers to read on opening."""
+    tok = load_tokenizer(tokenizer_dir)
+    ds = datasets.Dataset.from_dict({"id": [str(i) for i in range(2500)], "text": ["a b c"] * 2500})
+    monkeypatch.setattr(tokenizer_module, "WRITER_BATCH_ROWS", 2000)
+    files = tokenize_to_disk(ds, tok, tmp_path / "tokens", "train", shard_docs=2500)
+    with pa.memory_map(str(files[0])) as source:
+        assert [b.num_rows for b in pa.ipc.open_stream(source)] == [2000, 500]
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
 def test_tokenize_to_disk_returns_its_files_and_keeps_none_mapped(tokenizer_dir, tmp_path, monkeypatch):
     """Every open shard held pages of its metadata: at 10M documents, 180 shards held hundreds of MB."""
