@@ -7,13 +7,13 @@ are independent of each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
 from dipaco.data.corpus import stable_hash
 
 
-def holdout_mask(ids: Sequence[str], fraction: float, salt: str) -> np.ndarray:
+def holdout_mask(ids: Iterable[str], fraction: float, salt: str) -> np.ndarray:
     """True for about ``fraction`` of the documents, chosen by a hash of ``salt`` and the id."""
-    return np.array([stable_hash(f"{salt}:{i}") % 10_000 < fraction * 10_000 for i in ids], dtype=bool)
+    return np.fromiter((stable_hash(f"{salt}:{i}") % 10_000 < fraction * 10_000 for i in ids), dtype=bool)

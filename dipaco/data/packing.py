@@ -174,6 +174,17 @@ class DocumentTokens:
         """:meth:`locate` for the dataset's ``rows``."""
         return self.locate(self.table_rows(rows))
 
+    def documents(self, rows: np.ndarray, dtype: type = np.int64) -> list[np.ndarray]:
+        """The token ids of the dataset's ``rows``, each document an array of ``dtype`` in memory (a
+        copy: nothing refers to the file)."""
+        values = self._loaded()[0]
+        chunk, start, length = self.spans(rows)
+        docs = [values[c][s : s + n].astype(dtype) for c, s, n in zip(chunk.tolist(), start.tolist(), length.tolist())]
+        self._gathered += int(length.sum())
+        if self._maps and self._gathered >= self.RELEASE_TOKENS:
+            self.release()
+        return docs
+
     def gather(self, chunk: np.ndarray, position: np.ndarray) -> np.ndarray:
         """The token at ``position`` of Arrow chunk ``chunk``, elementwise, as int64."""
         values = self._loaded()[0]
@@ -278,7 +289,7 @@ def unscored_docs(docs: Sequence[Sequence[int]], prefix_tokens: int) -> list[int
     return [i for i, doc in enumerate(docs) if count_scored_tokens(len(doc), prefix_tokens) == 0]
 
 
-def eval_windows(docs: Sequence[Sequence[int]], seq_len: int, prefix_tokens: int) -> list[EvalWindow]:
+def eval_windows(docs: Sequence[Sequence[int] | np.ndarray], seq_len: int, prefix_tokens: int) -> list[EvalWindow]:
     """Cut every document into windows that score each of its scored tokens exactly once.
 
     Documents without scored tokens (doc_len <= max(prefix_tokens, 1)) produce no window; count
@@ -304,6 +315,21 @@ def eval_windows(docs: Sequence[Sequence[int]], seq_len: int, prefix_tokens: int
             if (labels != IGNORE_INDEX).any():
                 windows.append(EvalWindow(doc_index=doc_index, start=start, input_ids=window, labels=labels))
     return windows
+
+
+def count_eval_windows(lengths: np.ndarray | Sequence[int], seq_len: int, prefix_tokens: int) -> int:
+    """``len(eval_windows(docs, seq_len, prefix_tokens))`` from the documents' lengths alone.
+
+    A document with scored tokens has ceil((L - 1) / stride) windows (at least one), starting at
+    k * stride; every one scores a token except those that end before the first scored position,
+    the k with k * stride <= first_scored - seq_len."""
+    if seq_len < 2:
+        raise ConfigError(f"seq_len={seq_len} must be at least 2 to score a token from its predecessor")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    first_scored, stride = max(prefix_tokens, 1), seq_len - 1
+    windows = np.maximum(-(-(lengths - 1) // stride), 1)
+    context_only = (first_scored - seq_len) // stride + 1 if first_scored >= seq_len else 0
+    return int(np.maximum(windows - context_only, 0)[lengths > first_scored].sum())
 
 
 def _window_starts(doc_len: int, seq_len: int) -> range:

@@ -140,6 +140,9 @@ def token_features(features: datasets.Features, vocab_size: int) -> datasets.Fea
                               "num_tokens": datasets.Value("int64")})
 
 
+ENCODE_TEXTS = 1000  # texts per call of the Rust encoder
+
+
 def encode_texts(backend: Tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, no special tokens added."""
     return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
@@ -165,7 +168,8 @@ def _encoder(tokenizer: transformers.PreTrainedTokenizerBase) -> Callable[[pa.Ta
     backend = tokenizer.backend_tokenizer
 
     def ids_of(texts: list[str]) -> list[list[int]]:
-        return encode_texts(backend, texts)
+        # 1,000 texts a call: a batch of 10k encoded 20% slower (the map's batches stay 10k rows: fewer headers)
+        return [ids for i in range(0, len(texts), ENCODE_TEXTS) for ids in encode_texts(backend, texts[i : i + ENCODE_TEXTS])]
 
     def encode(batch: pa.Table) -> pa.Table:
         texts = batch.column("text").to_pylist()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -21,7 +23,7 @@ from transformers import LlamaConfig, PreTrainedModel
 from dipaco.atomic import write_text
 from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
 from dipaco.config import EvalConfig
-from dipaco.data.packing import eval_windows
+from dipaco.data.packing import DocumentTokens, count_eval_windows
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError
 from dipaco.eval.report import REPORT
@@ -31,7 +33,7 @@ from dipaco.model.llama import build_model
 from dipaco.model.scoring import Scores, score_documents
 from dipaco.model.topology import Topology
 from dipaco.paths.early_stopping import load_best_path
-from dipaco.precision import resolve_precision
+from dipaco.precision import Precision, resolve_precision
 from dipaco.route.shards import assign_paths
 from dipaco.run_dir import RunDir
 
@@ -80,11 +82,39 @@ def _summary(scores: Scores, n_docs: int) -> dict:
     }
 
 
-def validation_docs(section: EvalConfig, prepared: Prepared) -> tuple[list[list[int]], object]:
+EVAL_CHUNK_DOCS = 10_000  # documents read and scored at a time: eval's memory does not grow with the split
+
+
+def validation_split(section: EvalConfig, prepared: Prepared) -> datasets.Dataset:
+    """The validation documents evaluation scores: the first ``eval.max_docs``, or all."""
     val = prepared.validation
     if section.max_docs is not None:
         val = val.select(range(min(section.max_docs, len(val))))
+    return val
+
+
+def validation_docs(section: EvalConfig, prepared: Prepared) -> tuple[list[list[int]], datasets.Dataset]:
+    """Every scored validation document's token ids in memory, for the re-routing evaluation;
+    `dipaco eval` reads them in chunks (:func:`score_rows`)."""
+    val = validation_split(section, prepared)
     return val["input_ids"], val
+
+
+def score_rows(model: PreTrainedModel, tokens: DocumentTokens, rows: np.ndarray, seq_len: int, prefix_tokens: int,
+               batch_size: int, pad_id: int, precision: Precision, on_batch: Callable[[int], object]) -> Scores:
+    """:func:`score_documents` of the documents ``rows``, read from the token files and scored
+    ``EVAL_CHUNK_DOCS`` at a time (the same scores: each document is scored on its own)."""
+    nll, counts = [np.zeros(0)], [np.zeros(0, dtype=np.int64)]
+    for i in range(0, len(rows), EVAL_CHUNK_DOCS):
+        scores = score_documents(model, tokens.documents(rows[i : i + EVAL_CHUNK_DOCS]), seq_len, prefix_tokens,
+                                 batch_size, pad_id, precision, on_batch)
+        nll.append(scores.nll)
+        counts.append(scores.tokens)
+    return Scores(np.concatenate(nll), np.concatenate(counts))
+
+
+def _windows(tokens: DocumentTokens, n_docs: int, seq_len: int, prefix_tokens: int) -> int:
+    return count_eval_windows(tokens.spans(np.arange(n_docs))[2], seq_len, prefix_tokens)
 
 
 def load_eval_path(job: EvalJob, bank: ModuleBank, path: int, model: PreTrainedModel) -> PreTrainedModel:
@@ -101,21 +131,20 @@ def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None
     exp_dir, ckpt = experiment_checkpoint(job.run_dir, job.name, job.routed, checkpoint)
     topology = job.topology
     bank = read_bank(ckpt, topology, job.llama)
-    docs, val = validation_docs(job.eval, prepared)
+    val = validation_split(job.eval, prepared)
+    tokens = DocumentTokens(val)
     routes = assign_paths(val, topology.num_paths, job.sharding, job.seed, job.shard_column)
 
     model = build_model(job.llama, device=job.device)
     precision = resolve_precision(job.eval.precision, job.device, "eval.precision")
     per_path, nll_total, tok_total = [], 0.0, 0
-    bar = tqdm(total=len(eval_windows(docs, job.seq_len, job.prefix_tokens)), desc=f"eval {job.name}", unit="window",
-               disable=not job.progress, dynamic_ncols=True, leave=False)
+    bar = tqdm(total=_windows(tokens, len(val), job.seq_len, job.prefix_tokens), desc=f"eval {job.name}",
+               unit="window", disable=not job.progress, dynamic_ncols=True, leave=False)
     for p in range(topology.num_paths):
         members = np.flatnonzero(routes == p)
         bar.set_postfix(path=p)
-        scores = score_documents(
-            load_eval_path(job, bank, p, model), [docs[int(i)] for i in members], job.seq_len,
-            job.prefix_tokens, job.eval.batch_size, prepared.tokenizer.pad_token_id, precision, bar.update,
-        )
+        scores = score_rows(load_eval_path(job, bank, p, model), tokens, members, job.seq_len, job.prefix_tokens,
+                            job.eval.batch_size, prepared.tokenizer.pad_token_id, precision, bar.update)
         per_path.append({"path": p, "modules": [topology.modules[m].name for m in topology.path_modules(p)],
                          **_summary(scores, members.size)})
         nll_total += float(scores.nll.sum())
@@ -131,7 +160,7 @@ def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None
         "steps_per_path": int(ckpt.name.split("_")[-1]) * job.inner_steps,
         "prefix_tokens": job.prefix_tokens,
         "paths": per_path,
-        "overall": {"docs": len(docs), "scored_tokens": tok_total, "nll": nll_total,
+        "overall": {"docs": len(val), "scored_tokens": tok_total, "nll": nll_total,
                     "ppl": math.exp(nll_total / tok_total) if tok_total else float("nan")},
     }
     _write(report, exp_dir / REPORT)
@@ -144,12 +173,13 @@ def evaluate_pretrained(section: EvalConfig, run_dir: Path, model: PreTrainedMod
     """The dense pretrained ``model`` on all validation docs (the initialisation every module starts from)."""
     check_eval(section)
     model = model.to(device)
-    docs, _ = validation_docs(section, prepared)
-    with tqdm(total=len(eval_windows(docs, seq_len, prefix_tokens)), desc="eval pretrained", unit="window",
+    val = validation_split(section, prepared)
+    tokens = DocumentTokens(val)
+    with tqdm(total=_windows(tokens, len(val), seq_len, prefix_tokens), desc="eval pretrained", unit="window",
               disable=not progress, dynamic_ncols=True, leave=False) as bar:
-        scores = score_documents(model, docs, seq_len, prefix_tokens, section.batch_size,
-                                 prepared.tokenizer.pad_token_id,
-                                 resolve_precision(section.precision, device, "eval.precision"), bar.update)
+        scores = score_rows(model, tokens, np.arange(len(val)), seq_len, prefix_tokens, section.batch_size,
+                            prepared.tokenizer.pad_token_id,
+                            resolve_precision(section.precision, device, "eval.precision"), bar.update)
     n = sum(p.numel() for p in model.parameters())
     report = {
         "experiment": "pretrained",
@@ -159,7 +189,7 @@ def evaluate_pretrained(section: EvalConfig, run_dir: Path, model: PreTrainedMod
         "params_total": n,
         "steps_per_path": steps,
         "prefix_tokens": prefix_tokens,
-        "overall": _summary(scores, len(docs)),
+        "overall": _summary(scores, len(val)),
     }
     _write(report, RunDir(run_dir).pretrain / REPORT)
     echo(f"[eval] pretrained dense model: validation ppl {report['overall']['ppl']:.2f} "

@@ -62,7 +62,7 @@ def window_nll(model: PreTrainedModel, windows: Sequence[EvalWindow], batch_size
 
 def score_documents(
     model: PreTrainedModel,
-    docs: Sequence[Sequence[int]],
+    docs: Sequence[Sequence[int] | np.ndarray],
     seq_len: int,
     prefix_tokens: int,
     batch_size: int,

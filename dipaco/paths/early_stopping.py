@@ -20,7 +20,7 @@ never write the same file.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,13 +35,13 @@ from dipaco.precision import Precision
 from dipaco.tensor_io import load_model_params, save_tensors
 
 
-def early_stopping_holdout(ids: Sequence[str], fraction: float, seed: int) -> np.ndarray:
+def early_stopping_holdout(ids: Iterable[str], fraction: float, seed: int) -> np.ndarray:
     """True for the training documents kept out of every shard to judge early stopping."""
     return holdout_mask(ids, fraction, f"early-stop:{seed}")
 
 
 class PathEarlyStopping:
-    def __init__(self, directory: Path, heldout_docs: dict[int, list[list[int]]], seq_len: int,
+    def __init__(self, directory: Path, heldout_docs: Mapping[int, Sequence[Sequence[int] | np.ndarray]], seq_len: int,
                  prefix_tokens: int, batch_size: int, pad_id: int, scratch_model: PreTrainedModel,
                  precision: Precision | None = None) -> None:
         """``heldout_docs`` maps path id -> token ids of its held-out documents; paths are composed

@@ -42,7 +42,7 @@ def iid_paths(ids: Iterable[str], num_paths: int, seed: int) -> np.ndarray:
     return np.fromiter((stable_hash(f"shard:{seed}:{i}") % num_paths for i in ids), dtype=np.int64)
 
 
-def _ids(ds: datasets.Dataset, batch_size: int = 100_000) -> Iterator[str]:
+def document_ids(ds: datasets.Dataset, batch_size: int = 100_000) -> Iterator[str]:
     # Chunks through their own maps: the ids lie between the texts in the file (dipaco.data.reading).
     for _, batch in SplitReader(ds).chunks(["id"], batch_size):
         yield from batch["id"]
@@ -92,7 +92,7 @@ def with_routing(prepared: Prepared, run_dir: str | Path) -> Prepared:
 def assign_paths(ds: datasets.Dataset, num_paths: int, sharding: str, seed: int, column: str = "path") -> np.ndarray:
     """Path id of every document of ``ds``."""
     if sharding == "iid":
-        return iid_paths(_ids(ds), num_paths, seed)
+        return iid_paths(document_ids(ds), num_paths, seed)
     if sharding == "column":
         return column_paths(ds, column, num_paths)
     if sharding == "kmeans":

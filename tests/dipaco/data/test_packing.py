@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from dipaco.data.packing import (
     IGNORE_INDEX,
     batch_eval_windows,
+    count_eval_windows,
     count_scored_tokens,
     eval_windows,
     pack_documents,
@@ -214,3 +215,13 @@ def test_batched_padded_loss_equals_per_window_loss():
             [summed_nll(model, w.input_ids[None], torch.ones_like(w.input_ids[None]), w.labels[None]) for w in windows]
         )
     assert torch.allclose(batched, one_by_one, atol=1e-4)
+
+
+@pytest.mark.parametrize("seq_len,prefix_tokens", [(2, 0), (4, 9), (5, 1), (16, 3), (64, 32), (8, 40)])
+def test_the_window_count_from_lengths_alone_is_len_of_eval_windows(seq_len, prefix_tokens):
+    """`dipaco eval`'s progress bar counts windows from the lengths; it used to build every window of the
+    validation split for that, all of its tokens in memory at once."""
+    lengths = np.random.default_rng(seq_len + prefix_tokens).integers(0, 200, 300)
+    lengths[:4] = [0, 1, prefix_tokens, prefix_tokens + 1]
+    docs = [list(range(int(n))) for n in lengths]
+    assert count_eval_windows(lengths, seq_len, prefix_tokens) == len(eval_windows(docs, seq_len, prefix_tokens))
