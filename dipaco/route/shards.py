@@ -51,15 +51,17 @@ def document_ids(ds: datasets.Dataset, batch_size: int = 100_000) -> Iterator[st
 def column_paths(ds: datasets.Dataset, column: str, num_paths: int) -> np.ndarray:
     if column not in ds.column_names:
         raise DataError(f"sharding=column needs a {column!r} column; the dataset has {ds.column_names}")
+    paths = numpy_column(ds, column)
     try:
-        paths = numpy_column(ds, column).astype(np.int64)
+        if not np.issubdtype(paths.dtype, np.integer):
+            paths = paths.astype(np.int64)
+        bad = np.flatnonzero((paths < 0) | (paths >= num_paths))
     except (TypeError, ValueError):
         raise DataError(f"column {column!r} must hold integer path ids") from None
-    bad = np.flatnonzero((paths < 0) | (paths >= num_paths))
     if bad.size:
         ids = [ds["id"][int(i)] for i in bad[:5]]
         raise DataError(f"column {column!r}: {bad.size} docs have a path outside [0, {num_paths}), e.g. ids {ids}")
-    return paths
+    return paths.astype(np.int32)  # checked first, so none wraps; int64 took 80 MB of a 10M-document split
 
 
 ROUTING_COLUMNS = ("path", "paths_topk")
