@@ -218,7 +218,7 @@ def tokenize_to_disk(
     ``batch_size`` (default ``WRITER_BATCH_ROWS``) documents are encoded at a time, and each batch is one
     record batch of the file: ``map`` writes a returned batch as it is, and splits but never merges them.
     Opening a file reads every batch's header, each a page fault that maps up to a folio of the file:
-    1,000-row batches kept 385 MB of the 10M-document train split resident in `dipaco train`."""
+    1,000-row batches kept 385-570 MB of the 10M-document train split resident in `dipaco train`."""
     work_dir.mkdir(parents=True, exist_ok=True)
     features = token_features(ds.features, len(tokenizer))
     encode = _encoder(tokenizer)
