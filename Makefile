@@ -38,9 +38,13 @@ demo: install
 	$(DIPACO) report   --config $(CONFIG) run.dir=$(RUN_DIR)
 
 # -rs lists every skipped test with its reason. .ci/run sets DIPACO_REQUIRE_E2E=1, which turns a
-# skipped end-to-end test into a failure (tests/e2e_guard.py).
+# skipped end-to-end test into a failure (tests/e2e_guard.py). The suite runs in TEST_WORKERS pytest-xdist
+# workers, a test file each at a time (module fixtures run once), one torch thread each (tests/conftest.py):
+# most of its time is single-threaded (imports, subprocess start-up), so 2 workers on 2 cores took 644 s
+# where one took 905 s. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
 # ruff (lint, import order), mypy (types), import-linter (the layers in pyproject.toml, lazy imports included)
 lint: install

@@ -5,13 +5,20 @@ see tests/dipaco/tiny.py); `e2e_guard` marks them and makes CI fail when one is 
 corpora in ../shared/data, next to the repository, serve the benchmarks and one corpus test.
 """
 
+import os
 import signal
 from pathlib import Path
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on this 2-core machine: two torch processes of 2 threads each ran 4x
+    # slower than with one each. Set before any test module imports torch; their subprocesses inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 from e2e_guard import (  # noqa: F401  (pytest finds hooks by name in this module)
     pytest_collection_modifyitems,
     pytest_collectreport,
+    pytest_runtest_logreport,
     pytest_runtest_makereport,
     pytest_sessionfinish,
     pytest_sessionstart,

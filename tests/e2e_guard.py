@@ -55,8 +55,14 @@ def pytest_runtest_makereport(item: pytest.Item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"end-to-end test skipped while {REQUIRE_E2E}=1: {reason}"
-    elif report.when == "call" and report.passed:
-        _e2e_passed.append(item.nodeid)
+    report.user_properties.append((E2E_MARKER, True))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Counted where reports are logged, not where they are made: under pytest-xdist that is the
+    # controller, which runs no test itself and receives the workers' reports (user_properties travel).
+    if report.when == "call" and report.passed and any(key == E2E_MARKER for key, _ in report.user_properties):
+        _e2e_passed.append(report.nodeid)
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
@@ -65,7 +71,7 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if not e2e_required():
+    if not e2e_required() or hasattr(session.config, "workerinput"):  # an xdist worker: the controller decides
         return
     problems = [f"test module skipped as a whole (it may hold end-to-end tests): {nodeid}"
                 for nodeid in _skipped_modules]
