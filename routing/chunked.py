@@ -128,31 +128,42 @@ def priced_labels(costs: ChunkedCosts, prices: np.ndarray | None) -> tuple[np.nd
     return labels, 1e-9 * (top + 1e-30)
 
 
-def margins(costs: ChunkedCosts, labels: np.ndarray, prices: np.ndarray | None) -> np.ndarray:
-    """(N,) float32: each document's cheapest other priced cost minus its own cluster's. Small: a small
-    error in the prices would move it; negative: the repair moved it off its priced best."""
-    out = np.empty(costs.n, dtype=np.float32)
+def _merge_smallest_flat(vals: np.ndarray, docs: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    if vals.size <= budget:
+        return vals, docs
+    keep = np.argpartition(vals, budget - 1)[:budget]
+    return vals[keep], docs[keep]
+
+
+def boundary_pool(costs: ChunkedCosts, labels: np.ndarray, prices: np.ndarray | None, budget: int) -> np.ndarray:
+    """Sorted indices of the ``budget`` documents of smallest margin: each document's cheapest other
+    priced cost minus its own cluster's. Small: a small error in the prices would move it; negative:
+    the repair moved it off its priced best. Selected chunk by chunk, so memory is O(budget + chunk):
+    an (N,) array of margins and the (N,) int64 argpartition of it were 120 MB at 10M documents."""
+    if costs.n <= budget:
+        return np.arange(costs.n)
     shift = _shift(costs, prices)
+    best_vals, best_docs = np.empty(0, dtype=np.float32), np.empty(0, dtype=np.int64)
     for start, c in costs.chunks():
         priced = c - shift
         rows = np.arange(len(c))
         own = labels[start : start + len(c)]
         mine = priced[rows, own].copy()
         priced[rows, own] = math.inf
-        out[start : start + len(c)] = priced.min(axis=1) - mine
-    return out
+        vals, docs = _merge_smallest_flat((priced.min(axis=1) - mine).astype(np.float32), rows + start, budget)
+        best_vals, best_docs = _merge_smallest_flat(np.concatenate([best_vals, vals]),
+                                                    np.concatenate([best_docs, docs]), budget)
+    return np.sort(best_docs)
 
 
-def solve_boundary(costs: ChunkedCosts, labels: np.ndarray, margins: np.ndarray, cap: np.ndarray,
+def solve_boundary(costs: ChunkedCosts, labels: np.ndarray, prices: np.ndarray | None, cap: np.ndarray,
                    floor: np.ndarray, budget: int, log: Log | None = None) -> None:
-    """In place: re-solve exactly the `budget` documents of smallest margin (`margins`), every other
+    """In place: re-solve exactly the `budget` documents of smallest margin (`boundary_pool`), every other
     document fixed where it is. With good prices the optimum differs from the priced assignment only
     near the boundaries, so this lands on it or next to it, in one (budget, k) solve instead of many
     passes. The assignment given is feasible, so the pool's reduced bounds are too."""
     k = costs.k
-    pool = np.arange(costs.n)
-    if costs.n > budget:
-        pool = np.sort(np.argpartition(margins, budget - 1)[:budget])
+    pool = boundary_pool(costs, labels, prices, budget)
     fixed = np.bincount(labels, minlength=k) - np.bincount(labels[pool], minlength=k)
     pool_cap, pool_floor = cap - fixed, np.maximum(floor - fixed, 0)
     labels[pool] = balanced_assign_costs(costs.at(pool), pool_cap, pool_floor, start=labels[pool]).numpy()
@@ -321,7 +332,7 @@ def chunked_balanced_assign(
     cap_np, floor_np = _check_bounds(n, k, cap, floor)
     labels, tol = priced_labels(costs, prices)
     passes = repair(costs, labels, cap_np, floor_np, log)
-    solve_boundary(costs, labels, margins(costs, labels, prices), cap_np, floor_np, pool_docs, log)
+    solve_boundary(costs, labels, prices, cap_np, floor_np, pool_docs, log)
     more, optimal = improve(costs, labels, cap_np, floor_np, tol, pool_docs, max_passes, log, min_gain)
     counts = np.bincount(labels, minlength=k)
     if (counts > cap_np).any() or (counts < floor_np).any():

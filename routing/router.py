@@ -310,9 +310,12 @@ class Router:
         return labels
 
     def assign_chunked(self, features: Any, chunk: int) -> np.ndarray:
-        """`assign` of an (N, D) array read `chunk` rows at a time (a memmap stays on disk): (N,) int64."""
-        return np.concatenate([self.assign(np.asarray(features[a : a + chunk])).numpy().astype(np.int64)
-                               for a in range(0, len(features), chunk)])
+        """`assign` of an (N, D) array read `chunk` rows at a time (a memmap stays on disk): (N,) int64,
+        filled in place (a list of chunks and their concatenation held it twice)."""
+        out = np.empty(len(features), dtype=np.int64)
+        for a in range(0, len(features), chunk):
+            out[a : a + chunk] = self.assign(np.asarray(features[a : a + chunk])).numpy()
+        return out
 
     def assign_topk_chunked(self, features: Any, k: int, chunk: int) -> np.ndarray:
         """`assign_topk` of an (N, D) array read `chunk` rows at a time: (N, k) int64."""

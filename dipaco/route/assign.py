@@ -225,11 +225,16 @@ def _batches(ds: datasets.Dataset, columns: list[str], chunk: int,
     yield from SplitReader(ds).chunks(columns, chunk, numpy)
 
 
-def _numbers(ds: datasets.Dataset, column: str, chunk: int = CHUNK_DOCS) -> np.ndarray:
-    """A numeric column as one (N,) int64 array, read in chunks (no Python list of N values)."""
-    out = np.empty(len(ds), dtype=np.int64)
+def _numbers(ds: datasets.Dataset, column: str, chunk: int = CHUNK_DOCS, dtype: type = np.int32) -> np.ndarray:
+    """A numeric column as one (N,) array (int32 by default: 4 bytes a document), read in chunks (no
+    Python list of N values); a value that does not fit ``dtype`` is an error, not a wrapped number."""
+    out = np.empty(len(ds), dtype=dtype)
+    top = np.iinfo(dtype).max
     for start, batch in _batches(ds, [column], chunk, numpy=True):
-        out[start : start + len(batch[column])] = batch[column]
+        values = np.asarray(batch[column])
+        if values.size and values.max() > top:
+            raise DataError(f"{column}: a value of {int(values.max()):,} does not fit {np.dtype(dtype).name}")
+        out[start : start + len(values)] = values
     return out
 
 
@@ -332,10 +337,10 @@ def save_features(features: Mapping[str, Any], path: Path, chunk: int = CHUNK_DO
 
 
 def _label_codes(ds: datasets.Dataset, chunk: int) -> np.ndarray:
-    """The label column as (N,) int codes, read in chunks: NMI, ARI and purity do not depend on the
+    """The label column as (N,) int32 codes, read in chunks: NMI, ARI and purity do not depend on the
     labels' names, and codes keep N strings out of memory."""
     codes: dict[Any, int] = {}
-    out = np.empty(len(ds), dtype=np.int64)
+    out = np.empty(len(ds), dtype=np.int32)
     for start, batch in _batches(ds, ["label"], chunk):
         out[start : start + len(batch["label"])] = [codes.setdefault(v, len(codes)) for v in batch["label"]]
     return out

@@ -171,3 +171,40 @@ def test_only_one_level_k_means_is_refined():
     router, labels = fit_router(x, [2, 2], slack=0.1, seed=0)
     with pytest.raises(ValueError, match="one-level k-means"):
         router.refine_chunked(x.numpy(), 64, np.arange(len(x)), labels, 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_boundary_pool_is_the_documents_of_smallest_margin_chosen_chunk_by_chunk(seed):
+    from routing.chunked import boundary_pool
+
+    rng = np.random.default_rng(seed)
+    n, k, budget = 500, 5, int(rng.integers(1, 120))
+    cost = rng.random((n, k))
+    prices = rng.random(k) * 0.1
+    labels = rng.integers(0, k, n)
+    costs = dense_costs(cost, chunk=int(rng.integers(3, 90)))
+    shifted = cost - cost.min(axis=1, keepdims=True) - prices
+    own = shifted[np.arange(n), labels].copy()
+    shifted[np.arange(n), labels] = np.inf
+    margin = (shifted.min(axis=1) - own).astype(np.float32)  # continuous random costs: no ties
+    pool = boundary_pool(costs, labels, prices, budget)
+    assert pool.tolist() == np.sort(np.argsort(margin, kind="stable")[:budget]).tolist()
+    assert boundary_pool(costs, labels, prices, n + 1).tolist() == list(range(n))  # every document fits
+
+
+def test_the_boundary_pool_holds_no_per_document_array():
+    """It held the (N,) float32 margins and their (N,) int64 argpartition: 120 MB at 10M documents."""
+    import tracemalloc
+
+    from routing.chunked import boundary_pool
+
+    n, k, chunk, budget = 4_000_000, 4, 65_536, 1_000
+    cost = np.random.default_rng(0).random((chunk, k))
+    costs = ChunkedCosts(n, k, chunk, rows=lambda a, b: cost[: b - a].copy(), take=lambda idx: cost[idx % chunk])
+    labels = np.zeros(n, dtype=np.int64)
+    tracemalloc.start()
+    pool = boundary_pool(costs, labels, None, budget)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert pool.size == budget
+    assert peak < 8 * chunk * k * 8 + (1 << 20), peak  # chunk-sized temporaries (17 MB); n * 12 bytes is 48 MB
