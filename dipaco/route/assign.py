@@ -228,7 +228,7 @@ def _batches(ds: datasets.Dataset, columns: list[str], chunk: int,
 def _numbers(ds: datasets.Dataset, column: str, chunk: int = CHUNK_DOCS, dtype: type = np.int32) -> np.ndarray:
     """A numeric column as one (N,) array (int32 by default: 4 bytes a document), read in chunks (no
     Python list of N values); a value that does not fit ``dtype`` is an error, not a wrapped number."""
-    out = np.empty(len(ds), dtype=dtype)
+    out: np.ndarray = np.empty(len(ds), dtype=dtype)
     top = np.iinfo(dtype).max
     for start, batch in _batches(ds, [column], chunk, numpy=True):
         values = np.asarray(batch[column])
