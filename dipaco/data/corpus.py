@@ -40,7 +40,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from dipaco.data.reading import WRITER_BATCH_ROWS, SplitReader, release_mappings
+from dipaco.data.reading import WRITER_BATCH_ROWS, SplitReader, in_memory_dataset, release_mappings
 from dipaco.errors import ConfigError, DataError
 
 BUILTIN_CORPORA = ("bbc",)
@@ -352,11 +352,11 @@ def _file_pieces(files: list[str], features: datasets.Features, rows: int) -> It
                 batches.append(batch)
                 held += batch.num_rows
                 if held >= _PIECE_ROWS:
-                    yield datasets.Dataset(pa.Table.from_batches(batches), info=info)
+                    yield in_memory_dataset(pa.Table.from_batches(batches), info)
                     read += held
                     batches, held = [], 0
     if batches or not read:
-        yield datasets.Dataset(pa.Table.from_batches(batches, schema=schema), info=info)
+        yield in_memory_dataset(pa.Table.from_batches(batches, schema=schema), info)
         read += held
     if read != rows:  # the files were not the dataset's rows after all: never silently read other rows
         raise DataError(f"the corpus's Arrow files hold {read:,} rows, its dataset {rows:,}: {', '.join(files)}")

@@ -42,10 +42,11 @@ DATA_FORMAT = 3
 _DONE = "done"  # marks a finished step in prepare.work
 TOKENIZE_SHARD_DOCS = 50_000  # documents per tokenized shard: what a killed prepare redoes at most
 _NOT_PREPARE_KEYS = ("seq_len", "prefix_tokens", "num_proc")  # not what the data is: later jobs', or speed
+_OUTPUT_KEYS = ("keep_text",)  # what prepare writes of the corpus, not what the corpus is
 
 
 def corpus_spec(data: DataConfig) -> CorpusSpec:
-    fields = {k: v for k, v in asdict(data).items() if k not in _NOT_PREPARE_KEYS}
+    fields = {k: v for k, v in asdict(data).items() if k not in (*_NOT_PREPARE_KEYS, *_OUTPUT_KEYS)}
     fields["source"] = fields.pop("corpus")
     return CorpusSpec(**fields)
 
@@ -78,7 +79,9 @@ def prepare_hash(data: DataConfig, tokenizer: TokenizerConfig) -> str:
     tokenizer_keys = asdict(tokenizer)
     if tokenizer.train_docs == TokenizerConfig.train_docs:  # data prepared before the key existed still matches
         tokenizer_keys.pop("train_docs")
-    payload = {"corpus": corpus, "tokenizer": tokenizer_keys}
+    payload: dict = {"corpus": corpus, "tokenizer": tokenizer_keys}
+    if not data.keep_text:  # only when set: data prepared before the key existed still matches
+        payload["keep_text"] = False
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -119,6 +122,7 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
             tokenized = {
                 split: tokenize_to_disk(corpus[split], tokenizer, work / "tokens", split,
                                         num_proc=tokenizer_processes(data.num_proc, len(corpus[split])),
+                                        keep_text=data.keep_text,
                                         shard_docs=TOKENIZE_SHARD_DOCS, log=lambda line: echo(f"[prepare] {line}"))
                 for split in ("train", "validation")}
             info = _summary(tokenized, tokenizer, data, tokenizer_cfg, stats.n_skipped_empty)

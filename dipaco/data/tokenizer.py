@@ -134,9 +134,10 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def token_features(features: datasets.Features, vocab_size: int) -> datasets.Features:
-    """``features`` with the two columns tokenization adds."""
-    return datasets.Features({**features, "input_ids": datasets.Sequence(datasets.Value(token_dtype(vocab_size))),
+def token_features(features: datasets.Features, vocab_size: int, keep_text: bool = True) -> datasets.Features:
+    """``features`` with the two columns tokenization adds (and without ``text`` unless ``keep_text``)."""
+    kept = {name: f for name, f in features.items() if keep_text or name != "text"}
+    return datasets.Features({**kept, "input_ids": datasets.Sequence(datasets.Value(token_dtype(vocab_size))),
                               "num_tokens": datasets.Value("int64")})
 
 
@@ -158,7 +159,7 @@ def decode_batch(tokenizer: transformers.PreTrainedTokenizerBase, ids: list[list
     return backend.decode_batch(ids, skip_special_tokens=False)
 
 
-def _encoder(tokenizer: transformers.PreTrainedTokenizerBase) -> Callable[[pa.Table], pa.Table]:
+def _encoder(tokenizer: transformers.PreTrainedTokenizerBase, keep_text: bool = True) -> Callable[[pa.Table], pa.Table]:
     """The batch function of tokenization, on an Arrow batch (``with_format("arrow")``): the batch with
     ``input_ids`` and ``num_tokens`` appended. It calls the Rust tokenizer directly (``encode_batch_fast``:
     no character offsets, threads across the batch) and builds the Arrow column from the flat token
@@ -181,7 +182,8 @@ def _encoder(tokenizer: transformers.PreTrainedTokenizerBase) -> Callable[[pa.Ta
         offsets = np.zeros(len(input_ids) + 1, dtype=np.int32)  # a batch of text holds < 2**31 characters
         np.cumsum(lengths, out=offsets[1:])
         flat = np.fromiter(itertools.chain.from_iterable(input_ids), dtype=dtype, count=int(offsets[-1]))
-        batch = batch.drop_columns([c for c in ("input_ids", "num_tokens") if c in batch.column_names])
+        dropped = ("input_ids", "num_tokens") if keep_text else ("input_ids", "num_tokens", "text")
+        batch = batch.drop_columns([c for c in dropped if c in batch.column_names])
         return (batch.append_column("input_ids", pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat)))
                 .append_column("num_tokens", pa.array(lengths)))
 
@@ -207,7 +209,7 @@ def tokenize_corpus(
 def tokenize_to_disk(
     ds: datasets.Dataset, tokenizer: transformers.PreTrainedTokenizerBase, work_dir: Path, name: str,
     num_proc: int = 1, shard_docs: int = 50_000, batch_size: int | None = None,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, keep_text: bool = True,
 ) -> list[Path]:
     """``ds`` tokenized as :func:`tokenize_corpus` does, written shard by shard to Arrow files in
     ``work_dir``; returns the files, in row order. A shard whose file is there is not tokenized again:
@@ -218,10 +220,11 @@ def tokenize_to_disk(
     ``batch_size`` (default ``WRITER_BATCH_ROWS``) documents are encoded at a time, and each batch is one
     record batch of the file: ``map`` writes a returned batch as it is, and splits but never merges them.
     Opening a file reads every batch's header, each a page fault that maps up to a folio of the file:
-    1,000-row batches kept 385-570 MB of the 10M-document train split resident in `dipaco train`."""
+    1,000-row batches kept 385-570 MB of the 10M-document train split resident in `dipaco train`.
+    ``keep_text=False`` leaves the ``text`` column out of the files (``data.keep_text``)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    features = token_features(ds.features, len(tokenizer))
-    encode = _encoder(tokenizer)
+    features = token_features(ds.features, len(tokenizer), keep_text)
+    encode = _encoder(tokenizer, keep_text)
     n_shards = max(-(-len(ds) // shard_docs), 1)
     files = []
     start = time.monotonic()

@@ -36,8 +36,8 @@ def counting_encoder(monkeypatch) -> dict[str, int]:
     seen = {"texts": 0}
     make = tokenizer_module._encoder
 
-    def counted(tokenizer):
-        encode = make(tokenizer)
+    def counted(tokenizer, *args):
+        encode = make(tokenizer, *args)
 
         def run(batch):
             seen["texts"] += len(batch["text"])
@@ -77,6 +77,33 @@ def test_the_data_is_the_tokenized_shards_not_a_copy(tmp_path, corpus, monkeypat
     shutil.copytree(tmp_path / "run" / "tokenizer", tmp_path / "old" / "tokenizer")
     then = load_prepared(tmp_path / "old", cfg.data, cfg.tokenizer)
     assert then.train["input_ids"] == data["train"]["input_ids"] and then.validation["id"] == data["validation"]["id"]
+
+
+def test_without_the_text_the_data_holds_the_same_tokens_in_less_disk(tmp_path, corpus):
+    """data.keep_text=false: no text column, the same token ids, other prepared data (hash), and the
+    prepared data is smaller; the default still hashes as data prepared before the key existed."""
+    kept = tiny_config(tmp_path / "kept", corpus)
+    dropped = tiny_config(tmp_path / "dropped", corpus, "data.keep_text=false")
+    Run(kept).prepare()
+    Run(dropped).prepare()
+    (a, info_a, _), (b, info_b, _) = prepared(tmp_path / "kept"), prepared(tmp_path / "dropped")
+    for split in ("train", "validation"):
+        assert "text" in a[split].column_names and "text" not in b[split].column_names
+        assert a[split]["input_ids"] == b[split]["input_ids"] and a[split]["id"] == b[split]["id"]
+    assert info_a["prepare_hash"] != info_b["prepare_hash"]
+    assert info_a["prepare_hash"] == prepare_module.prepare_hash(
+        tiny_config(tmp_path, corpus).data, kept.tokenizer)
+
+    def size(run: str) -> int:
+        return sum(f.stat().st_size for f in (tmp_path / run / "data").glob("*.arrow"))
+    assert size("dropped") < 0.6 * size("kept")
+    with pytest.raises(DataError, match="data.keep_text: False when prepared, now True"):
+        load_prepared(tmp_path / "dropped", kept.data, kept.tokenizer)
+    # nothing is lost: what reads whole texts (the doc_topics fit) decodes them from the tokens
+    from dipaco.route.assign import document_texts
+
+    without = load_prepared(tmp_path / "dropped", dropped.data, dropped.tokenizer)
+    assert document_texts(without.train, without, chunk=7) == a["train"]["text"]
 
 
 def test_unreadable_prepared_data_is_one_clear_error(tmp_path, corpus):

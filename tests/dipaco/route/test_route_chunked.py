@@ -185,3 +185,17 @@ def test_path_columns_are_int32_and_checked_before_the_cast():
     wraps = datasets.Dataset.from_dict({"id": ["a", "b"], "p": [0, 2**32 + 1]})  # 1 once cast to int32
     with pytest.raises(DataError, match=r"1 docs have a path outside \[0, 4\), e.g. ids \['b'\]"):
         column_paths(wraps, "p", 4)
+
+
+def test_features_are_written_as_safetensors_in_bounded_pieces(tmp_path):
+    """save_features streams each array in pieces of about chunk_bytes; the file is what safetensors reads."""
+    from safetensors.numpy import load_file
+
+    from dipaco.route.assign import save_features
+
+    rng = np.random.default_rng(0)
+    train, validation = rng.random((1001, 7), dtype=np.float32), rng.random((13, 7), dtype=np.float32)
+    save_features({"train": train, "validation": torch.from_numpy(validation)}, tmp_path / "f.safetensors",
+                  chunk_bytes=4 * 7 * 10 + 3)
+    loaded = load_file(tmp_path / "f.safetensors")
+    assert np.array_equal(loaded["train"], train) and np.array_equal(loaded["validation"], validation)
