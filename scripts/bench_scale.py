@@ -348,7 +348,8 @@ class Plan:
         checkout's schema has the key), so the benchmark also measures a tree without them."""
         a = self.args
         wanted = {"data.num_proc": (a.num_proc, a.num_proc_given), "tokenizer.train_docs": (a.tokenizer_train_docs, True),
-                  "route.fit_docs": (a.fit_docs, True), "route.chunk_docs": (a.chunk_docs, True)}
+                  "route.fit_docs": (a.fit_docs, True), "route.chunk_docs": (a.chunk_docs, True),
+                  "data.keep_text": (a.keep_text, True)}
         out = []
         for key, (value, explicit) in wanted.items():
             if value is None:
@@ -741,6 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-train-docs", type=int, default=None, help="tokenizer.train_docs (passed only when set)")
     p.add_argument("--fit-docs", type=int, default=None, help="route.fit_docs (passed only when set)")
     p.add_argument("--chunk-docs", type=int, default=None, help="route.chunk_docs (passed only when set)")
+    p.add_argument("--keep-text", choices=("true", "false"), default=None,
+                   help="data.keep_text (passed only when set; false: the prepared data without the text, 40%% of the disk)")
     # the corpus step's child process
     p.add_argument("--write-corpus", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--write-docs", type=int, help=argparse.SUPPRESS)

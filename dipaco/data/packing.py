@@ -147,6 +147,11 @@ class DocumentTokens:
             mapped.madvise(mmap.MADV_DONTNEED)
         self._gathered = 0
 
+    @property
+    def num_table_rows(self) -> int:
+        """Rows of the Arrow table under the dataset (more than the dataset's own after a select())."""
+        return self._ds.data.num_rows
+
     def table_rows(self, rows: np.ndarray) -> np.ndarray:
         """The table's row numbers of the dataset's ``rows``: a select()ed dataset maps its rows onto its
         table's (only the rows asked for are read of that mapping)."""
@@ -215,12 +220,13 @@ class PackedShard:
         if len(rows) == 0:
             raise DataError("cannot pack an empty shard (no documents)")
         self.tokens, self.seq_len, self.eos_id = tokens, seq_len, eos_id
-        table_rows = tokens.table_rows(rows)
-        self._rows = table_rows.astype(np.int32) if table_rows.max() < 2**31 else table_rows
-        self._end = np.empty(len(table_rows), dtype=np.int64)  # one past each document's EOS in the packed stream
-        for i in range(0, len(table_rows), self._BUILD_ROWS):
-            self._end[i : i + self._BUILD_ROWS] = tokens.locate(table_rows[i : i + self._BUILD_ROWS])[2] + 1
-        del table_rows
+        # Filled a chunk at a time: no (N,) int64 copy of the rows beside the table (its garbage stayed in the heap)
+        self._rows = np.empty(len(rows), dtype=np.int32 if tokens.num_table_rows < 2**31 else np.int64)
+        self._end = np.empty(len(rows), dtype=np.int64)  # one past each document's EOS in the packed stream
+        for i in range(0, len(rows), self._BUILD_ROWS):
+            table_rows = tokens.table_rows(rows[i : i + self._BUILD_ROWS])
+            self._rows[i : i + self._BUILD_ROWS] = table_rows
+            self._end[i : i + self._BUILD_ROWS] = tokens.locate(table_rows)[2] + 1
         np.cumsum(self._end, out=self._end)
         tokens.release()  # the offsets just read: the whole column's
         total = int(self._end[-1])

@@ -132,10 +132,21 @@ def training_paths(train_ds: datasets.Dataset, paths: np.ndarray, num_paths: int
     return overlapping_paths(train_ds, paths, topk)
 
 
+MEMBER_CHUNK = 1 << 20  # documents compared at a time by shard_members
+
+
 def shard_members(paths: np.ndarray, path: int) -> np.ndarray:
-    """Document indices of ``path``'s shard; ``paths`` is (N,) or (N, k) for overlapping shards."""
+    """Sorted document indices of ``path``'s shard (int32 below 2**31 documents); ``paths`` is (N,) or
+    (N, k) for overlapping shards. Found a chunk at a time: an (N,) mask and int64 indices of the whole
+    split were 13 bytes a document of garbage for each shard built."""
     paths = paths.reshape(len(paths), -1)
-    return np.flatnonzero(paths[:, 0] == path if paths.shape[1] == 1 else (paths == path).any(axis=1))
+    dtype = np.int32 if len(paths) < 2**31 else np.int64
+    parts = [np.empty(0, dtype=dtype)]
+    for a in range(0, len(paths), MEMBER_CHUNK):
+        block = paths[a : a + MEMBER_CHUNK]
+        hit = block[:, 0] == path if block.shape[1] == 1 else (block == path).any(axis=1)
+        parts.append((np.flatnonzero(hit) + a).astype(dtype))
+    return np.concatenate(parts)
 
 
 def overlap_token_shares(paths: np.ndarray, num_paths: int, tokens: Sequence[int] | np.ndarray) -> list[float]:

@@ -178,4 +178,7 @@ def test_new_config_keys_are_passed_only_when_asked(bench, tmp_path):
     with pytest.raises(SystemExit, match="route.chunk_docs"):
         bench.Plan(asked, set()).optional_keys()
     assert "route.chunk_docs=4096" in bench.Plan(asked, {"route.chunk_docs"}).optional_keys()
+    no_text = bench.resolve_args(bench.build_parser().parse_args(["--work", str(tmp_path), "--keep-text", "false"]))
+    plan = bench.Plan(no_text, {"data.keep_text"})
+    assert "data.keep_text=false" in plan.command(1000, "prepare") and "data.keep_text=false" in plan.command(1000, "train")
     assert np.array_equal(bench.parse_sizes("1e5,1000"), [1000, 100000])
