@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 from dipaco.atomic import replacing
 from dipaco.config import Config, DataConfig, TokenizerConfig, config_diff, merge_config
 from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
-from dipaco.data.reading import SplitReader
+from dipaco.data.reading import SplitReader, drop_mapped_pages
 from dipaco.data.tokenizer import load_tokenizer, token_dtype, tokenize_to_disk, train_tokenizer
 from dipaco.errors import ConfigError, DataError, DipacoError
 from dipaco.metrics import echo
@@ -300,4 +300,5 @@ def load_prepared(run_dir: str | Path, data: DataConfig, tokenizer: TokenizerCon
             f"{_prepared_diff(data, tokenizer, run.data / 'config.yaml')}; rerun `dipaco prepare` or use the same config"
         )
     splits = _load_splits(run.data, info)
+    drop_mapped_pages(run.data)  # the headers opening them read: tens of MB at 10M documents
     return Prepared(load_tokenizer(run.tokenizer), splits["train"], splits["validation"], info)

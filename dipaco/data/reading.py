@@ -19,7 +19,9 @@ of rows per step, a bounded working set that the kernel manages.
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -87,6 +89,33 @@ def _converted(table: pa.Table, columns: list[str], numpy: bool, list_prefix: in
         # numpy through Arrow: the datasets numpy format turns uint64 into int64
         out[name] = _numpy(column) if numpy else column.to_pylist()
     return out
+
+
+def drop_mapped_pages(directory: str | Path) -> int:
+    """Gives back the resident pages of this process's read-only maps of files under ``directory``
+    (``madvise(MADV_DONTNEED)``: they stay in the page cache, and a later read faults them in again);
+    returns the bytes of the maps advised, 0 where the OS has no such call (not Linux).
+
+    Opening a prepared split reads every record batch's header through ``datasets``' own map of each
+    file, and each read maps a folio around it: 71 MB of the 10M-document train split's 180 files stayed
+    resident in every later job, against 11 MB at 1M. Those maps are ``datasets``', so their pages are
+    dropped by address range, found in /proc/self/maps."""
+    maps = Path("/proc/self/maps")
+    if not hasattr(mmap, "MADV_DONTNEED") or not maps.is_file():
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    prefix = os.path.join(os.path.realpath(directory), "")
+    advised = 0
+    for line in maps.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        # never a writable map: MADV_DONTNEED would discard a private map's changes
+        if len(fields) < 6 or "w" in fields[1] or not fields[5].startswith(prefix):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
+            advised += end - start
+    return advised
 
 
 def release_mappings() -> None:
