@@ -38,13 +38,12 @@ demo: install
 	$(DIPACO) report   --config $(CONFIG) run.dir=$(RUN_DIR)
 
 # -rs lists every skipped test with its reason. .ci/run sets DIPACO_REQUIRE_E2E=1, which turns a
-# skipped end-to-end test into a failure (tests/e2e_guard.py). The suite runs in TEST_WORKERS pytest-xdist
-# workers, a test file each at a time (module fixtures run once), one torch thread each (tests/conftest.py):
-# most of its time is single-threaded (imports, subprocess start-up), so 2 workers on 2 cores took 644 s
-# where one took 905 s. TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 2
+# skipped end-to-end test into a failure (tests/e2e_guard.py). The suite runs in 2 pytest-xdist workers, a
+# test file each at a time (module fixtures run once), one torch thread each (tests/conftest.py): most of
+# its time is single-threaded (imports, subprocess start-up), so 2 workers on 2 cores took 644 s where one
+# took 905 s. `python -m pytest -n 0` runs it in one process.
 test: install
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -rs -n 2 --dist loadfile
 
 # ruff (lint, import order), mypy (types), import-linter (the layers in pyproject.toml, lazy imports included)
 lint: install
