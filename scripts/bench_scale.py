@@ -35,6 +35,8 @@ sandbox this was measured in, one touch maps 2 MB of a file, so sparse reads cou
 read), and it starts from this script's own peak (Linux keeps the
 parent's high-water mark across vfork and exec; this process stays near 30 MB). The anonymous RSS is
 the memory the processes own; a forked worker's pages shared with its parent count once in each.
+Each step also records its peak disk: the bytes of the files under its size's directory (corpus, run
+directories and prepare's scratch), sampled every 2 s (``DiskPeak``; GB there is 10^9 bytes).
 Between consecutive sizes each
 step gets its growth exponents, log(t2/t1)/log(n2/n1) for time and the same for memory: 1 is linear,
 0 is constant. Results go to --out (JSON, written after every step) and a markdown table beside it.
@@ -238,6 +240,7 @@ class Measured:
     peak_rss_mb: float  # ru_maxrss of the child (its largest single process)
     tree_anon_mb: float | None  # sampled peak of the summed anonymous RSS of the child and its descendants
     rc: int
+    peak_disk_bytes: int | None = None  # sampled peak of the files under the step's directory (DiskPeak)
 
 
 class TreeRss:
@@ -291,16 +294,58 @@ class TreeRss:
         return total
 
 
+DISK_EVERY_S = 2.0  # a walk of a 10M-document size's directory (a few thousand files) takes milliseconds
+
+
+class DiskPeak:
+    """Samples the bytes of the files under a directory (:func:`du`) at the start, every ``every_s`` and at
+    the end: a step's peak disk, scratch included, which the bytes left after it do not show (at 10M
+    documents the corpus read held two copies of the corpus in its scratch)."""
+
+    def __init__(self, path: Path | None, every_s: float | None = None) -> None:
+        self.path, self.every_s = path, DISK_EVERY_S if every_s is None else every_s
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> DiskPeak:
+        if self.path is not None:
+            self._sample()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+            self._sample()
+
+    def _sample(self) -> None:
+        size = 0
+        for root, _, files in os.walk(str(self.path)):
+            for name in files:
+                try:
+                    size += os.lstat(os.path.join(root, name)).st_size
+                except OSError:  # written under a temporary name and renamed, or deleted, while we walked
+                    continue
+        self.peak = size if self.peak is None else max(self.peak, size)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+
 def maxrss_mb(usage: Any) -> float:
     # ru_maxrss is in kilobytes on Linux, in bytes on macOS
     return usage.ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
-def run_measured(cmd: list[str], log: Path, env: dict[str, str]) -> Measured:
-    """Runs ``cmd`` (output to ``log``) and measures it. os.wait4 reports that one child's resource
-    usage; RUSAGE_CHILDREN would be the maximum over every child this script ever waited for."""
+def run_measured(cmd: list[str], log: Path, env: dict[str, str], disk: Path | None = None) -> Measured:
+    """Runs ``cmd`` (output to ``log``) and measures it; with ``disk``, also the peak bytes of the files
+    under it (:class:`DiskPeak`). os.wait4 reports that one child's resource usage; RUSAGE_CHILDREN would
+    be the maximum over every child this script ever waited for."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
+    with log.open("w") as out, DiskPeak(disk) as disk_peak:
         started = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         with TreeRss(proc.pid) as tree:
@@ -308,7 +353,7 @@ def run_measured(cmd: list[str], log: Path, env: dict[str, str]) -> Measured:
             wall = time.perf_counter() - started
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
     tree_mb = None if tree.peak is None else tree.peak / 2**20
-    return Measured(wall, maxrss_mb(usage), tree_mb, proc.returncode)
+    return Measured(wall, maxrss_mb(usage), tree_mb, proc.returncode, disk_peak.peak)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -490,8 +535,8 @@ def _fmt_mb(mb: float | None) -> str:
 
 def markdown_table(results: dict) -> str:
     exps = {(g["step"], g["to_docs"]): g for g in results.get("growth", [])}
-    lines = ["| step | docs | wall | peak RSS | tree anon RSS | time exponent | memory exponent |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| step | docs | wall | peak RSS | tree anon RSS | peak disk | time exponent | memory exponent |",
+             "|---|---|---|---|---|---|---|---|"]
     rows = results["records"] + results.get("extrapolated", [])
     for r in sorted(rows, key=lambda r: (step_order(r["step"].split(" ")[0]), r["step"], r["docs"])):
         g = exps.get((r["step"], r["docs"]))
@@ -499,8 +544,9 @@ def markdown_table(results: dict) -> str:
         if "from_docs" in r:
             wall += f" (from {r['from_docs']:,} docs)"
         te, me = (f"{g['time']:.2f}", f"{g['memory']:.2f}") if g else ("", "")
+        disk = r.get("peak_disk_bytes")
         lines.append(f"| {r['step']} | {r['docs']:,} | {wall} | {_fmt_mb(r['peak_rss_mb'])} | "
-                     f"{_fmt_mb(r['tree_anon_mb'])} | {te} | {me} |")
+                     f"{_fmt_mb(r['tree_anon_mb'])} | {'-' if disk is None else f'{disk / 1e9:.2f} GB'} | {te} | {me} |")
     return "\n".join(lines) + "\n"
 
 
@@ -629,9 +675,11 @@ def run_step(plan: Plan, results: dict, n: int, step: str, needed: bool = False)
     base = plan.sample_dir() if step in SAMPLE_STEPS else plan.size_dir(n)
     log = base / "logs" / f"{step}.log"
     print(f"[bench_scale] {n:,} docs: {step} ...", flush=True)
-    m = run_measured(plan.command(n, step), log, dict(os.environ))  # OMP_NUM_THREADS and the rest pass through
+    # OMP_NUM_THREADS and the rest pass through; the disk peak is of the size's directory (corpus, runs, scratch)
+    m = run_measured(plan.command(n, step), log, dict(os.environ), None if step in SAMPLE_STEPS else plan.size_dir(n))
     record = {"docs": n, "step": step, "wall_s": round(m.wall_s, 3), "peak_rss_mb": round(m.peak_rss_mb, 1),
               "tree_anon_mb": None if m.tree_anon_mb is None else round(m.tree_anon_mb, 1), "rc": m.rc,
+              "peak_disk_bytes": m.peak_disk_bytes,
               "settings": settings_hash(settings), "command": settings["command"], "log": str(log),
               "omp_num_threads": settings["omp_num_threads"], "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
     record.update(disk_record(plan, n, step))

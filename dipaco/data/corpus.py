@@ -56,7 +56,7 @@ DEFAULT_LABEL_FIELD = "label"  # used when the corpus has such a column; any oth
 _TRAIN, _VALIDATION, _UNSPLIT = 0, 1, -1  # the `split` work column
 _WORK_COLUMNS = ["split", "hash", "empty", "crc"]  # computed while reading, dropped from the result
 _BATCH = 10_000  # rows per batch while reading: bounds the memory of a step, not of the corpus
-_SOURCE = "source"  # in a work_dir: the datasets conversion of local files (removed once read)
+_SOURCE = "source"  # in a work_dir: the datasets conversion of local files (each file removed once read)
 _PIECE_ROWS = 20_000  # rows of the source in memory at a time (at 1M documents: 100k rows, 816 MB anonymous peak; 20k, 329 MB)
 
 
@@ -304,7 +304,10 @@ def _normalized(raw: datasets.DatasetDict, spec: CorpusSpec, work_dir: Path | No
                                   **({"label": datasets.Value("string")} if with_labels else {}),
                                   "split": datasets.Value("int8"), "hash": datasets.Value("uint64"),
                                   "empty": datasets.Value("bool"), "crc": datasets.Value("uint32")})
-    sources = [(_pieces(ds), ds.features, split) for ds, split in parts]
+    # The conversion in our scratch is read once: each of its files goes as soon as it is read, so the
+    # scratch holds about one copy of the corpus at a time (two at the end of the read before: 22 GB at 10M).
+    ours = None if work_dir is None else (work_dir / _SOURCE).resolve()
+    sources = [(_pieces(ds, discard_under=ours), ds.features, split) for ds, split in parts]
     del raw, parts, ds  # the source's own memory maps close here: it is read with plain reads below
     release_mappings()
     normalized, offset = [], 0
@@ -322,17 +325,19 @@ def _normalized(raw: datasets.DatasetDict, spec: CorpusSpec, work_dir: Path | No
     return docs, split_method
 
 
-def _pieces(ds: datasets.Dataset) -> Iterator[datasets.Dataset]:
+def _pieces(ds: datasets.Dataset, discard_under: Path | None = None) -> Iterator[datasets.Dataset]:
     """``ds`` in order, as in-memory datasets of about ``_PIECE_ROWS`` rows (at least one, maybe empty).
 
     A split stored whole in Arrow files, as ``datasets`` converts local files and hub downloads, is read
     from them with plain reads, not through a memory map: opening a stream file maps every record batch's
     header, so one 11 GB conversion held about 750 MB resident while it was open, and as much again for
-    each reopen. Anything else is sliced from the dataset itself."""
+    each reopen. Anything else is sliced from the dataset itself. When every file lies under
+    ``discard_under`` (a conversion this load made in its scratch), each is deleted once it is read."""
     files = [f["filename"] for f in ds.cache_files]
     if ds._indices is not None or not files or _file_columns(files[0]) != ds.column_names:  # e.g. added ids
         return (ds.select(range(start, min(start + _PIECE_ROWS, len(ds)))) for start in range(0, max(len(ds), 1), _PIECE_ROWS))
-    return _file_pieces(files, ds.features, len(ds))
+    discard = discard_under is not None and all(Path(f).resolve().is_relative_to(discard_under) for f in files)
+    return _file_pieces(files, ds.features, len(ds), discard)
 
 
 def _file_columns(path: str) -> list[str]:
@@ -340,7 +345,7 @@ def _file_columns(path: str) -> list[str]:
         return pa.ipc.open_stream(source).schema.names
 
 
-def _file_pieces(files: list[str], features: datasets.Features, rows: int) -> Iterator[datasets.Dataset]:
+def _file_pieces(files: list[str], features: datasets.Features, rows: int, discard: bool = False) -> Iterator[datasets.Dataset]:
     info = datasets.DatasetInfo(features=features)
     batches: list[pa.RecordBatch] = []
     held = read = 0
@@ -355,6 +360,8 @@ def _file_pieces(files: list[str], features: datasets.Features, rows: int) -> It
                     yield in_memory_dataset(pa.Table.from_batches(batches), info)
                     read += held
                     batches, held = [], 0
+        if discard:  # its rows are in memory or already normalized: no reader needs the file again
+            Path(path).unlink()
     if batches or not read:
         yield in_memory_dataset(pa.Table.from_batches(batches, schema=schema), info)
         read += held

@@ -56,6 +56,8 @@ def test_every_step_is_measured_with_time_and_memory(smoke):
     for r in got.values():
         assert r["rc"] == 0 and r["wall_s"] > 0 and r["peak_rss_mb"] > 0, r
         assert r["tree_anon_mb"] is None or r["tree_anon_mb"] > 0
+    for r in got.values():  # the peak disk is at least what the step left (sampled at its end too)
+        assert r["peak_disk_bytes"] >= r["corpus_bytes"] + r.get("run_bytes", 0) > 0, r
     # a dipaco child imports torch: its peak RSS is far above the corpus writer's (no torch)
     assert got[(2000, "prepare")]["peak_rss_mb"] > 2 * got[(2000, "corpus")]["peak_rss_mb"]
     table = (work / "results.md").read_text()
@@ -152,6 +154,21 @@ print(json.dumps([[m.rc, m.wall_s, m.peak_rss_mb] for m in out]))
     (rc_big, wall_big, rss_big), (rc_small, _, rss_small) = json.loads(done.stdout.splitlines()[-1])
     assert rc_big == 0 and rc_small == 0 and wall_big > 0
     assert rss_big > 300 > rss_small > 0
+
+
+def test_peak_disk_sees_a_file_the_step_deleted_before_it_ended(bench, tmp_path, monkeypatch):
+    # prepare's scratch held two copies of the corpus and removed them before it ended: what a step
+    # leaves on disk is not its peak
+    code = (f"import pathlib, time; p = pathlib.Path(r'{tmp_path}') / 'scratch.bin'; p.write_bytes(bytes(5 << 20)); "
+            "time.sleep(1.0); p.unlink()")
+    with bench.DiskPeak(tmp_path, every_s=0.05) as disk:
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert disk.peak >= 5 << 20 and bench.du(tmp_path) < 1 << 20
+    monkeypatch.setattr(bench, "DISK_EVERY_S", 0.05)
+    m = bench.run_measured([sys.executable, "-c", code], tmp_path / "logs" / "a.log", dict(os.environ), tmp_path)
+    assert m.rc == 0 and m.peak_disk_bytes >= 5 << 20
+    unmeasured = bench.run_measured([sys.executable, "-c", "pass"], tmp_path / "logs" / "b.log", dict(os.environ))
+    assert unmeasured.peak_disk_bytes is None
 
 
 def test_the_lm_prefix_route_is_extrapolated_linearly_from_its_sample(bench):

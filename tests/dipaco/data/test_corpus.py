@@ -476,6 +476,39 @@ def test_the_source_is_read_in_pieces_without_a_memory_map(tmp_path, monkeypatch
         assert pieces[split].to_dict() == whole[split].to_dict()
 
 
+def test_each_file_of_the_conversion_is_deleted_once_it_is_read(tmp_path, monkeypatch):
+    """The scratch held the whole conversion until the end of the read, beside the normalized copy:
+    twice the corpus (22 GB at 10M documents). Each conversion file now goes as soon as it is read;
+    files outside the scratch (a cache the user keeps) stay."""
+    monkeypatch.setattr(corpus_module, "_PIECE_ROWS", 4)
+    source = tmp_path / "work" / "source"
+    source.mkdir(parents=True)
+    files = []
+    for i in range(3):  # a conversion of three files, as datasets writes one of 500 MB shards
+        part = datasets.Dataset.from_dict({"text": [f"t{i}-{j}" for j in range(6)]})
+        files.append(source / f"part-{i}.arrow")
+        part.map(lambda b: b, batched=True, writer_batch_size=2, cache_file_name=str(files[-1]))
+    ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
+    kept = list(corpus_module._pieces(ds, discard_under=tmp_path / "elsewhere"))
+    assert all(f.exists() for f in files)
+    left = []
+    texts = []
+    for piece in corpus_module._pieces(ds, discard_under=source.resolve()):
+        left.append(sum(f.exists() for f in files))
+        texts += piece["text"]
+    assert left == [3, 2, 2, 1, 0] and not any(f.exists() for f in files)
+    assert texts == [t for p in kept for t in p["text"]] == [f"t{i}-{j}" for i in range(3) for j in range(6)]
+
+
+def test_a_corpus_read_leaves_no_conversion_and_keeps_a_cache_the_user_asked_for(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{**d, "label": f"l{i % 4}"} for i, d in enumerate(docs(40))])
+    scratch = load_corpus(CorpusSpec(source=str(path)), tmp_path / "work")
+    assert not (tmp_path / "work" / "source").exists()
+    cached = load_corpus(CorpusSpec(source=str(path), cache_dir=str(tmp_path / "hf_cache")), tmp_path / "work2")
+    assert list((tmp_path / "hf_cache").rglob("*.arrow"))
+    assert cached["train"].to_dict() == scratch["train"].to_dict()
+
+
 def test_pieces_keep_class_labels_and_refuse_files_that_are_not_the_dataset(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus_module, "_PIECE_ROWS", 3)
     features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["a", "b"])})
