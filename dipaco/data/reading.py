@@ -276,6 +276,18 @@ class ChunkedArray:
         self._row_bytes = int(shape[1]) * self.dtype.itemsize
 
     @classmethod
+    def at(cls, path: str | Path, offset: int, shape: tuple[int, int], dtype: Any) -> ChunkedArray:
+        """The C-ordered (rows, dim) array of ``dtype`` that starts ``offset`` bytes into ``path``, a file of
+        another layout (a tensor of a safetensors file)."""
+        out = cls.__new__(cls)
+        out.path, out._offset = Path(path), int(offset)
+        out.shape, out.dtype = (int(shape[0]), int(shape[1])), np.dtype(dtype)
+        out._row_bytes = out.shape[1] * out.dtype.itemsize
+        if out._offset + out.shape[0] * out._row_bytes > out.path.stat().st_size:
+            raise EOFError(f"{out.path}: ends before the {out.shape} array at byte {out._offset}")
+        return out
+
+    @classmethod
     def create(cls, path: str | Path, rows: int, dim: int, dtype: Any = np.float32) -> ChunkedArray:
         open_memmap(Path(path), mode="w+", dtype=dtype, shape=(rows, dim)).flush()  # header, then a sparse file
         return cls(path)

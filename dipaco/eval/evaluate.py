@@ -93,13 +93,6 @@ def validation_split(section: EvalConfig, prepared: Prepared) -> datasets.Datase
     return val
 
 
-def validation_docs(section: EvalConfig, prepared: Prepared) -> tuple[list[list[int]], datasets.Dataset]:
-    """Every scored validation document's token ids in memory, for the re-routing evaluation;
-    `dipaco eval` reads them in chunks (:func:`score_rows`)."""
-    val = validation_split(section, prepared)
-    return val["input_ids"], val
-
-
 def score_rows(model: PreTrainedModel, tokens: DocumentTokens, rows: np.ndarray, seq_len: int, prefix_tokens: int,
                batch_size: int, pad_id: int, precision: Precision, on_batch: Callable[[int], object]) -> Scores:
     """:func:`score_documents` of the documents ``rows``, read from the token files and scored

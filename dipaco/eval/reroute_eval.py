@@ -32,7 +32,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -42,11 +42,12 @@ from transformers import PreTrainedModel
 
 from dipaco.atomic import write_text
 from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
-from dipaco.data.packing import IGNORE_INDEX, EvalWindow, count_scored_tokens, eval_windows
+from dipaco.data.packing import IGNORE_INDEX, DocumentTokens, EvalWindow, count_scored_tokens, eval_windows
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError, DipacoError
-from dipaco.eval.evaluate import EvalJob, check_eval, load_eval_path, validation_docs
+from dipaco.eval.evaluate import EvalJob, check_eval, load_eval_path, validation_split
 from dipaco.metrics import echo
+from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
 from dipaco.model.scoring import window_nll
 from dipaco.precision import Precision, resolve_precision
@@ -118,12 +119,120 @@ def _token_nll(model, windows: Sequence[EvalWindow], batch_size: int, pad_id: in
     return out  # type: ignore[return-value]
 
 
+REROUTE_CHUNK_DOCS = 2_000  # documents decided, run and summed at a time: memory follows the chunk, not the split
+
+
+@dataclass
+class _Setting:
+    """One setting's sums over the documents read so far."""
+
+    doc_nll: np.ndarray  # per validation document, each summed in window order: the same float sums in any chunking
+    off_route: int = 0
+    decisions: int = 0
+    changed: int = 0
+
+
+@dataclass
+class _Chunk:
+    """What the four passes share: the experiment, its router and the models they load."""
+
+    job: EvalJob
+    bank: ModuleBank
+    router: Any
+    model: PreTrainedModel
+    pad_token_id: int
+    tokenizer: Any
+    featurizer: Callable[[], PreTrainedModel] | None
+    route_precision: str
+    route_batch_size: int
+    lm: PreTrainedModel | None = None  # the LM-prefix router's model, loaded at its first decision
+
+    def decide(self, docs: Sequence[list[int]], points: list[tuple[int, int]]) -> dict[int, dict[int, int]]:
+        """The router's path for each (document, window start) of ``points``, from the tokens before it."""
+        decided: dict[int, dict[int, int]] = defaultdict(dict)
+        if not points:
+            return decided
+        kind = self.router.featurizer.get("kind")
+        context_tokens = int(self.router.featurizer.get("prefix_tokens", self.job.prefix_tokens))
+        contexts = [docs[d][max(0, s - context_tokens) : s] for d, s in points]
+        if kind == "lm_prefix":
+            if self.featurizer is None:
+                raise DipacoError("the router featurizes with the pretrained model, which was not given")
+            if self.lm is None:
+                self.lm = self.featurizer().to(self.job.device)
+            with resolve_precision(self.route_precision, self.job.device, "route.precision").autocast():
+                features = featurize_ids(self.router, self.lm, contexts, self.pad_token_id, device=self.job.device,
+                                         batch_size=self.route_batch_size)
+        elif kind in ("tfidf_svd", "doc_topics", "encoder"):  # text featurizers (the encoder is loaded by its recorded name)
+            features = self.router.featurize(self.tokenizer.batch_decode(contexts))
+        else:
+            raise DipacoError(f"re-routing does not know the router's featurizer {self.router.featurizer!r}")
+        for (d, s), p in zip(points, self.router.assign(features).tolist()):
+            decided[d][s] = int(p)
+        return decided
+
+    def add(self, docs: Sequence[list[int]], doc_routes: np.ndarray, first_row: int,
+            settings: list[int | None], sums: dict[int | None, _Setting]) -> None:
+        """Adds the documents ``docs`` (rows ``first_row``... of the split, routed ``doc_routes``) to ``sums``."""
+        job, first = self.job, max(self.job.prefix_tokens, 1)
+        # 1. Routing decisions at the start of every re-routing window, shared by settings that coincide.
+        points = sorted({(d, s) for w in settings if w is not None for d, doc in enumerate(docs)
+                         for s in decision_points(len(doc), first, w)})
+        decided = self.decide(docs, points)
+
+        # 2. The path of every target under every setting, and which (window, path) pairs to run.
+        windows = eval_windows(docs, job.seq_len, job.prefix_tokens)
+        per_setting = {w: {d: window_paths(len(doc), first, w, int(doc_routes[d]), decided[d])
+                           for d, doc in enumerate(docs)} for w in settings}
+        # path -> {window: length of the window prefix it must run}: a causal LM's logits at a position do
+        # not depend on later tokens, so a path runs a window only up to the last target it scores there.
+        needed: dict[int, dict[int, int]] = defaultdict(dict)
+        for i, win in enumerate(windows):
+            scored = np.flatnonzero(win.labels.numpy() != IGNORE_INDEX)
+            for w in settings:
+                paths = per_setting[w][win.doc_index][scored + win.start]
+                for p in np.unique(paths).tolist():
+                    last = int(scored[paths == p].max()) + 1
+                    needed[p][i] = max(needed[p].get(i, 0), last)
+
+        # 3. One forward pass per (window, path) pair.
+        precision = resolve_precision(job.eval.precision, job.device, "eval.precision")
+        nll_of: dict[tuple[int, int], torch.Tensor] = {}
+        for p in sorted(needed):
+            ids = list(needed[p])
+            cut = [replace(windows[i], input_ids=windows[i].input_ids[: needed[p][i]],
+                           labels=windows[i].labels[: needed[p][i]]) for i in ids]
+            for i, nll in zip(ids, _token_nll(load_eval_path(job, self.bank, p, self.model), cut, job.eval.batch_size,
+                                                self.pad_token_id, precision)):
+                nll_of[(i, p)] = F.pad(nll, (0, len(windows[i].input_ids) - len(nll)))
+
+        # 4. Sum each setting's choice of path per target.
+        for w in settings:
+            total = sums[w]
+            for i, win in enumerate(windows):
+                mask = win.labels.numpy() != IGNORE_INDEX
+                paths = per_setting[w][win.doc_index][win.start : win.start + len(win.labels)]
+                for p in np.unique(paths[mask]).tolist():
+                    sel = torch.from_numpy(mask & (paths == p))
+                    total.doc_nll[first_row + win.doc_index] += float(nll_of[(i, p)][sel].sum())
+                    if p != doc_routes[win.doc_index]:
+                        total.off_route += int(sel.sum())
+            if w is not None:
+                for d, doc in enumerate(docs):
+                    previous = int(doc_routes[d])
+                    for s in decision_points(len(doc), first, w):
+                        total.decisions += 1
+                        total.changed += decided[d][s] != previous
+                        previous = decided[d][s]
+
+
 def reroute_evaluate(job: EvalJob, load_prepared: Callable[[], Prepared], every: Sequence[int] = DEFAULT_EVERY,
                      checkpoint: str | None = None, featurizer: Callable[[], PreTrainedModel] | None = None,
                      route_precision: str = "auto", route_batch_size: int = 64) -> dict:
     """Validation perplexity with once-per-sequence routing and with re-routing every W tokens.
     ``featurizer``: the LM-prefix router's model (the pretrained one), loaded when the router needs it;
-    ``route_precision``, ``route_batch_size``: ``route.precision`` and ``route.batch_size``."""
+    ``route_precision``, ``route_batch_size``: ``route.precision`` and ``route.batch_size``. The documents
+    are read from the token files ``REROUTE_CHUNK_DOCS`` at a time (the same report in any chunking)."""
     if not job.routed:
         raise ConfigError(
             f"re-routing needs the experiment's router, but {job.name} was trained with "
@@ -136,96 +245,34 @@ def reroute_evaluate(job: EvalJob, load_prepared: Callable[[], Prepared], every:
     prepared = load_prepared()
     exp_dir, ckpt = experiment_checkpoint(job.run_dir, job.name, job.routed, checkpoint)
     topology = job.topology
-    bank = read_bank(ckpt, topology, job.llama)
     router = load_router(RunDir(job.run_dir), topology.num_paths)
-    docs, val = validation_docs(job.eval, prepared)
+    val = validation_split(job.eval, prepared)
+    tokens = DocumentTokens(val)
     doc_routes = assign_paths(val, topology.num_paths, job.sharding, job.seed, job.shard_column)
-    device = job.device
-    first = max(job.prefix_tokens, 1)
-    tok = prepared.tokenizer
+    chunk = _Chunk(job, read_bank(ckpt, topology, job.llama), router, build_model(job.llama, device=job.device),
+                   prepared.tokenizer.pad_token_id, prepared.tokenizer, featurizer, route_precision, route_batch_size)
+    sums = {w: _Setting(np.zeros(len(val))) for w in settings}
+    total_tokens = 0
+    for start in range(0, len(val), REROUTE_CHUNK_DOCS):
+        rows = np.arange(start, min(start + REROUTE_CHUNK_DOCS, len(val)))
+        docs = [doc.tolist() for doc in tokens.documents(rows)]
+        chunk.add(docs, doc_routes[rows], start, settings, sums)
+        total_tokens += sum(count_scored_tokens(len(d), job.prefix_tokens) for d in docs)
 
-    # 1. Routing decisions at the start of every re-routing window, shared by settings that coincide.
-    points = sorted({(d, s) for w in settings if w is not None for d, doc in enumerate(docs)
-                     for s in decision_points(len(doc), first, w)})
-    kind = router.featurizer.get("kind")
-    context_tokens = int(router.featurizer.get("prefix_tokens", job.prefix_tokens))
-    decided: dict[int, dict[int, int]] = defaultdict(dict)
-    if points:
-        if kind == "lm_prefix":
-            if featurizer is None:
-                raise DipacoError("the router featurizes with the pretrained model, which was not given")
-            lm = featurizer().to(device)
-            contexts = [docs[d][max(0, s - context_tokens) : s] for d, s in points]
-            with resolve_precision(route_precision, device, "route.precision").autocast():
-                features = featurize_ids(router, lm, contexts, tok.pad_token_id, device=device,
-                                         batch_size=route_batch_size)
-            del lm
-        elif kind in ("tfidf_svd", "doc_topics", "encoder"):  # text featurizers (the encoder is loaded by its recorded name)
-            features = router.featurize(tok.batch_decode([docs[d][max(0, s - context_tokens) : s] for d, s in points]))
-        else:
-            raise DipacoError(f"re-routing does not know the router's featurizer {router.featurizer!r}")
-        for (d, s), p in zip(points, router.assign(features).tolist()):
-            decided[d][s] = int(p)
-
-    # 2. The path of every target under every setting, and which (window, path) pairs to run.
-    windows = eval_windows(docs, job.seq_len, job.prefix_tokens)
-    per_setting = {w: {d: window_paths(len(doc), first, w, int(doc_routes[d]), decided[d])
-                       for d, doc in enumerate(docs)} for w in settings}
-    # path -> {window: length of the window prefix it must run}: a causal LM's logits at a position do
-    # not depend on later tokens, so a path runs a window only up to the last target it scores there.
-    needed: dict[int, dict[int, int]] = defaultdict(dict)
-    for i, win in enumerate(windows):
-        scored = np.flatnonzero(win.labels.numpy() != IGNORE_INDEX)
-        for w in settings:
-            paths = per_setting[w][win.doc_index][scored + win.start]
-            for p in np.unique(paths).tolist():
-                last = int(scored[paths == p].max()) + 1
-                needed[p][i] = max(needed[p].get(i, 0), last)
-
-    # 3. One forward pass per (window, path) pair.
-    model = build_model(job.llama, device=device)
-    precision = resolve_precision(job.eval.precision, device, "eval.precision")
-    nll_of: dict[tuple[int, int], torch.Tensor] = {}
-    for p in sorted(needed):
-        ids = list(needed[p])
-        cut = [replace(windows[i], input_ids=windows[i].input_ids[: needed[p][i]],
-                       labels=windows[i].labels[: needed[p][i]]) for i in ids]
-        for i, nll in zip(ids, _token_nll(load_eval_path(job, bank, p, model), cut, job.eval.batch_size,
-                                            tok.pad_token_id, precision)):
-            nll_of[(i, p)] = F.pad(nll, (0, len(windows[i].input_ids) - len(nll)))
-
-    # 4. Sum each setting's choice of path per target.
-    tokens = np.array([count_scored_tokens(len(d), job.prefix_tokens) for d in docs], dtype=np.int64)
     results = []
     for w in settings:
-        doc_nll = np.zeros(len(docs))
-        off_route = 0
-        for i, win in enumerate(windows):
-            mask = win.labels.numpy() != IGNORE_INDEX
-            paths = per_setting[w][win.doc_index][win.start : win.start + len(win.labels)]
-            for p in np.unique(paths[mask]).tolist():
-                sel = torch.from_numpy(mask & (paths == p))
-                doc_nll[win.doc_index] += float(nll_of[(i, p)][sel].sum())
-                if p != doc_routes[win.doc_index]:
-                    off_route += int(sel.sum())
-        n_dec = sum(len(decision_points(len(doc), first, w)) for doc in docs) if w is not None else 0
-        changed = 0
-        if w is not None:
-            for d, doc in enumerate(docs):
-                previous = int(doc_routes[d])
-                for s in decision_points(len(doc), first, w):
-                    changed += decided[d][s] != previous
-                    previous = decided[d][s]
-        total_tokens, total_nll = int(tokens.sum()), float(doc_nll.sum())
+        total, total_nll = sums[w], float(sums[w].doc_nll.sum())
         results.append({
             "reroute_every": w,
             "ppl": math.exp(total_nll / total_tokens) if total_tokens else float("nan"),
             "nll": total_nll,
             "scored_tokens": total_tokens,
-            "decisions": n_dec,
-            "changed_path_fraction": changed / n_dec if n_dec else 0.0,
-            "tokens_off_document_route": off_route / total_tokens if total_tokens else 0.0,
+            "decisions": total.decisions,
+            "changed_path_fraction": total.changed / total.decisions if total.decisions else 0.0,
+            "tokens_off_document_route": total.off_route / total_tokens if total_tokens else 0.0,
         })
+    kind = router.featurizer.get("kind")
+    context_tokens = int(router.featurizer.get("prefix_tokens", job.prefix_tokens))
     report = {
         "experiment": job.name,
         "checkpoint": ckpt.name + (" (early-stopped paths)" if job.eval.early_stopping else ""),
@@ -235,7 +282,7 @@ def reroute_evaluate(job: EvalJob, load_prepared: Callable[[], Prepared], every:
         "routing_context": f"the last {context_tokens} tokens before each window",
         "prefix_tokens": job.prefix_tokens,
         "seq_len": job.seq_len,
-        "docs": len(docs),
+        "docs": len(val),
         "results": results,
     }
     write_text(exp_dir / REPORT, json.dumps(report, indent=2))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -225,7 +226,7 @@ def _batches(ds: datasets.Dataset, columns: list[str], chunk: int,
     yield from SplitReader(ds).chunks(columns, chunk, numpy)
 
 
-def _numbers(ds: datasets.Dataset, column: str, chunk: int = CHUNK_DOCS, dtype: type = np.int32) -> np.ndarray:
+def column_numbers(ds: datasets.Dataset, column: str, chunk: int = CHUNK_DOCS, dtype: type = np.int32) -> np.ndarray:
     """A numeric column as one (N,) array (int32 by default: 4 bytes a document), read in chunks (no
     Python list of N values); a value that does not fit ``dtype`` is an error, not a wrapped number."""
     out: np.ndarray = np.empty(len(ds), dtype=dtype)
@@ -265,18 +266,19 @@ def document_texts(ds: datasets.Dataset, prepared: Prepared, chunk: int = CHUNK_
 
 
 def _check_texts(ds: datasets.Dataset, split: str, chunk: int = CHUNK_DOCS) -> None:
-    rows = np.flatnonzero(_numbers(ds, "num_tokens", chunk) == 0)
+    rows = np.flatnonzero(column_numbers(ds, "num_tokens", chunk) == 0)
     empty = ds.select(rows[:10])["id"] if rows.size else []
     if empty:
         raise DataError(f"{split}: {rows.size} documents have no tokens and cannot be routed, e.g. {empty}")
 
 
 def write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
-                  topk: np.ndarray | None, features: Mapping[str, Any], report: dict,
+                  topk: np.ndarray | None, features: Mapping[str, Any] | Path, report: dict,
                   before_swap: Callable[[str], None] | None = None) -> None:
     """Writes the routed splits, artifact, features and report next to the old ones, then swaps;
     ``before_swap(fingerprint)`` runs once the new routing is complete, before it replaces the old.
-    ``features``: (N, D) arrays per split (tensors, or memory-mapped arrays streamed to the file)."""
+    ``features``: (N, D) arrays per split (tensors, or arrays on disk streamed to the file), or a
+    features file to link."""
     with replacing(run.routing) as tmp:
         fingerprint = _write_routing_dir(tmp, prepared, router, paths, topk, features, report)
         if before_swap is not None:
@@ -302,7 +304,7 @@ def save_routing_columns(splits: Mapping[str, datasets.Dataset], path: Path) -> 
 
 
 def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
-                       topk: np.ndarray | None, features: Mapping[str, Any], report: dict) -> str:
+                       topk: np.ndarray | None, features: Mapping[str, Any] | Path, report: dict) -> str:
     # Only the routing columns: training joins them to the prepared splits row by row
     # (:func:`dipaco.route.shards.with_routing`), so routing never copies the corpus.
     splits = {}
@@ -317,9 +319,20 @@ def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dic
     info = {"prepare_hash": prepared.info["prepare_hash"], "router": router.kind, "num_paths": router.num_paths,
             "fingerprint": routing_fingerprint(routed, tmp / "router")}
     (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
-    save_features(features, tmp / FEATURES)
+    if isinstance(features, Path):  # unchanged (re-routing): the old routing's file, linked, not copied
+        link_or_copy(features, tmp / FEATURES)
+    else:
+        save_features(features, tmp / FEATURES)
     (tmp / REPORT).write_text(json.dumps(report, indent=2, default=float))
     return info["fingerprint"]
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` as a hard link of ``source``, or a copy where the file system cannot link."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def save_features(features: Mapping[str, Any], path: Path, chunk_bytes: int = 8 << 20) -> None:
@@ -349,6 +362,29 @@ def save_features(features: Mapping[str, Any], path: Path, chunk_bytes: int = 8 
                 out.write(np.ascontiguousarray(part, dtype="<f4").data)  # its buffer: no bytes copy
 
 
+_SAFETENSORS_DTYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}
+
+
+def stored_features(path: Path) -> dict[str, ChunkedArray]:
+    """The (N, D) feature arrays of a features file (:func:`save_features`, or ``safetensors.save_file``),
+    each read from the file as rows are asked for, never the whole file in memory (4.6 GB at 10M documents)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        arrays = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in _SAFETENSORS_DTYPES or len(entry["shape"]) != 2:
+                raise ValueError(f"{name!r} is {entry['dtype']} of shape {entry['shape']}, not a 2-d float array")
+            arrays[name] = ChunkedArray.at(path, 8 + size + entry["data_offsets"][0], tuple(entry["shape"]),
+                                           _SAFETENSORS_DTYPES[entry["dtype"]])
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as exc:
+        raise DataError(f"{path}: not a readable features file ({exc}); run `dipaco route` again") from None
+    return arrays
+
+
 def _label_codes(ds: datasets.Dataset, chunk: int) -> np.ndarray:
     """The label column as (N,) int32 codes, read in chunks: NMI, ARI and purity do not depend on the
     labels' names, and codes keep N strings out of memory."""
@@ -367,7 +403,7 @@ def routing_summary(router: Router, paths: dict[str, np.ndarray], prepared: Prep
     }
     for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
         labels = _label_codes(ds, chunk) if "label" in ds.column_names else None
-        report[split] = routing_report(paths[split], router.num_paths, _numbers(ds, "num_tokens", chunk), labels,
+        report[split] = routing_report(paths[split], router.num_paths, column_numbers(ds, "num_tokens", chunk), labels,
                                        wall_time=seconds if split == "train" else None)
     return report
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
 from transformers import LlamaConfig
@@ -22,7 +23,9 @@ from transformers import LlamaConfig
 from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
 from dipaco.config import RouteConfig
 from dipaco.data.hashing import holdout_mask
+from dipaco.data.packing import DocumentTokens
 from dipaco.data.prepare import Prepared
+from dipaco.data.reading import SplitReader
 from dipaco.errors import ConfigError, DataError
 from dipaco.metrics import echo
 from dipaco.model.llama import build_model
@@ -30,11 +33,18 @@ from dipaco.model.scoring import score_documents
 from dipaco.model.topology import Topology
 from dipaco.precision import Precision
 from dipaco.route.artifact import load_router
-from dipaco.route.assign import FEATURES, print_report, routing_summary, write_routing
+from dipaco.route.assign import (
+    CHUNK_DOCS,
+    FEATURES,
+    column_numbers,
+    print_report,
+    routing_summary,
+    stored_features,
+    write_routing,
+)
 from dipaco.route.provenance import record_routing
 from dipaco.run_dir import RunDir
 from dipaco.runtime import seed_everything
-from dipaco.tensor_io import load_tensors
 from routing.discriminative import fit_discriminative_router
 from routing.router import Router
 
@@ -58,6 +68,15 @@ class RerouteJob:
     deterministic: bool | None = None
 
 
+def holdout_rows(ds: datasets.Dataset, fraction: float, salt: str, chunk: int = CHUNK_DOCS) -> np.ndarray:
+    """The rows of ``ds`` that :func:`holdout_mask` holds out, from its ids read ``chunk`` at a time (not
+    one Python list of every id: about 70 bytes a document)."""
+    parts = [np.zeros(0, dtype=np.int64)]
+    for first, batch in SplitReader(ds).chunks(["id"], chunk):
+        parts.append(first + np.flatnonzero(holdout_mask(batch["id"], fraction, salt)))
+    return np.concatenate(parts)
+
+
 def reroute(job: RerouteJob, load_prepared: Callable[[], Prepared], checkpoint: str | None = None,
             hint: bool = True) -> dict:
     """Discriminative re-routing from the experiment's checkpoint; writes new routing in place.
@@ -70,31 +89,33 @@ def reroute(job: RerouteJob, load_prepared: Callable[[], Prepared], checkpoint: 
     exp_dir, ckpt = experiment_checkpoint(job.run_dir, job.name, job.routed, checkpoint)
     bank = read_bank(ckpt, topology, job.llama)
     old = load_router(run, topology.num_paths)
-    stored = load_tensors(run.routing / FEATURES)
+    features_file = run.routing / FEATURES
+    stored = stored_features(features_file)  # rows are read as asked for: 4.6 GB at 10M documents stay on disk
 
     start = time.perf_counter()
-    mask = holdout_mask(prepared.train["id"], job.route.reroute_holdout, f"reroute:{job.seed}")
-    rows = np.flatnonzero(mask)
-    docs = [prepared.train["input_ids"][int(i)] for i in rows]
-    if len(docs) < topology.num_paths:
-        raise DataError(f"route.reroute_holdout={job.route.reroute_holdout} leaves {len(docs)} documents to score "
+    rows = holdout_rows(prepared.train, job.route.reroute_holdout, f"reroute:{job.seed}")
+    if len(rows) < topology.num_paths:
+        raise DataError(f"route.reroute_holdout={job.route.reroute_holdout} leaves {len(rows)} documents to score "
                         f"{topology.num_paths} paths; raise it")
+    docs = DocumentTokens(prepared.train).documents(rows, dtype=np.int32)
     model = build_model(job.llama, device=job.device)
     loglik = torch.empty(len(docs), topology.num_paths, dtype=torch.float64)
     for p in range(topology.num_paths):
         scores = score_documents(bank.compose(p, model), docs, job.seq_len, job.prefix_tokens,
                                  job.batch_size, prepared.tokenizer.pad_token_id, job.precision)
         loglik[:, p] = -torch.from_numpy(scores.nll)
+    del docs
     scored = torch.from_numpy(scores.tokens > 0)  # documents within the prefix carry no signal
-    current = np.asarray(prepared.train["path"])
+    current = column_numbers(prepared.train, "path")
     target = "uniform" if job.route.reroute_target == "uniform" else np.bincount(current, minlength=topology.num_paths).tolist()
     # The classifier sees features as the old router did (after its transform) and keeps that transform.
-    weight, bias = fit_discriminative_router(old.transformed(stored["train"][rows][scored]), loglik[scored], target)
+    holdout_x = torch.from_numpy(stored["train"][rows])[scored]
+    weight, bias = fit_discriminative_router(old.transformed(holdout_x), loglik[scored], target)
     router = Router("linear", [topology.num_paths], weight=weight.float(), bias=bias.float(), featurizer=old.featurizer,
                     text_model=old.text_model, topology=topology.to_dict(), meta={"checkpoint": ckpt.name},
                     transform=old.transform)
-    paths = {s: router.assign(stored[s]).numpy().astype(np.int64) for s in ("train", "validation")}
-    topk = router.assign_topk(stored["train"], job.route.topk).numpy() if job.route.topk > 1 else None
+    paths = {s: router.assign_chunked(stored[s], CHUNK_DOCS) for s in ("train", "validation")}
+    topk = router.assign_topk_chunked(stored["train"], job.route.topk, CHUNK_DOCS) if job.route.topk > 1 else None
     best = loglik[scored].argmax(dim=1).numpy()
     seconds = time.perf_counter() - start
     report = routing_summary(router, paths, prepared, seconds, {
@@ -106,7 +127,7 @@ def reroute(job: RerouteJob, load_prepared: Callable[[], Prepared], checkpoint: 
     })
     # The new fingerprint is noted as this experiment's own before the swap, so a stop in between leaves
     # the experiment resumable; once written, it is what the experiment trains on and the others are refused it.
-    write_routing(run, prepared, router, paths, topk, {k: stored[k] for k in ("train", "validation")}, report,
+    write_routing(run, prepared, router, paths, topk, features_file, report,
                   before_swap=lambda fingerprint: record_routing(job.run_dir, exp_dir, True, rerouting=fingerprint))
     record_routing(job.run_dir, exp_dir, True)
     print_report(report)

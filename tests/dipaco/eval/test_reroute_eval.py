@@ -9,7 +9,8 @@ from tiny import TINY
 
 from dipaco.cli import main
 from dipaco.errors import ConfigError
-from dipaco.eval.evaluate import validation_docs
+from dipaco.eval import reroute_eval
+from dipaco.eval.evaluate import validation_split
 from dipaco.eval.reroute_eval import REPORT, decision_points, parse_every, window_paths
 from dipaco.run import Run
 from dipaco.run_dir import RunDir
@@ -25,8 +26,7 @@ def test_window_paths_follow_the_decisions():
 
 def test_reroute_eval_matches_eval_and_is_once_per_sequence_for_long_windows(served_run):
     evaluated = json.loads((RunDir(served_run.run.dir).experiment(served_run.train.name) / "eval.json").read_text())
-    docs, _ = validation_docs(served_run.eval, Run(served_run).prepared())
-    longest = max(len(d) for d in docs)
+    longest = max(validation_split(served_run.eval, Run(served_run).prepared())["num_tokens"])
     report = Run(served_run).reroute_evaluate([longest, 48])
     once, long_w, short_w = report["results"]
     assert once["reroute_every"] is None and long_w["reroute_every"] == longest and short_w["reroute_every"] == 48
@@ -38,6 +38,27 @@ def test_reroute_eval_matches_eval_and_is_once_per_sequence_for_long_windows(ser
     assert 0.0 < short_w["tokens_off_document_route"] < 1.0  # the router does move some windows
     saved = json.loads((RunDir(served_run.run.dir).experiment(served_run.train.name) / REPORT).read_text())
     assert saved["results"] == report["results"]
+
+
+def test_reroute_eval_reads_the_documents_in_chunks_with_the_same_report(served_run, monkeypatch):
+    """It held every validation document's tokens as Python lists (about 36 bytes a token); it now reads
+    them from the token files a chunk at a time, and the report does not depend on the chunking."""
+    few = replace(served_run, eval=replace(served_run.eval, max_docs=8))
+    whole = Run(few).reroute_evaluate([48])
+    read = []
+    real = reroute_eval.DocumentTokens.documents
+
+    def documents(self, rows, *args, **kwargs):
+        read.append(len(rows))
+        return real(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(reroute_eval, "REROUTE_CHUNK_DOCS", 3)
+    monkeypatch.setattr(reroute_eval.DocumentTokens, "documents", documents)
+    chunked = Run(few).reroute_evaluate([48])
+    assert read == [3, 3, 2] and chunked["docs"] == whole["docs"] == 8
+    for a, b in zip(whole["results"], chunked["results"]):
+        assert {k: v for k, v in a.items() if k not in ("nll", "ppl")} == {k: v for k, v in b.items() if k not in ("nll", "ppl")}
+        assert np.isclose(a["nll"], b["nll"], rtol=1e-9)
 
 
 def test_eval_command_with_reroute_every(served_run, capsys):

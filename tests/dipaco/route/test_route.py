@@ -11,9 +11,10 @@ import pytest
 from dipaco.config import Config
 from dipaco.data.tokenizer import load_tokenizer
 from dipaco.errors import ConfigError, DataError
-from dipaco.route.assign import print_report
+from dipaco.route.assign import FEATURES, print_report
 from dipaco.run import Run
 from dipaco.run_dir import RunDir
+from dipaco.tensor_io import load_tensors
 from routing.quality import routing_report
 from routing.router import Router
 
@@ -78,9 +79,19 @@ def test_reroute_reshards_and_training_resumes(run_cfg):
     cfg = replace(cfg, train=replace(cfg.train, rounds=3))
     Run(cfg).route()
     Run(cfg).train(until_round=2)
+    features = RunDir(cfg.run.dir).routing / FEATURES
+    inode = features.stat().st_ino
     report = Run(cfg).reroute()
     assert report["router"] == "linear" and report["holdout_docs"] > 0
-    assert Router.load(RunDir(cfg.run.dir).routing / "router").kind == "linear"
+    router = Router.load(RunDir(cfg.run.dir).routing / "router")
+    assert router.kind == "linear"
+    # The features are unchanged: linked into the new routing, not loaded and written again. The paths,
+    # assigned a chunk at a time from the file, are those of all features at once.
+    assert features.stat().st_ino == inode
+    stored = load_tensors(features)
+    columns = datasets.load_from_disk(str(RunDir(cfg.run.dir).routing / "data"))
+    for split in ("train", "validation"):
+        assert np.array_equal(np.asarray(columns[split]["path"]), router.assign(stored[split]).numpy())
     # Sizes aim at uniform within the classifier's tolerance, and no shard is empty.
     assert min(report["train"]["docs_per_path"]) > 0
     exp = Run(cfg).train(resume=True)

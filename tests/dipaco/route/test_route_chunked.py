@@ -187,6 +187,43 @@ def test_path_columns_are_int32_and_checked_before_the_cast():
         column_paths(wraps, "p", 4)
 
 
+def test_stored_features_read_rows_of_the_file_and_name_a_bad_one(tmp_path):
+    """`dipaco reroute` loaded the whole features file (4.6 GB at 10M documents); it now reads the rows it
+    needs from it, through the same layout safetensors reads and writes."""
+    from safetensors.numpy import save_file
+
+    from dipaco.route.assign import save_features, stored_features
+
+    rng = np.random.default_rng(1)
+    train, validation = rng.random((101, 5), dtype=np.float32), rng.random((9, 5), dtype=np.float32)
+    save_features({"train": train, "validation": validation}, tmp_path / "ours.safetensors", chunk_bytes=64)
+    save_file({"validation": validation, "train": train.astype(np.float16)}, str(tmp_path / "theirs.safetensors"),
+              metadata={"by": "safetensors"})
+    for name, half in (("ours", False), ("theirs", True)):
+        stored = stored_features(tmp_path / f"{name}.safetensors")
+        want = train.astype(np.float16) if half else train
+        assert np.array_equal(stored["train"][:], want) and np.array_equal(stored["validation"][:], validation)
+        rows = np.array([100, 3, 4, 50])
+        assert np.array_equal(stored["train"][rows], want[rows]) and len(stored["train"]) == 101
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes((tmp_path / "ours.safetensors").read_bytes()[:-40])
+    with pytest.raises(DataError, match="cut.safetensors: not a readable features file"):
+        stored_features(cut)
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(DataError, match="junk.safetensors: not a readable features file"):
+        stored_features(tmp_path / "junk.safetensors")
+
+
+def test_holdout_rows_are_the_holdout_mask_read_in_chunks():
+    from dipaco.data.hashing import holdout_mask
+    from dipaco.train.reroute import holdout_rows
+
+    ds = datasets.Dataset.from_dict({"id": [f"doc{i}" for i in range(1000)]})
+    want = np.flatnonzero(holdout_mask(ds["id"], 0.1, "reroute:0"))
+    assert 50 < len(want) < 150
+    assert np.array_equal(holdout_rows(ds, 0.1, "reroute:0", chunk=64), want)
+
+
 def test_features_are_written_as_safetensors_in_bounded_pieces(tmp_path):
     """save_features streams each array in pieces of about chunk_bytes; the file is what safetensors reads."""
     from safetensors.numpy import load_file
