@@ -3,6 +3,7 @@
 import random
 
 import datasets
+import pytest
 
 import dipaco.data.tokenizer as tokenizer_module
 from dipaco.data.tokenizer import text_pieces, tokenize_corpus, train_tokenizer
@@ -23,21 +24,30 @@ def test_pieces_join_back_and_are_bounded():
     assert list(text_pieces("short", 1000)) == ["short"]
 
 
-def test_long_documents_are_encoded_in_pieces_with_the_same_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["tiktoken", "hf"])
+def test_long_documents_are_encoded_in_pieces_with_the_same_tokens(tmp_path, monkeypatch, engine):
     text = long_text(40000)
     tok = train_tokenizer([text[:50000]], 600, tmp_path / "tok", show_progress=False)
     whole = tok(text, add_special_tokens=False)["input_ids"]
     monkeypatch.setattr(tokenizer_module, "MAX_PIECE_CHARS", 5000)
-    seen = []
-    real_encode = tokenizer_module.encode_texts
+    if engine == "hf":
+        monkeypatch.setattr(tokenizer_module, "tiktoken_bpe", lambda backend, threads: (None, "forced"))
+    seen, engines = [], []
+    real_batch_encoder = tokenizer_module.batch_encoder
 
-    def spy(backend, texts):
-        seen.extend(texts)
-        return real_encode(backend, texts)
+    def spied(tokenizer, threads=1):
+        encode, name = real_batch_encoder(tokenizer, threads)
+        engines.append(name)
 
-    monkeypatch.setattr(tokenizer_module, "encode_texts", spy)
+        def spy(texts):
+            seen.extend(texts)
+            return encode(texts)
+        return spy, name
+
+    monkeypatch.setattr(tokenizer_module, "batch_encoder", spied)
     ds = datasets.Dataset.from_dict({"id": ["long", "short"], "text": [text, "a short one"]})
     out = tokenize_corpus(ds, tok)
+    assert engines and all(name.startswith("tiktoken" if engine == "tiktoken" else "HF") for name in engines)
     assert out["input_ids"][0] == whole and out["num_tokens"][0] == len(whole)
     assert out["input_ids"][1] == tok("a short one", add_special_tokens=False)["input_ids"]
     assert seen and max(len(t) for t in seen) <= 5000  # the tokenizer never saw the whole long text

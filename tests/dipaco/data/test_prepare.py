@@ -36,8 +36,8 @@ def counting_encoder(monkeypatch) -> dict[str, int]:
     seen = {"texts": 0}
     make = tokenizer_module._encoder
 
-    def counted(tokenizer, *args):
-        encode = make(tokenizer, *args)
+    def counted(tokenizer, *args, **kwargs):
+        encode = make(tokenizer, *args, **kwargs)
 
         def run(batch):
             seen["texts"] += len(batch["text"])
