@@ -106,12 +106,16 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
+    from dipaco.serve.auth import resolve_token
     from dipaco.serve.http import serve
 
     serve(args.run, host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
           cache_size=args.cache_size, max_prompt_tokens=args.max_prompt_tokens,
           max_new_tokens_cap=args.max_new_tokens_cap, device=args.device, max_body_bytes=args.max_body_bytes,
-          precision=args.precision, body_timeout_s=args.body_timeout_s)
+          precision=args.precision, body_timeout_s=args.body_timeout_s, token=resolve_token(args.token),
+          allow_unauthenticated=args.allow_unauthenticated, max_batch=args.max_batch,
+          batch_wait_ms=args.batch_wait_ms, header_timeout_s=args.header_timeout_s,
+          max_connections=args.max_connections, decode_workers=args.decode_workers)
 
 
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -192,13 +196,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=_cmd_export)
 
-    p = _command(sub, "serve", "HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate")
+    p = _command(sub, "serve", "HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate, /metrics")
     _add_run_args(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="listening address; one that is not loopback needs --token (or --allow-unauthenticated)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free one)")
+    p.add_argument("--token", default=None,
+                   help="every endpoint but /healthz requires 'Authorization: Bearer TOKEN' (401 otherwise); "
+                        "default: the DIPACO_SERVE_TOKEN environment variable (which other users cannot see in ps)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without a token")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="requests of one path decoded together at most (1: no batching)")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="how long a path's first waiting request waits for others to join its batch")
+    p.add_argument("--decode-workers", type=int, default=1,
+                   help="threads decoding batches (of different paths) at once")
+    p.add_argument("--header-timeout-s", type=float, default=5.0,
+                   help="a connection that has not sent a complete request's headers this many seconds after "
+                        "opening (or after its last answer) is closed")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; at the limit a new one closes the longest-idle one. "
+                        "Default: what the file descriptor limit (ulimit -n) leaves, less 64")
     p.add_argument("--body-timeout-s", type=float, default=10.0,
                    help="a request body not fully received this many seconds after the request started is a 408")
-    p.add_argument("--cache-size", type=int, default=4, help="composed path models kept in memory (LRU)")
+    p.add_argument("--cache-size", type=int, default=4,
+                   help="composed path models kept in memory (LRU)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longer prompts are refused (422); default: the experiment's data.seq_len, and larger "
                         "values are lowered to it (prompt + new tokens must fit data.seq_len)")

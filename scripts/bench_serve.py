@@ -20,12 +20,34 @@
    request was in flight), and the server's RSS (``/proc/PID/status``) before and after.
    Targets: 0 responses of 500, 0 dropped connections, that p99 <= 2 s, RSS growth <= 10%.
 
+5. **Concurrency** (``--concurrency N``): ``N`` closed-loop clients (each sends its next request when
+   its answer arrives, on a kept-alive connection) for ``--seconds`` against `dipaco serve` unbatched
+   (``--max-batch 1``) and then batched (``--max-batch``, ``--batch-wait-ms``), in one run, each server
+   warmed up first. Prompts are validation texts cut to between half of ``--prompt-tokens`` and all of it
+   (so batches hold prompts of different lengths), greedy, ``--new-tokens`` each, routed (or all naming
+   ``--pin-path``: one model). Reports generated tokens/s, p50/p99 latency, and the mean batch size: rows
+   per forward pass, from the server's ``/metrics``. Target: batched throughput >= 3x unbatched at 16
+   clients, p99 no worse.
+6. **Agreement** (``--agreement N``): in one process, N prompts decoded alone (batches of one) and in
+   batches (grouped by routed path, ``--max-batch`` at a time), through the server's own
+   ``Pipeline.run_batch``: greedy texts, then seeded samples with temperature, top-k and top-p differing
+   row to row. Names each prompt whose text differs, with the step where it diverges and the gap between
+   the two best logits there. Target: >= 99% of the greedy texts equal.
+7. **Held connections** (``--hold-idle N``): `dipaco serve` under ``ulimit -n --nofile``; N connections
+   held open for ``--seconds`` (half idle, half slow headers: a header line a second; each reopened as
+   soon as the server closes it) while a valid request is sent every 0.25 s on a new connection.
+   Reports their latency, how the server closed the held connections, and the longest any stayed open.
+   Target: every valid request answered within 1 s.
+
 With no ``--run`` it builds a small run first (configs/demo.yaml: BBC News, 4-layer d=128 paths,
 2x2 grid, LM-prefix k-means routing) with few training steps: quality is irrelevant to latency.
 
     python scripts/bench_serve.py --out bench_serve.json
     python scripts/bench_serve.py --run runs/demo --experiment dipaco_2x2
     python scripts/bench_serve.py --abuse --seconds 60 --out bench_serve_abuse.json
+    python scripts/bench_serve.py --concurrency 16 --seconds 60 --agreement 200 --out bench_serve_batching.json
+    python scripts/bench_serve.py --concurrency 16 --seconds 60 --pin-path 0 --out bench_serve_batching_path0.json
+    python scripts/bench_serve.py --hold-idle 300 --nofile 256 --seconds 70 --out bench_serve_held.json
 """
 
 from __future__ import annotations
@@ -36,6 +58,7 @@ import http.client
 import json
 import os
 import platform
+import selectors
 import socket
 import subprocess
 import sys
@@ -70,6 +93,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--abuse-clients", type=int, default=8, help="abuse: concurrent clients")
     p.add_argument("--abuse-control", action="store_true",
                    help="abuse: first the same clients for --seconds with only the small valid requests (a fresh server)")
+    p.add_argument("--concurrency", type=int, help="part 5: this many closed-loop clients, unbatched then batched")
+    p.add_argument("--warmup-seconds", type=float, default=5.0, help="concurrency: closed-loop warm-up per server")
+    p.add_argument("--max-batch", type=int, default=16, help="concurrency / agreement: the batched server's --max-batch")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="concurrency: the batched server's --batch-wait-ms")
+    p.add_argument("--decode-workers", type=int, default=1, help="concurrency: both servers' --decode-workers")
+    p.add_argument("--pin-path", type=int, help="concurrency: every request names this path instead of being routed")
+    p.add_argument("--agreement", type=int, help="part 6: this many prompts, batched against alone")
+    p.add_argument("--hold-idle", type=int, help="part 7: hold this many idle / slow-header connections open")
+    p.add_argument("--nofile", type=int, default=256, help="hold-idle: the server's ulimit -n")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args()
 
@@ -236,20 +268,39 @@ def bench_http(run: Path, experiment: str | None, prompts: list[str], new_tokens
 
 
 @contextlib.contextmanager
-def dipaco_serve(run: Path, experiment: str | None, threads: int | None, cache_size: int = 16):
-    """`dipaco serve` in a subprocess on a free loopback port, up and healthy; yields (port, process)."""
+def dipaco_serve(run: Path, experiment: str | None, threads: int | None, cache_size: int = 16,
+                 extra_args: tuple[str, ...] = (), nofile: int | None = None):
+    """`dipaco serve` in a subprocess on a free loopback port, up and healthy; yields (port, process).
+
+    ``extra_args``: more `dipaco serve` flags (``--max-batch 1``); ``nofile``: its RLIMIT_NOFILE
+    (``ulimit -n``). Its stderr (the access log: a line per request) goes to a file, not a pipe that
+    nobody reads: a full pipe blocks the server.
+    """
     port = _free_port()
     cmd = [sys.executable, "-m", "dipaco", "serve", "--run", str(run), "--port", str(port),
-           "--cache-size", str(cache_size), "--host", "127.0.0.1"]
+           "--cache-size", str(cache_size), "--host", "127.0.0.1", *extra_args]
     if experiment:
         cmd += ["--experiment", experiment]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=REPO)
+
+    def limit_descriptors() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    log = tempfile.TemporaryFile()
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=REPO,
+                              preexec_fn=limit_descriptors if nofile else None)
+
+    def log_tail() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")[-2000:]
+
     try:
         deadline = time.monotonic() + 300
         while True:
             if server.poll() is not None:
-                raise RuntimeError(f"dipaco serve exited: {server.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"dipaco serve exited: {log_tail()}")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
                 conn.request("GET", "/healthz")
@@ -258,7 +309,7 @@ def dipaco_serve(run: Path, experiment: str | None, threads: int | None, cache_s
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("dipaco serve did not come up")
+                raise RuntimeError(f"dipaco serve did not come up: {log_tail()}")
             time.sleep(0.5)
         yield port, server
     finally:
@@ -267,6 +318,7 @@ def dipaco_serve(run: Path, experiment: str | None, threads: int | None, cache_s
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+        log.close()
 
 
 # --- part 4: abuse ----------------------------------------------------------------------------------
@@ -453,6 +505,344 @@ def print_abuse(a: dict) -> None:
     print(f"  targets: {a['targets']}")
 
 
+# --- part 5: concurrency, batched against unbatched ---------------------------------------------------
+def varied_prompts(pipe, n: int, max_tokens: int) -> list[str]:
+    """``n`` validation texts cut to between ``max_tokens // 2`` and ``max_tokens`` tokens (a fixed cycle),
+    so a batch holds prompts of different lengths and is left-padded."""
+    from dipaco.run import Run
+
+    val = Run(pipe.cfg).prepared().validation
+    docs = [d for d in val["input_ids"] if len(d) >= max_tokens]
+    if len(docs) < n:
+        docs = (docs * (n // max(len(docs), 1) + 1))[:n]
+    low = max(1, max_tokens // 2)
+    return [pipe.decode(d[: low + (i * 7) % (max_tokens - low + 1)]) for i, d in enumerate(docs[:n])]
+
+
+def scrape(port: int) -> list:
+    """The server's /metrics samples, parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def metric_total(samples: list, name: str) -> float:
+    return sum(s.value for s in samples if s.name == name)
+
+
+def metric_by_label(samples: list, name: str, label: str) -> dict[str, float]:
+    return {s.labels[label]: s.value for s in samples if s.name == name}
+
+
+def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float) -> dict:
+    """``clients`` threads, each on its own kept-alive connection, sending its next request as soon as the
+    last is answered, for ``seconds``. Request r of client c is ``bodies[(c + r * clients) % len(bodies)]``."""
+    lock = threading.Lock()
+    latencies: list[float] = []
+    tokens = [0]
+    statuses: Counter = Counter()
+    deadline = time.monotonic() + seconds
+
+    def client(c: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        r = 0
+        while time.monotonic() < deadline:
+            body = bodies[(c + r * clients) % len(bodies)]
+            r += 1
+            start = time.perf_counter()
+            try:
+                conn.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                reply = json.loads(resp.read())
+                status = resp.status
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                with lock:
+                    statuses[type(exc).__name__] += 1
+                continue
+            elapsed = (time.perf_counter() - start) * 1000
+            with lock:
+                statuses[status] += 1
+                if status == 200:
+                    latencies.append(elapsed)
+                    tokens[0] += reply["completion_tokens"]
+        conn.close()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - start
+    return {"clients": clients, "wall_s": wall, "requests": len(latencies), "tokens": tokens[0],
+            "tokens_per_s": tokens[0] / wall, "requests_per_s": len(latencies) / wall,
+            "statuses": {str(k): v for k, v in statuses.items()}, **(percentiles(latencies) if latencies else {})}
+
+
+def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float,
+                      warmup_s: float, new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float,
+                      decode_workers: int = 1, path: int | None = None) -> dict:
+    """Part 5: the same closed-loop load on `dipaco serve --max-batch 1`, then on the batched server.
+    ``path``: every request names it (one model) instead of being routed."""
+    pinned = {} if path is None else {"path": path}
+    bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, **pinned}).encode() for p in prompts]
+    out: dict = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "prompts": len(prompts),
+                 "path": "routed" if path is None else path}
+    for name, batch in (("unbatched", 1), ("batched", max_batch)):
+        flags = ("--max-batch", str(batch), "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
+        with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, _):
+            closed_loop(port, bodies, clients, warmup_s)
+            before = scrape(port)
+            row = closed_loop(port, bodies, clients, seconds)
+            after = scrape(port)
+        batches = metric_total(after, "dipaco_batch_size_count") - metric_total(before, "dipaco_batch_size_count")
+        rows = metric_total(after, "dipaco_batch_size_sum") - metric_total(before, "dipaco_batch_size_sum")
+        row["batches"] = int(batches)  # forward passes: each decodes one batch of rows (a prefill or a step)
+        row["mean_batch_size"] = rows / batches if batches else None  # rows per forward pass
+        row["server_flags"] = " ".join(flags)
+        out[name] = row
+        print(f"[bench] {name} ({row['server_flags']}), {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
+              f"p50 {row.get('p50_ms', 0):.0f} ms, p99 {row.get('p99_ms', 0):.0f} ms, mean batch {row['mean_batch_size']}",
+              flush=True)
+    u, b = out["unbatched"], out["batched"]
+    out["throughput_ratio"] = b["tokens_per_s"] / u["tokens_per_s"] if u["tokens_per_s"] else None
+    out["p99_ratio"] = b["p99_ms"] / u["p99_ms"] if "p99_ms" in u and "p99_ms" in b else None
+    out["targets"] = {"throughput_ge_3x": (out["throughput_ratio"] or 0) >= 3.0,
+                      "p99_no_worse": out["p99_ratio"] is not None and out["p99_ratio"] <= 1.0}
+    return out
+
+
+# --- part 6: batched against alone, token for token ----------------------------------------------------
+SAMPLING_CYCLE = ((0.7, 1.0, 0), (1.0, 0.95, 50), (1.3, 0.9, 0))  # (temperature, top_p, top_k) by row
+
+
+def _decode_all(pipe, prompts: list[str], new_tokens: int, batch: int, sampled: bool) -> list:
+    """Plans every prompt, then decodes them in batches of up to ``batch`` rows of one path, in order."""
+    plans = []
+    for i, prompt in enumerate(prompts):
+        kwargs = {}
+        if sampled:
+            temperature, top_p, top_k = SAMPLING_CYCLE[i % len(SAMPLING_CYCLE)]
+            kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=1000 + i)
+        plans.append(pipe.plan(prompt, max_new_tokens=new_tokens, **kwargs))
+    by_path: dict[int, list] = {}
+    for plan in plans:
+        by_path.setdefault(plan.path, []).append(plan)
+    for path, group in by_path.items():
+        for i in range(0, len(group), batch):
+            pipe.run_batch(path, [plan.row for plan in group[i:i + batch]])
+    return plans
+
+
+@torch.inference_mode()
+def top2_gap(pipe, path: int, ids: list[int]) -> float:
+    """The gap between the two best next-token logits after ``ids``, on ``path``'s model (one forward)."""
+    model = pipe.cache.get(path).model
+    logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def bench_agreement(pipe, prompts: list[str], new_tokens: int, max_batch: int) -> dict:
+    """Part 6: each prompt alone and in batches, greedy and seeded-sampled; which texts differ, and where."""
+    out: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "max_batch": max_batch}
+    for mode in ("greedy", "seeded"):
+        sampled = mode == "seeded"
+        start = time.perf_counter()
+        alone = _decode_all(pipe, prompts, new_tokens, 1, sampled)
+        alone_s = time.perf_counter() - start
+        start = time.perf_counter()
+        batched = _decode_all(pipe, prompts, new_tokens, max_batch, sampled)
+        batched_s = time.perf_counter() - start
+        differ = []
+        for i, (a, b) in enumerate(zip(alone, batched)):
+            if pipe.decode(a.row.tokens) == pipe.decode(b.row.tokens):
+                continue
+            step = next((k for k, (x, y) in enumerate(zip(a.row.tokens, b.row.tokens)) if x != y),
+                        min(len(a.row.tokens), len(b.row.tokens)))
+            gap = top2_gap(pipe, a.path, a.row.prompt_ids + a.row.tokens[:step])
+            differ.append({"prompt": i, "path": a.path, "batch_size": b.row.batch_size, "diverges_at_token": step,
+                           "top2_logit_gap_there": gap, "prompt_text": prompts[i][:80]})
+        sizes = [p.row.batch_size for p in batched]
+        out[mode] = {"equal": len(prompts) - len(differ), "equal_fraction": 1 - len(differ) / len(prompts),
+                     "differ": differ, "mean_batch_size": float(np.mean(sizes)), "alone_s": alone_s,
+                     "batched_s": batched_s}
+        print(f"[bench] agreement {mode}: {len(prompts) - len(differ)}/{len(prompts)} texts equal batched and alone "
+              f"(mean batch {np.mean(sizes):.1f}; alone {alone_s:.1f} s, batched {batched_s:.1f} s)", flush=True)
+        for d in differ:
+            print(f"    prompt {d['prompt']} (path {d['path']}, batch of {d['batch_size']}): diverges at token "
+                  f"{d['diverges_at_token']}, top-2 logit gap {d['top2_logit_gap_there']:.2e}", flush=True)
+    out["targets"] = {"greedy_ge_99pct": out["greedy"]["equal_fraction"] >= 0.99}
+    return out
+
+
+# --- part 7: idle and slow-header connections held open ------------------------------------------------
+SLOW_HEADER_START = b"POST /v1/generate HTTP/1.1\r\nHost: bench\r\n"
+
+
+class ConnectionHolder(threading.Thread):
+    """Holds ``n`` connections open to ``port``: even ones idle, odd ones sending a header line every second
+    and never finishing; each one the server closes is reopened at once. Records how long each stayed open."""
+
+    def __init__(self, port: int, n: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.n = port, n
+        self.stop = threading.Event()
+        self.selector = selectors.DefaultSelector()
+        self.opened = self.closed_by_server = self.connect_failures = 0
+        self.lifetimes: list[float] = []  # seconds each connection the server closed stayed open
+        self.open_ages_at_end: list[float] = []
+        self.held_samples: list[int] = []
+
+    def _open(self, slot: int) -> None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=2)
+        except OSError:
+            self.connect_failures += 1
+            return
+        sock.setblocking(False)
+        slow = slot % 2 == 1
+        if slow:
+            with contextlib.suppress(OSError):
+                sock.send(SLOW_HEADER_START)
+        self.selector.register(sock, selectors.EVENT_READ, {"slot": slot, "slow": slow, "opened": time.monotonic()})
+        self.opened += 1
+
+    def _held(self) -> list:
+        return list(self.selector.get_map().values())
+
+    def _drop(self, key, by_server: bool) -> None:
+        self.selector.unregister(key.fileobj)
+        key.fileobj.close()
+        if by_server:
+            self.closed_by_server += 1
+            self.lifetimes.append(time.monotonic() - key.data["opened"])
+
+    def run(self) -> None:
+        next_header = time.monotonic() + 1.0
+        while not self.stop.is_set():
+            held = {key.data["slot"] for key in self._held()}
+            for slot in range(self.n):
+                if slot not in held and not self.stop.is_set():
+                    self._open(slot)
+            self.held_samples.append(len(self.selector.get_map()))
+            for key, _ in self.selector.select(timeout=0.1):
+                try:
+                    data = key.fileobj.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self._drop(key, by_server=True)
+            if time.monotonic() >= next_header:
+                next_header += 1.0
+                for key in self._held():
+                    if key.data["slow"]:
+                        try:
+                            key.fileobj.send(b"X-Slow: 1\r\n")
+                        except OSError:
+                            self._drop(key, by_server=True)
+        now = time.monotonic()
+        for key in self._held():
+            self.open_ages_at_end.append(now - key.data["opened"])
+            self._drop(key, by_server=False)
+
+
+def server_descriptors(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def bench_hold_idle(run: Path, experiment: str | None, prompts: list[str], n: int, nofile: int, seconds: float,
+                    threads: int | None) -> dict:
+    """Part 7: valid requests while ``n`` idle and slow-header connections are held open, server at ``ulimit -n nofile``."""
+    bodies = [json.dumps({"prompt": p, "max_new_tokens": 8}).encode() for p in prompts]
+    with dipaco_serve(run, experiment, threads, cache_size=4, nofile=nofile) as (port, server):
+        for body in bodies[:8]:
+            _send(port, "/v1/generate", body, 60)
+        baseline = []
+        for body in bodies[:20]:
+            start = time.perf_counter()
+            _send(port, "/v1/generate", body, 60)
+            baseline.append((time.perf_counter() - start) * 1000)
+        holder = ConnectionHolder(port, n)
+        holder.start()
+        time.sleep(2.0)  # the first n are open (or being closed and reopened)
+        latencies, failures, descriptors = [], Counter(), []
+        deadline = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < deadline:
+            start = time.perf_counter()
+            try:
+                status = _send(port, "/v1/generate", bodies[i % len(bodies)], 30)
+                if status != 200:
+                    failures[str(status)] += 1
+            except (OSError, http.client.HTTPException) as exc:
+                failures[type(exc).__name__] += 1
+            latencies.append((time.perf_counter() - start) * 1000)
+            descriptors.append(server_descriptors(server.pid))
+            i += 1
+            time.sleep(0.25)
+        holder.stop.set()
+        holder.join(30)
+        metrics = scrape(port)
+    over = [ms for ms in latencies if ms > 1000]
+    out = {
+        "held": n, "server_nofile": nofile, "seconds": seconds,
+        "valid": {**percentiles(latencies), "max_ms": max(latencies), "over_1s": len(over), "failures": dict(failures)},
+        "baseline_without_held_connections": percentiles(baseline),
+        "held_connections": {"opened": holder.opened, "closed_by_server": holder.closed_by_server,
+                             "connect_failures": holder.connect_failures,
+                             "median_held": float(np.median(holder.held_samples)) if holder.held_samples else 0,
+                             "longest_lifetime_s": max(holder.lifetimes, default=0.0),
+                             "longest_open_at_end_s": max(holder.open_ages_at_end, default=0.0),
+                             "lifetime_p50_s": float(np.median(holder.lifetimes)) if holder.lifetimes else None},
+        "server_closed": metric_by_label(metrics, "dipaco_connections_closed_total", "reason"),
+        "server_descriptors_max": max((d for d in descriptors if d is not None), default=None),
+    }
+    out["targets"] = {"every_valid_request_within_1s": not over and not failures}
+    print(f"[bench] {n} held connections (server ulimit -n {nofile}), {len(latencies)} valid requests: p50 "
+          f"{out['valid']['p50_ms']:.0f} ms, p99 {out['valid']['p99_ms']:.0f} ms, max {out['valid']['max_ms']:.0f} ms, "
+          f"{len(over)} over 1 s, failures {dict(failures) or 'none'}; held connections closed by the server "
+          f"{holder.closed_by_server}, longest open {out['held_connections']['longest_lifetime_s']:.1f} s", flush=True)
+    return out
+
+
+def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[str]) -> None:
+    """Parts 5-7, those asked for, into one report."""
+    report: dict = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads(),
+                    "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
+        "run": {"experiment": pipe.experiment, "checkpoint": pipe.checkpoint, "topology": pipe.topology.describe(),
+                "params_per_path": sum(p.numel() for p in pipe.cache.template.parameters())},
+        "prompt_tokens": f"{args.prompt_tokens // 2}..{args.prompt_tokens}",
+    }
+    if args.agreement:
+        report["agreement"] = bench_agreement(pipe, varied_prompts(pipe, args.agreement, args.prompt_tokens),
+                                              args.new_tokens, args.max_batch)
+    if args.concurrency:
+        report["concurrency"] = bench_concurrency(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens),
+                                                  args.concurrency, args.seconds, args.warmup_seconds, args.new_tokens,
+                                                  args.threads, args.max_batch, args.batch_wait_ms, args.decode_workers,
+                                                  args.pin_path)
+    if args.hold_idle:
+        report["hold_idle"] = bench_hold_idle(run, pipe.experiment, prompts, args.hold_idle, args.nofile, args.seconds,
+                                              args.threads)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"[bench] wrote {args.out}")
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -490,6 +880,9 @@ def main() -> None:
             if args.out:
                 Path(args.out).write_text(json.dumps(report, indent=2))
                 print(f"[bench] wrote {args.out}")
+            return
+        if args.concurrency or args.agreement or args.hold_idle:
+            run_batching_parts(args, run, pipe, prompts)
             return
         timed = prompts[args.warmup:] or prompts
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -5,9 +5,11 @@
     POST /v1/route      {"text"} -> {"path", "scores"}
     POST /v1/generate   {"prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "path"}
                         -> {"path", "scores", "text", "prompt_tokens", "completion_tokens",
-                            "latency_ms", "finish_reason", "seed"}
+                            "latency_ms", "finish_reason", "seed", "batch_size"}
+    GET  /metrics       Prometheus text format (dipaco.serve.metrics)
 
-Requests are Pydantic models: a missing or mistyped field, an unknown field, malformed JSON, or a
+Requests are strict Pydantic models: a missing or mistyped field (``"5"`` or ``true`` for a number, a
+float for an integer), an unknown field, malformed JSON, or a
 number that is NaN or infinite (JSON's ``NaN``/``Infinity`` literals, or ``1e999``) is a 422 that
 names the problem; so are a prompt longer than ``max_prompt_tokens`` tokens, ``max_new_tokens``
 above the server's cap, and a prompt plus ``max_new_tokens`` beyond the model's ``data.seq_len``
@@ -27,9 +29,19 @@ Hardening (a request costs the server at most what a valid one can):
   length of the text (which the body limit caps too).
 - Caps default to the model's ``data.seq_len``; larger caps are lowered to it (positions past it
   were never trained and do not exist in the model).
-- Endpoints are plain functions, which FastAPI runs in its thread pool; the pipeline is
-  thread-safe with no global lock on tokenization (a tokenizer per concurrent call), one generation per
-  cached path model at a time, different paths in parallel.
+- Headers: a connection that does not complete a request's headers within ``header_timeout_s`` is
+  closed, and open connections are bounded (``dipaco.serve.connections``).
+
+Generation is batched per path (``dipaco.serve.batching``): ``/v1/generate`` checks, tokenizes and routes
+in FastAPI's thread pool, then queues the request for its path; a worker thread decodes it with the other
+requests of that path (up to ``max_batch``, gathered for ``batch_wait_ms``), so the event loop never runs
+the model. A client that disconnects before its answer is dropped from its batch (logged as 499). The
+other endpoints are plain functions, which FastAPI runs in its thread pool; the pipeline is thread-safe
+with no global lock on tokenization (a tokenizer per concurrent call).
+
+With a ``token``, every endpoint but ``/healthz`` needs ``Authorization: Bearer <token>``
+(``dipaco.serve.auth``); ``serve`` refuses a non-loopback host without one. Every request is counted in
+``/metrics`` and written to the access log (``dipaco.serve.metrics``).
 
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 """
@@ -38,12 +50,30 @@ Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 # and the request models are local to create_app.
 import asyncio
 import json
+import logging
 import math
 import socket
+import sys
 from pathlib import Path
 
 from dipaco.errors import DipacoError
 from dipaco.metrics import echo
+from dipaco.serve.auth import BearerToken, check_exposure
+from dipaco.serve.batching import (
+    DEFAULT_BATCH_WAIT_MS,
+    DEFAULT_DECODE_WORKERS,
+    DEFAULT_MAX_BATCH,
+    PathBatcher,
+    Ticket,
+)
+from dipaco.serve.connections import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    AdmissionSocket,
+    ConnectionGuard,
+    default_max_connections,
+    guarded_protocol,
+)
+from dipaco.serve.metrics import ACCESS_LOGGER, CLIENT_GONE, AccessLog, ServeMetrics
 from dipaco.serve.pipeline import DEFAULT_CACHE_SIZE, Pipeline
 
 DEFAULT_NEW_TOKENS = 32  # when a request does not say (never above the cap nor past the model's positions)
@@ -55,9 +85,11 @@ ERROR_INPUT_CHARS = 200  # a 422 echoes at most this much of the offending input
 def _import_web():
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise DipacoError(f"dipaco serve needs FastAPI and uvicorn: pip install -e \".[serve]\" ({exc})") from None
+        raise DipacoError(f"dipaco serve needs FastAPI, uvicorn and prometheus-client: pip install -e \".[serve]\" "
+                          f"({exc})") from None
 
 
 def default_max_body_bytes(max_prompt_tokens: int, max_token_chars: int) -> int:
@@ -170,16 +202,50 @@ def json_safe(value):
     return value
 
 
+async def client_gone(receive) -> None:
+    """Returns once the client has disconnected. Called after the request's body was read, so the next
+    ASGI message is the disconnect (uvicorn sends nothing else before the answer)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def answer_unless_gone(batcher: PathBatcher, ticket: Ticket, receive):
+    """The ticket's result; None when the client disconnects first, whose row is then cancelled."""
+    answer = asyncio.wrap_future(ticket.future)
+    # Retrieved here so an answer nobody awaits any more (its client left) is not reported as lost.
+    answer.add_done_callback(lambda f: f.cancelled() or f.exception())
+    gone = asyncio.ensure_future(client_gone(receive))
+    try:
+        done, _ = await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (shutdown): its row must not run on
+        batcher.cancel(ticket)
+        raise
+    finally:
+        gone.cancel()
+    if answer in done:
+        return answer.result()
+    batcher.cancel(ticket)
+    return None
+
+
 def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None,
-               max_body_bytes: int | None = None, body_timeout_s: float = 10.0):
+               max_body_bytes: int | None = None, body_timeout_s: float = 10.0, token: str | None = None,
+               max_batch: int = DEFAULT_MAX_BATCH, batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS,
+               decode_workers: int = DEFAULT_DECODE_WORKERS):
     """The FastAPI application serving ``pipeline`` with these request caps.
 
     ``max_prompt_tokens`` and ``max_new_tokens_cap`` default to the experiment's ``data.seq_len``
     (and are lowered to it when above); ``max_body_bytes`` defaults to
-    :func:`default_max_body_bytes` of the prompt cap.
+    :func:`default_max_body_bytes` of the prompt cap. ``token``: every endpoint but ``/healthz`` needs it
+    as a bearer token. ``max_batch`` / ``batch_wait_ms``: the per-path batching (``max_batch=1``: none);
+    ``decode_workers``: how many batches (of different paths) decode at once. The app's metrics are
+    ``app.state.metrics``.
     """
     _import_web()
-    from fastapi import FastAPI, HTTPException, Request
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, HTTPException, Request, Response
+    from fastapi.concurrency import run_in_threadpool
     from fastapi.encoders import jsonable_encoder
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -194,13 +260,19 @@ def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new
         max_body_bytes = default_max_body_bytes(max_prompt_tokens, pipeline.max_token_chars)
     if max_body_bytes < 1:
         raise DipacoError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if not (isinstance(batch_wait_ms, (int, float)) and math.isfinite(batch_wait_ms)):
+        raise DipacoError(f"--batch-wait-ms must be a finite number of milliseconds, got {batch_wait_ms}")
     routing_prefix = pipeline.routing_prefix_tokens()
+    metrics = ServeMetrics()
+    batcher = PathBatcher(pipeline.run_batch, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000.0,
+                          workers=decode_workers, observer=metrics)
 
     default_new_tokens = min(DEFAULT_NEW_TOKENS, max_new_tokens_cap)
 
     class Strict(BaseModel):
-        # A misspelt field is an error, not silently ignored; NaN and infinities are not numbers here.
-        model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+        # A misspelt field is an error, not silently ignored; NaN and infinities are not numbers here; and no
+        # coercion: "5" or true is not an integer, "0.5" not a number (an integer is a number: JSON has one kind).
+        model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
         @field_validator("*", mode="after")
         @classmethod
@@ -237,11 +309,18 @@ def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new
         latency_ms: float
         finish_reason: str
         seed: int | None
+        batch_size: int
 
-    app = FastAPI(title="dipaco", summary="DiPaCo single-path inference: route a prompt, run one path")
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await run_in_threadpool(batcher.close)  # joins the workers: not on the event loop
+
+    app = FastAPI(title="dipaco", summary="DiPaCo single-path inference: route a prompt, run one path", lifespan=lifespan)
     app.state.caps = {"max_prompt_tokens": max_prompt_tokens, "max_prompt_chars": max_prompt_chars,
                       "max_new_tokens_cap": max_new_tokens_cap, "max_body_bytes": max_body_bytes}
+    app.state.metrics = metrics
+    app.state.batcher = batcher
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -262,31 +341,39 @@ def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new
     def healthz() -> dict:
         return {"status": "ok", **pipeline.describe(), "max_prompt_tokens": max_prompt_tokens,
                 "max_prompt_chars": max_prompt_chars, "max_new_tokens_cap": max_new_tokens_cap,
-                "max_body_bytes": max_body_bytes, "routing_prefix_tokens": routing_prefix}
+                "max_body_bytes": max_body_bytes, "routing_prefix_tokens": routing_prefix,
+                "max_batch": batcher.max_batch, "batch_wait_ms": batcher.batch_wait_s * 1000.0}
 
     @app.get("/v1/paths")
     def paths() -> dict:
         return {"experiment": pipeline.experiment, "checkpoint": pipeline.checkpoint,
                 "router": None if pipeline.router is None else pipeline.router.kind, "paths": pipeline.paths()}
 
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(content=body, media_type=content_type)
+
     @app.post("/v1/route", response_model=RouteResponse)
-    def route(req: RouteRequest) -> RouteResponse:
+    def route(req: RouteRequest, request: Request) -> RouteResponse:
         if routing_prefix is None:  # the router reads the whole text (or there is none): cap it like a prompt
             check_prompt_chars("text", req.text)
         try:
             path, scores = pipeline.route(req.text)
         except DipacoError as exc:
             raise bad_request(exc) from None
+        request.state.dipaco_path = path
         return RouteResponse(path=path, scores=scores)
 
-    @app.post("/v1/generate", response_model=GenerateResponse)
-    def generate(req: GenerateRequest) -> GenerateResponse:
+    def plan(req: GenerateRequest):
+        """Every check, tokenizing and routing: a request over a limit is refused here, before any batch."""
         if req.max_new_tokens is not None and req.max_new_tokens > max_new_tokens_cap:
             raise HTTPException(422, f"max_new_tokens={req.max_new_tokens} is above this server's cap of {max_new_tokens_cap}")
         if req.path is not None and req.path >= pipeline.num_paths:
             raise HTTPException(422, f"path={req.path} does not exist: this experiment has paths 0..{pipeline.num_paths - 1}")
         check_prompt_chars("prompt", req.prompt)  # before tokenizing: bounds what is tokenized
-        n_prompt = len(pipeline.encode(req.prompt))
+        ids = pipeline.encode(req.prompt)
+        n_prompt = len(ids)
         if n_prompt > max_prompt_tokens:
             raise HTTPException(422, f"prompt: {n_prompt} tokens, above this server's cap of {max_prompt_tokens}")
         room = seq_len - n_prompt
@@ -295,37 +382,105 @@ def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new
             raise HTTPException(422, f"max_new_tokens: the prompt's {n_prompt} tokens plus {max(max_new_tokens, 1)} new "
                                      f"tokens do not fit the model's data.seq_len={seq_len} positions")
         try:
-            result = pipeline.generate(req.prompt, max_new_tokens=max_new_tokens, temperature=req.temperature,
-                                       top_p=req.top_p, top_k=req.top_k, seed=req.seed, path=req.path)
+            return pipeline.plan(req.prompt, max_new_tokens=max_new_tokens, temperature=req.temperature,
+                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed, path=req.path, ids=ids)
         except DipacoError as exc:
             raise bad_request(exc) from None
+
+    @app.post("/v1/generate", response_model=GenerateResponse)
+    async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
+        planned = await run_in_threadpool(plan, req)
+        request.state.dipaco_path = planned.path
+        try:
+            ticket = batcher.submit(planned.path, planned.row, result=lambda row: pipeline.finish(planned))
+            result = await answer_unless_gone(batcher, ticket, request.receive)
+        except DipacoError as exc:  # the server is shutting down
+            raise HTTPException(503, str(exc)) from None
+        if result is None:
+            raise HTTPException(CLIENT_GONE, "the client closed its connection before the answer")
+        request.state.batch_size = result.batch_size
         return GenerateResponse(**vars(result))
 
+    # Outermost last: the access log sees every answer (401s and 413s included); the token is checked
+    # before any body is read.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
+    if token is not None:
+        app.add_middleware(BearerToken, token=token)
+    app.add_middleware(AccessLog, metrics=metrics, endpoints=frozenset(getattr(r, "path", "") for r in app.routes))
     return app
+
+
+def server_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                  header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, max_connections: int | None = None):
+    """uvicorn's config for ``app``: uvicorn's access log off (``AccessLog`` writes one), its HTTP protocol
+    guarded (header deadline, connection bound: ``dipaco.serve.connections``); returns (config, guard)."""
+    import uvicorn
+
+    if not (header_timeout_s > 0 and math.isfinite(header_timeout_s)):
+        raise DipacoError(f"--header-timeout-s must be a number of seconds > 0, got {header_timeout_s}")
+    budget = default_max_connections()
+    if max_connections is None:
+        max_connections = budget
+    elif max_connections < 1:
+        raise DipacoError(f"--max-connections must be >= 1, got {max_connections}")
+    elif max_connections > budget:
+        echo(f"[serve] --max-connections={max_connections} is above what the file descriptor limit (ulimit -n) "
+             f"leaves: lowered to {budget}")
+        max_connections = budget
+    metrics: ServeMetrics = app.state.metrics
+    guard = ConnectionGuard(header_timeout_s=header_timeout_s, max_connections=max_connections,
+                            on_count=metrics.connection_count, on_close=metrics.connection_closed)
+    # asyncio's own loop, whose accept loop calls the listening socket's accept (AdmissionSocket); uvloop's
+    # accepts in C.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            http=guarded_protocol(guard), loop="asyncio")
+    return config, guard
+
+
+def _log_access_to_stderr(log_level: str) -> None:
+    log = logging.getLogger(ACCESS_LOGGER)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(log_level.upper())
 
 
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, experiment: str | None = None,
           checkpoint: str | None = None, cache_size: int = DEFAULT_CACHE_SIZE,
           max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None,
           device: str = "cpu", log_level: str = "info", max_body_bytes: int | None = None,
-          precision: str = "auto", body_timeout_s: float = 10.0) -> None:
-    """Binds ``host:port`` and loads the run (a port in use or a bad run is one DipacoError), then serves
-    until stopped."""
+          precision: str = "auto", body_timeout_s: float = 10.0, token: str | None = None,
+          allow_unauthenticated: bool = False, max_batch: int = DEFAULT_MAX_BATCH,
+          batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+          max_connections: int | None = None, decode_workers: int = DEFAULT_DECODE_WORKERS) -> None:
+    """Binds ``host:port`` and loads the run (a port in use, a bad run, or a non-loopback host without a
+    token is one DipacoError), then serves until stopped."""
     _import_web()
-    import uvicorn
 
+    check_exposure(host, token, allow_unauthenticated)  # before binding or loading anything
     sock = listening_socket(host, port)  # before loading: a port in use fails at once
     try:
         pipeline = Pipeline.from_run(run_dir, experiment=experiment, checkpoint=checkpoint, device=device, precision=precision,
                                      cache_size=cache_size)
         app = create_app(pipeline, max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
-                         max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+                         max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, token=token,
+                         max_batch=max_batch, batch_wait_ms=batch_wait_ms, decode_workers=decode_workers)
+        config, guard = server_config(app, host, port, log_level, header_timeout_s, max_connections)
+        guard.guard_listener(sock)
         info = pipeline.describe()
         caps = app.state.caps
         echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}; "
              f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
-             f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes)")
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+             f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; batches of up to "
+             f"{max_batch} per path within {batch_wait_ms:g} ms, {decode_workers} decoding at once; "
+             f"{guard.max_connections} connections, headers within "
+             f"{header_timeout_s:g} s; {'bearer token required' if token else 'no token'})")
+        _log_access_to_stderr(log_level)
+        import uvicorn
+
+        server = uvicorn.Server(config)
         server.run(sockets=[sock])
     finally:
         sock.close()
@@ -333,7 +488,7 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, experi
         raise DipacoError(f"the server could not start on {host}:{port}")
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int) -> AdmissionSocket:
     """A socket bound to ``host:port``; one that cannot be (a port in use, out of range, a host this machine
     is not) is a DipacoError naming it, where uvicorn would exit on its own with a log line."""
     if not 0 <= port <= 65535:
@@ -343,7 +498,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     except socket.gaierror as exc:
         raise DipacoError(f"--host: cannot listen on {host!r}: {exc.strerror}") from None
     family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+    sock = AdmissionSocket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)

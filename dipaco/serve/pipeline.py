@@ -1,4 +1,4 @@
-"""Single-path inference: route a prompt, compose its path from the module bank, generate with HF.
+"""Single-path inference: route a prompt, compose its path from the module bank, decode with its KV cache.
 
 At inference only one path runs (DiPaCo section 1): the router picks it from the prompt with the
 same rule that sharded the training documents, and the path is an ordinary dense
@@ -14,8 +14,13 @@ when the experiment was trained on routed shards (``train.sharding=kmeans``), th
 ``routing/router`` plus the pretrained dense model its LM-prefix featurizer runs. An experiment
 sharded ``iid`` or ``column`` has no router: a caller then names the path.
 
-Threads: composed paths live in an LRU cache; each cached model has its own lock, so two requests
-never run ``generate`` on the same model instance at once, while requests on different paths run
+Generation is :meth:`Pipeline.plan` (check, tokenize, route, seed), :meth:`Pipeline.run_batch`
+(decode one or more planned rows of one path together: :mod:`dipaco.serve.decode`) and
+:meth:`Pipeline.finish` (the text); ``generate`` runs them for one prompt, ``dipaco serve`` batches
+the middle step (:mod:`dipaco.serve.batching`).
+
+Threads: composed paths live in an LRU cache; each cached model has its own lock, so two batches
+never decode on the same model instance at once, while batches of different paths run
 in parallel. Each call tokenizes with a copy of the tokenizer that no other call uses meanwhile (a
 fast tokenizer's settings are mutable shared state), taken from a pool that grows to the number of
 concurrent callers, so no lock is held while text is tokenized; the router's featurizer
@@ -41,12 +46,6 @@ from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM
-from transformers.generation import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from dipaco.checkpoint.experiment import read_bank
 from dipaco.checkpoint.store import CheckpointManager, resolve_checkpoint
@@ -60,6 +59,15 @@ from dipaco.model.topology import Topology, topology_from_config
 from dipaco.precision import resolve_precision
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
+from dipaco.serve.decode import (  # noqa: F401  (SeededSampler, SafeTemperature: importable from here as before)
+    Admit,
+    DecodeRow,
+    OnStep,
+    SafeTemperature,
+    SeededSampler,
+    decode_batch,
+    sampling_processors,
+)
 from routing.featurize import pool_prefix_states
 
 DEFAULT_CACHE_SIZE = 4
@@ -139,54 +147,6 @@ def experiment_router(loaded: LoadedExperiment):
     return load_router(loaded.run, loaded.topology.num_paths)
 
 
-# --- sampling that does not touch the global RNG ---------------------------------------------------
-class SeededSampler(LogitsProcessor):
-    """Draws the next token from softmax(scores) with a private generator and leaves only that token.
-
-    Run last in a greedy ``generate``, it turns greedy search into multinomial sampling (after the
-    temperature / top-k / top-p warpers before it) whose randomness belongs to one request:
-    ``do_sample=True`` would draw from torch's process-wide generator, which concurrent requests
-    share, so a seed would not reproduce a result.
-    """
-
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.double(), dim=-1)
-        token = torch.multinomial(probs, num_samples=1, generator=self.generator)
-        out = torch.full_like(scores, -math.inf)
-        return out.scatter_(1, token, 0.0)
-
-
-class SafeTemperature(LogitsProcessor):
-    """scores / T, computed as (scores - max) / T in float64: the best token scores 0, the others a
-    non-positive number that may round to -inf but never to NaN, for any T > 0 down to the smallest
-    positive double (a tiny T is then greedy decoding, its limit). Dividing the raw scores (as
-    ``TemperatureLogitsWarper`` does) overflows to inf - inf = NaN below T ~ 1e-37."""
-
-    def __init__(self, temperature: float) -> None:
-        if not (temperature > 0 and math.isfinite(temperature)):
-            raise DipacoError(f"temperature must be a finite number > 0 to sample, got {temperature}")
-        self.temperature = temperature
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.double()
-        return (scores - scores.max(dim=-1, keepdim=True).values) / self.temperature
-
-
-def sampling_processors(temperature: float, top_p: float, top_k: int, seed: int, device) -> LogitsProcessorList:
-    processors: list[LogitsProcessor] = [SafeTemperature(temperature)]
-    if top_k > 0:
-        processors.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p))
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    processors.append(SeededSampler(generator))
-    return LogitsProcessorList(processors)
-
-
 # --- the LRU cache of composed paths ---------------------------------------------------------------
 @dataclass
 class CachedPath:
@@ -248,9 +208,21 @@ class Generation:
     text: str  # the completion only (the prompt is not repeated), special tokens removed
     prompt_tokens: int
     completion_tokens: int  # generated tokens, the closing EOS included when there is one
-    latency_ms: float  # routing + composing (on a cache miss) + generation + decoding
-    finish_reason: str = "length"  # "stop" (EOS) or "length" (max_new_tokens reached)
+    latency_ms: float  # routing + composing (on a cache miss) + waiting for a batch + generation + decoding
+    finish_reason: str = "length"  # "stop" (EOS), "length" (max_new_tokens reached) or "cancelled" (client gone)
     seed: int | None = None  # the seed that sampling used (None for greedy decoding)
+    batch_size: int = 1  # the rows decoded together with this one, itself included
+
+
+@dataclass
+class PlannedGeneration:
+    """A request ready to decode: routed, its path chosen, its row built (its sampler seeded)."""
+
+    path: int
+    scores: list[float] | None
+    seed: int | None
+    row: DecodeRow
+    start: float  # time.perf_counter() when the request was planned
 
 
 class Pipeline:
@@ -470,18 +442,15 @@ class Pipeline:
         return pool_prefix_states(states, mask, layers, int(spec.get("skip_tokens", 0))).cpu()
 
     # --- generation ----------------------------------------------------------------------------
-    def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, path: int | None = None,
-                 min_new_tokens: int = 0) -> Generation:
-        """Routes ``prompt`` (unless ``path`` is given), composes that path and continues the prompt.
-
-        ``temperature`` 0 is greedy decoding; above 0 it samples (with ``top_k`` > 0 and ``top_p`` < 1
-        filtering), from ``seed`` when given. Generation stops at EOS or after ``max_new_tokens``;
-        ``min_new_tokens`` suppresses EOS until that many tokens exist (benchmarks use it).
-        """
+    def plan(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int | None = None, path: int | None = None, min_new_tokens: int = 0,
+             ids: list[int] | None = None) -> PlannedGeneration:
+        """Checks the arguments, tokenizes ``prompt`` (unless its ``ids`` are given), routes it (unless
+        ``path`` is given) and builds its decoding row; nothing runs the model but the router."""
         start = time.perf_counter()
         _check_generation_args(max_new_tokens, temperature, top_p, top_k, min_new_tokens)
-        ids = self.encode(prompt)
+        if ids is None:
+            ids = self.encode(prompt)
         if not ids:
             raise DipacoError("the prompt is empty: it has no tokens to continue")
         scores = None
@@ -491,26 +460,46 @@ class Pipeline:
             path, scores = self._route(prompt, ids)
         else:
             self.loaded.check_path(path)
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-        )
-        if min_new_tokens:
-            kwargs["min_new_tokens"] = min_new_tokens
+        processors = None
         if temperature > 0:
             seed = secrets.randbits(63) if seed is None else int(seed)
-            kwargs["logits_processor"] = sampling_processors(temperature, top_p, top_k, seed, self.device)
+            processors = sampling_processors(temperature, top_p, top_k, seed, self.device)
         else:
             seed = None
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        row = DecodeRow(list(ids), max_new_tokens, processors, min_new_tokens=min_new_tokens)
+        return PlannedGeneration(path, scores, seed, row, start)
+
+    def run_batch(self, path: int, rows: Sequence[DecodeRow], admit: Admit | None = None,
+                  on_step: OnStep | None = None) -> None:
+        """Decodes ``rows`` together on ``path``'s model (one batch at a time per cached model); ``admit``
+        and ``on_step`` as :func:`dipaco.serve.decode.decode_batch` takes them."""
         entry = self.cache.get(path)
-        with entry.lock, torch.inference_mode(), self.precision.autocast():
-            out = entry.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-        new = out[0, len(ids):].tolist()
-        finish = "stop" if new and new[-1] == self.tokenizer.eos_token_id else "length"
-        text = self.decode(new)
-        return Generation(path=path, scores=scores, text=text, prompt_tokens=len(ids), completion_tokens=len(new),
-                          latency_ms=(time.perf_counter() - start) * 1000.0, finish_reason=finish, seed=seed)
+        with entry.lock, self.precision.autocast():
+            decode_batch(entry.model, rows, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+                         admit=admit, on_step=on_step)
+
+    def finish(self, planned: PlannedGeneration) -> Generation:
+        """The answer of a decoded request: its completion as text and how it ended."""
+        row = planned.row
+        return Generation(path=planned.path, scores=planned.scores, text=self.decode(row.tokens),
+                          prompt_tokens=len(row.prompt_ids), completion_tokens=len(row.tokens),
+                          latency_ms=(time.perf_counter() - planned.start) * 1000.0,
+                          finish_reason=row.finish_reason or "length", seed=planned.seed, batch_size=row.batch_size)
+
+    def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, path: int | None = None,
+                 min_new_tokens: int = 0) -> Generation:
+        """Routes ``prompt`` (unless ``path`` is given), composes that path and continues the prompt.
+
+        ``temperature`` 0 is greedy decoding; above 0 it samples (with ``top_k`` > 0 and ``top_p`` < 1
+        filtering), from ``seed`` when given. Generation stops at EOS or after ``max_new_tokens``;
+        ``min_new_tokens`` suppresses EOS until that many tokens exist (benchmarks use it). A batch of
+        one row of :func:`dipaco.serve.decode.decode_batch`, the loop the server batches.
+        """
+        planned = self.plan(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed, path=path, min_new_tokens=min_new_tokens)
+        self.run_batch(planned.path, [planned.row])
+        return self.finish(planned)
 
 
 def max_token_chars(tokenizer) -> int:

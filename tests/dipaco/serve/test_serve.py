@@ -37,13 +37,19 @@ PROMPTS = [
 
 
 @contextlib.contextmanager
-def running(app):
-    """uvicorn serving ``app`` in a background thread on a free loopback port; yields the port."""
-    uvicorn = needs_web()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+def running(app, **guard):
+    """``app`` served as `dipaco serve` serves it (its uvicorn config and guarded listening socket), in a
+    background thread on a free loopback port; ``guard``: ``header_timeout_s``, ``max_connections``.
+    Yields the port."""
+    needs_web()
+    import uvicorn
+
+    from dipaco.serve.http import listening_socket, server_config
+
+    sock = listening_socket("127.0.0.1", 0)
+    config, connection_guard = server_config(app, log_level="warning", **guard)
+    connection_guard.guard_listener(sock)
+    srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -134,6 +140,22 @@ def test_bad_requests_are_4xx_with_a_message(server, path, body, raw, status, ne
     assert needle in json.dumps(reply["detail"]).lower()
 
 
+@pytest.mark.parametrize("field,value", [
+    ("max_new_tokens", "5"), ("max_new_tokens", True), ("max_new_tokens", 5.0), ("path", "0"), ("path", False),
+    ("seed", "12"), ("seed", 1.5), ("temperature", "0.5"), ("temperature", True), ("top_p", "0.9"), ("top_k", "3"),
+    ("prompt", 5),
+])
+def test_mistyped_numbers_and_booleans_are_422(server, field, value):
+    """Issue 47: "5", true, "0" and "12" were coerced and answered 200, though a mistyped field is a 422."""
+    port, _ = server
+    body = {"prompt": "hi", "temperature": 0.5, "seed": 1, **{field: value}}
+    status, reply = call(port, "POST", "/v1/generate", body)
+    assert status == 422, reply
+    assert [e["loc"] for e in reply["detail"]] == [["body", field]]
+    # An integer is a number (JSON has one kind): temperature 1 is fine.
+    assert call(port, "POST", "/v1/generate", {"prompt": "hi", "max_new_tokens": 2, "temperature": 1})[0] == 200
+
+
 def test_concurrent_clients_get_the_sequential_answers(server):
     port, _ = server
     requests = [{"prompt": p, "max_new_tokens": 12} for p in PROMPTS]
@@ -142,8 +164,9 @@ def test_concurrent_clients_get_the_sequential_answers(server):
     assert len({body["path"] for _, body in sequential}) > 1  # the load spans several paths
     with ThreadPoolExecutor(max_workers=8) as pool:
         concurrent = list(pool.map(lambda r: call(port, "POST", "/v1/generate", r), requests * 2))
-    strip = lambda reply: {k: v for k, v in reply[1].items() if k != "latency_ms"}  # noqa: E731
+    strip = lambda reply: {k: v for k, v in reply[1].items() if k not in ("latency_ms", "batch_size")}  # noqa: E731
     assert [strip(r) for r in concurrent] == [strip(r) for r in sequential * 2]
+    assert max(reply[1]["batch_size"] for reply in concurrent) > 1  # they were batched
 
 
 def test_serve_with_a_bad_run_exits_nonzero(tmp_path, capsys):
@@ -364,6 +387,48 @@ def test_bench_serve_abuse_mode_runs_clean(served_run):
     spec.loader.exec_module(bench)
     out = bench.bench_abuse(Path(served_run.run.dir), None, PROMPTS, clients=2, seconds=4, threads=1)
     assert out["requests"] > 10 and out["server_alive_after"]
-    assert out["responses_500"] == 0 and out["dropped_connections"] == 0 and out["unexpected_status"] == {}
+    assert out["responses_500"] == 0 and out["dropped_connections"] == 0 and out["unexpected_status"] == {}, json.dumps(out)
     assert out["status_by_kind"]["valid_generate"] and set(out["status_by_kind"]["body_50mb"]) == {"413"}
     assert out["server_rss_kb"]["before"] and out["server_rss_kb"]["after"]
+
+
+# --- batching over HTTP ---------------------------------------------------------------------------------
+def test_a_client_that_leaves_mid_batch_is_dropped_without_harming_the_others(pipe, monkeypatch):
+    """Three requests of one path share a batch; one client disconnects while it decodes. Its row stops
+    (a 499 in the metrics, fewer tokens than it asked for); the others get their full answers, the same
+    as without it."""
+    needs_web()
+    from dipaco.serve import decode
+
+    expected = {p: pipe.generate(p, max_new_tokens=24, path=0) for p in PROMPTS[1:3]}
+    step = decode._last_logits
+
+    def slow_step(*args, **kwargs):  # ~25 ms a step: the batch decodes long enough to leave mid-way
+        time.sleep(0.025)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "_last_logits", slow_step)
+    app = create_app(pipe, max_batch=8, batch_wait_ms=300)
+    with running(app) as port:
+        leaver = socket.create_connection(("127.0.0.1", port), timeout=10)
+        body = json.dumps({"prompt": PROMPTS[0], "max_new_tokens": 24, "path": 0}).encode()
+        leaver.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            stayers = [pool.submit(call, port, "POST", "/v1/generate", {"prompt": p, "max_new_tokens": 24, "path": 0})
+                       for p in PROMPTS[1:3]]
+            time.sleep(0.3 + 0.2)  # the window, then ~8 of the 24 steps
+            leaver.close()
+            replies = [f.result(60) for f in stayers]
+        metrics = app.state.metrics
+        deadline = time.monotonic() + 5
+        while metrics.requests.labels(endpoint="/v1/generate", path="0", status="499")._value.get() < 1:
+            assert time.monotonic() < deadline, "the leaving client was not recorded"
+            time.sleep(0.05)
+        tokens = metrics.tokens.labels(path="0")._value.get()
+    for prompt, (status, reply) in zip(PROMPTS[1:3], replies):
+        assert status == 200 and reply["batch_size"] == 3
+        assert (reply["text"], reply["completion_tokens"]) == (expected[prompt].text, expected[prompt].completion_tokens)
+    left_with = tokens - sum(reply["completion_tokens"] for _, reply in replies)
+    assert 1 <= left_with < 24  # its row stopped mid-way
+    assert app.state.batcher.waiting == 0

@@ -1,0 +1,194 @@
+"""PathBatcher's scheduling, with a stand-in decoder: which requests share a batch, cancelling, errors."""
+
+import threading
+import time
+
+import pytest
+
+from dipaco.errors import DipacoError
+from dipaco.serve.batching import PathBatcher
+from dipaco.serve.decode import DecodeRow
+
+
+class Recorder:
+    """A run_batch that records each batch as (path, rows) and ends every row with one token."""
+
+    def __init__(self, hold: threading.Event | None = None) -> None:
+        self.batches: list[tuple[int, list[DecodeRow]]] = []
+        self.hold = hold
+        self.started = threading.Event()
+
+    def __call__(self, path: int, rows: list[DecodeRow], admit=None, on_step=None) -> None:
+        self.batches.append((path, rows))
+        self.started.set()
+        if self.hold is not None:
+            self.hold.wait(10)
+        for row in rows:
+            if row.cancelled:
+                row.finish("cancelled")
+                continue
+            row.tokens.append(path)
+            row.finish("length")
+
+
+def row() -> DecodeRow:
+    return DecodeRow([1, 2], max_new_tokens=1)
+
+
+def test_requests_of_one_path_within_the_window_share_a_batch_up_to_max_batch():
+    decoder = Recorder()
+    batcher = PathBatcher(decoder, max_batch=3, batch_wait_s=0.2, workers=2)
+    try:
+        tickets = [batcher.submit(path, row()) for path in (0, 1, 0, 0, 0, 1)]
+        for t in tickets:
+            assert t.future.result(5).tokens == [t.path]
+    finally:
+        batcher.close()
+    sizes = sorted((path, len(rows)) for path, rows in decoder.batches)
+    assert sizes == [(0, 1), (0, 3), (1, 2)]  # path 0: a full batch of 3 at once, then the one left over
+    assert batcher.waiting == 0
+
+
+def test_max_batch_one_is_the_unbatched_server():
+    decoder = Recorder()
+    batcher = PathBatcher(decoder, max_batch=1, batch_wait_s=1.0, workers=1)
+    try:
+        start = time.monotonic()
+        tickets = [batcher.submit(0, row()) for _ in range(4)]
+        assert all(t.future.result(5) for t in tickets)
+        assert time.monotonic() - start < 1.0  # a batch of one is due at once: no window to wait for
+    finally:
+        batcher.close()
+    assert [len(rows) for _, rows in decoder.batches] == [1, 1, 1, 1]
+
+
+def test_a_busy_path_gathers_its_next_batch_while_other_paths_decode():
+    hold = threading.Event()
+    decoder = Recorder(hold)
+    batcher = PathBatcher(decoder, max_batch=8, batch_wait_s=0.0, workers=2)
+    try:
+        first = batcher.submit(0, row())
+        assert decoder.started.wait(5)
+        queued = [batcher.submit(0, row()) for _ in range(3)]
+        other = batcher.submit(1, row())
+        deadline = time.monotonic() + 5
+        while len(decoder.batches) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [p for p, _ in decoder.batches] == [0, 1]  # path 1 decodes beside path 0's batch
+        assert batcher.waiting == 3
+        hold.set()
+        assert all(t.future.result(5) for t in [first, other, *queued])
+    finally:
+        hold.set()
+        batcher.close()
+    assert sorted(len(rows) for path, rows in decoder.batches if path == 0) == [1, 3]
+
+
+def test_a_cancelled_request_leaves_its_queue_and_never_decodes():
+    hold = threading.Event()
+    decoder = Recorder(hold)
+    batcher = PathBatcher(decoder, max_batch=8, batch_wait_s=0.0, workers=1)
+    try:
+        busy = batcher.submit(0, row())
+        assert decoder.started.wait(5)
+        gone, kept = batcher.submit(0, row()), batcher.submit(0, row())
+        batcher.cancel(gone)
+        assert gone.future.result(5).finish_reason == "cancelled" and batcher.waiting == 1
+        hold.set()
+        assert kept.future.result(5).finish_reason == "length" and busy.future.result(5)
+    finally:
+        hold.set()
+        batcher.close()
+    assert all(gone.row not in rows for _, rows in decoder.batches)
+
+
+def test_an_error_in_a_batch_reaches_each_of_its_requests_and_the_batcher_goes_on():
+    calls = []
+
+    def failing_once(path, rows, admit, on_step):
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise RuntimeError("the model failed")
+        for r in rows:
+            r.tokens.append(0)
+            r.finish("length")
+
+    batcher = PathBatcher(failing_once, max_batch=4, batch_wait_s=0.05, workers=1)
+    try:
+        first = [batcher.submit(0, row()) for _ in range(2)]
+        for t in first:
+            with pytest.raises(RuntimeError, match="the model failed"):
+                t.future.result(5)
+        assert batcher.submit(0, row()).future.result(5).tokens == [0]
+    finally:
+        batcher.close()
+
+
+def test_the_result_is_computed_by_the_worker_and_close_fails_what_waits():
+    batcher = PathBatcher(Recorder(), max_batch=2, batch_wait_s=0.0, workers=1)
+    ticket = batcher.submit(3, row(), result=lambda r: f"text of {r.tokens}")
+    assert ticket.future.result(5) == "text of [3]"
+    batcher.close()
+    with pytest.raises(DipacoError, match="shutting down"):
+        batcher.submit(0, row())
+
+
+class Stepper:
+    """A run_batch of ``steps`` steps that asks ``admit`` for joiners between steps, as the decoding loop does,
+    and waits for ``gate`` before its first step."""
+
+    def __init__(self, steps: int = 3) -> None:
+        self.steps = steps
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.batches: list[tuple[int, int, int]] = []  # path, rows at the start, rows at the end
+
+    def __call__(self, path, rows, admit, on_step):
+        rows = list(rows)
+        start = len(rows)
+        self.started.set()
+        self.gate.wait(10)
+        for _ in range(self.steps):
+            rows += admit(len(rows))
+        self.batches.append((path, start, len(rows)))
+        for r in rows:
+            r.tokens.append(path)
+            r.finish("length")
+
+
+def test_requests_join_a_running_batch_of_their_path_unless_another_path_waits():
+    stepper = Stepper()
+    batcher = PathBatcher(stepper, max_batch=3, batch_wait_s=0.0, workers=1)
+    try:
+        first = batcher.submit(0, row())
+        assert stepper.started.wait(5)
+        joiners = [batcher.submit(0, row()) for _ in range(3)]
+        stepper.gate.set()
+        for t in [first, *joiners]:
+            assert t.future.result(5)
+        # Two joined the running batch (3 rows at most); the third waited for the next batch.
+        assert stepper.batches == [(0, 1, 3), (0, 1, 1)]
+        assert joiners[0].row.tokens == [0] and batcher.waiting == 0
+
+        stepper.gate.clear()
+        stepper.started.clear()
+        busy = batcher.submit(0, row())
+        assert stepper.started.wait(5)
+        other, same = batcher.submit(1, row()), batcher.submit(0, row())
+        stepper.gate.set()
+        assert all(t.future.result(5) for t in (busy, same, other))
+        # Path 1 waited for the only worker: path 0's running batch took no one, and path 1's request, the
+        # oldest waiting, went next.
+        assert stepper.batches[2:] == [(0, 1, 1), (1, 1, 1), (0, 1, 1)]
+    finally:
+        stepper.gate.set()
+        batcher.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_batch=0), "--max-batch"), (dict(batch_wait_s=-1.0), "--batch-wait-ms"),
+    (dict(batch_wait_s=float("nan")), "--batch-wait-ms"), (dict(workers=0), "--decode-workers"),
+])
+def test_bad_settings_are_clear_errors(kwargs, match):
+    with pytest.raises(DipacoError, match=match):
+        PathBatcher(Recorder(), **kwargs)

@@ -1,0 +1,54 @@
+"""scripts/bench_serve.py's issue-47 parts, briefly, on the tiny run: concurrency (batched against
+unbatched servers), agreement (batched against alone) and held connections."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from test_serve import PROMPTS, needs_web
+
+from dipaco.serve.pipeline import Pipeline
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_serve.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_concurrency_measures_both_servers_from_their_metrics(bench, served_run):
+    needs_web()
+    out = bench.bench_concurrency(Path(served_run.run.dir), None, PROMPTS, clients=4, seconds=1.0, warmup_s=0.3,
+                                  new_tokens=6, threads=1, max_batch=8, batch_wait_ms=20)
+    unbatched, batched = out["unbatched"], out["batched"]
+    assert unbatched["mean_batch_size"] == 1.0 and unbatched["server_flags"].startswith("--max-batch 1 ")
+    assert batched["mean_batch_size"] > 1.0  # 4 clients over the run's paths, a 20 ms window
+    for row in (unbatched, batched):
+        assert row["requests"] > 4 and row["tokens"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0
+        assert set(row["statuses"]) == {"200"} and row["batches"] >= 1
+    assert out["throughput_ratio"] > 0 and set(out["targets"]) == {"throughput_ge_3x", "p99_no_worse"}
+
+
+def test_agreement_compares_batched_and_lone_decoding(bench, served_run):
+    pipe = Pipeline.from_run(served_run.run.dir)
+    out = bench.bench_agreement(pipe, PROMPTS, new_tokens=6, max_batch=4)
+    for mode in ("greedy", "seeded"):
+        assert out[mode]["equal"] + len(out[mode]["differ"]) == len(PROMPTS)
+        assert out[mode]["mean_batch_size"] > 1.0
+    assert out["greedy"]["equal_fraction"] >= 0.99 and out["targets"]["greedy_ge_99pct"]
+
+
+def test_held_connections_do_not_keep_a_valid_request_waiting(bench, served_run):
+    needs_web()
+    out = bench.bench_hold_idle(Path(served_run.run.dir), None, PROMPTS, n=150, nofile=128, seconds=1.5, threads=1)
+    held = out["held_connections"]
+    assert held["opened"] >= 150 and held["closed_by_server"] > 0 and out["server_closed"].get("evicted", 0) > 0
+    assert out["valid"]["n"] >= 4 and out["valid"]["failures"] == {}
+    assert out["valid"]["max_ms"] < 1000 and out["targets"]["every_valid_request_within_1s"]
+    assert out["server_descriptors_max"] < 128
