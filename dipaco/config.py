@@ -196,6 +196,9 @@ class TrainConfig:
     # torchrun: lock-step rounds (dipaco.train.rounds) | ray: the asynchronous task queue (dipaco.train.tasks)
     driver: Literal["torchrun", "ray"] = "torchrun"
     dynamic_local_steps: bool = False  # ray: each task takes floor(v / v_max * inner_steps) steps, v = its worker's tokens/s
+    # log, every round, each module's mean pairwise cosine between its paths' changes and their mean norm
+    # (metrics.jsonl, event "outer": path_cosine, path_delta_norm); one more pass over the deltas; torchrun driver
+    diagnostics: bool = False
 
 
 @dataclass
@@ -410,6 +413,7 @@ RESUME_MUTABLE = (
     "route.",  # re-routing between rounds is the point of `dipaco reroute`
     "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
     "train.compile", "train.offload_inactive", "model.activation_checkpointing",  # how fast, not what
+    "train.diagnostics",  # what is logged, not what is computed
     "ray.address", "ray.num_cpus",  # where the Ray workers run, not what they compute
 )
 

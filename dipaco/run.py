@@ -274,7 +274,7 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
                                       weights, by_rank, world))
         scheduler = RoundScheduler(sync, loops, bank, topology, world, train.rounds, train.inner_steps,
                                    train.log_every, cfg.run.progress, early_stopping, cfg.dist.comm_dtype,
-                                   report_dropped=cfg.outer.drop_prob > 0)
+                                   report_dropped=cfg.outer.drop_prob > 0, diagnostics=train.diagnostics)
     writers = module_writers(topology, by_rank)
     state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held if writers[m] == world.rank), loops,
                           scheduler.sync, scheduler, world.rank, by_rank)

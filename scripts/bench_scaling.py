@@ -1,35 +1,47 @@
-"""Path-count scaling (issue 36): validation perplexity against the number of paths P, at a fixed path size.
+"""Path-count scaling (issues 36 and 49): validation perplexity against the number of paths P at a fixed path size.
 
-The DiPaCo paper's headline (its Table 1 on C4) is that more paths of the same size keep lowering the
-perplexity while inference still runs one path. This benchmark measures that curve in a regime a 2-core CPU
-reaches: one small path architecture for every row, trained to about 20 tokens per non-embedding parameter
-per path, on the mixed shared corpus (20 Newsgroups, BBC News, Brown). At each P, at equal compute
-(P paths x the same steps, or one model for P times the steps):
+The DiPaCo paper's headline (its Table 1 on C4) is that more paths of the same size keep lowering the perplexity
+while inference still runs one path. This benchmark measures that curve on the mixed shared corpus (20 Newsgroups,
+BBC News, Brown) at each P, at equal compute (P paths x the same steps, or one model for P times the steps), for:
 
-    dipaco_P     a DiPaCo grid (P=4: 2x2, 16: 4x4, 64: 8x8) on doc_topics shards, route.arrange=similar
-    diloco_P     P replicas of the dense path (DiLoCo) on iid shards
-    moe_P        P independent paths (flat MoE) on the same doc_topics shards as dipaco_P
-    dense_Px     one dense path for P times the steps (plain AdamW: outer lr 1, no momentum)
-    dense_1x     P = 1, the point every family starts from (a 1x1 grid, DiLoCo-1 and MoE-1 are this model)
+    dipaco_P         a DiPaCo grid (P=4: 2x2, 16: 4x4) on doc_topics shards (route.arrange=similar); each path owns
+                     its embedding and head (topology.embedding=path, head=path: the paper's 16x16 setting)
+    dipaco_shared_P  the same grid with the embedding and head shared by every path
+    diloco_P         P replicas of the dense path (DiLoCo) on iid shards
+    moe_P            P independent paths (flat MoE) on the same doc_topics shards as dipaco_P
+    dense_Px         one dense path for P times the steps (plain AdamW: outer lr 1, no momentum)
+    dense_1x         P = 1 of dense: one path, plain AdamW (its tuning-seed row is also the sweep's first)
+    diloco_1         P = 1 of every family with an outer step: one path with the outer Nesterov step on its own
+                     change (a 1x1 grid, DiLoCo-1 and MoE-1 are this model)
+    dense_big_16x    (upper reference) a dense model with about DiPaCo-16's total parameters, trained with DiPaCo-16's
+                     compute (forward-backward FLOPs), on its own pretrained init
 
-and at P = 16 the paper's extras on dipaco_16: top-2 overlapping shards (dipaco_16_top2), per-path early
-stopping (dipaco_16_early_stop) and test-time re-routing every W tokens (an evaluation of dipaco_16).
-Every family runs one path per input at inference: the table's inference column is the same for all.
+Every family runs one path per input at inference, of the same size (dense_big_16x excepted).
 
-Outer steps (the settings docs/benchmarks.md found best on this corpus at P = 4, held for every P):
-DiPaCo steps its level modules at 1.0 and the shared embedding and head at 1.4 (what `outer.rescale=sqrt_paths`
-at `outer.lr` 0.7 gives a 2x2 grid; the rescale itself would step a 4x4 grid's shared parts at 2.8, past the
-1.4 where DiLoCo-4 already diverged); DiLoCo-P steps at 1.2 (the best of 0.7, 1.0, 1.2, 1.4 at P = 4), and
-at P = 16 also at 1.0 (`diloco_16@outer.lr=1.0`): the comparison uses each side's best row.
+The outer step is searched per family and per P: every family with an outer step has a small grid (GRIDS), run on the
+tuning seed (run.seed of the base config, 0); its best setting is then run on ``--seeds`` fresh seeds (1, 2, ...), and
+the curve, the tables and the targets use those fresh seeds' mean, so the seed that chose a setting does not also
+judge it. Every row logs the diagnostics of docs/benchmarks.md ("Where more paths pay"): each module's outer-gradient
+norm and the mean pairwise cosine between the changes of its paths (train.diagnostics), per-path validation
+perplexity, shard NMI and size spread, and the bank's parameters against one path's.
 
-    python scripts/bench_scaling.py --resume                # the whole sweep, about an hour on 2 cores
-    timeout 590 python scripts/bench_scaling.py --resume    # in chunks under 10 minutes: repeat until it
-                                                            # prints the table (a row cut off continues from
-                                                            # its last round's checkpoint)
-    python scripts/bench_scaling.py --smoke                 # tiny model and steps, for CI (under a minute)
-    python scripts/bench_scaling.py --paths 1,4,16,64       # also P = 64 (8x8; about an hour more)
+Presets (--preset): ``cpu`` (the default: the byte-level regime where a path's non-embedding parameters are its
+majority, 82.6 tokens per non-embedding parameter per path, 32 rounds; docs/benchmarks.md gives the arithmetic),
+``bpe`` (issue 36's path and schedule: BPE-2048, 8 rounds, with today's families and default outer steps: issue 36's
+DiPaCo row is ``dipaco_shared_P`` here and its DiLoCo row ``diloco_P@outer.lr=1.2``), ``gpu`` (P = 4
+and 16, DiPaCo and DiLoCo at the cpu preset's chosen outer steps, a wider path, sized for 6 minutes of one H100);
+``--smoke`` shrinks any of them (tiny, for CI).
 
-Outputs in --out-dir: results.json (every row), scaling.md (the tables and targets) and scaling_ppl_vs_paths.png.
+    timeout 590 python scripts/bench_scaling.py --resume     # the cpu sweep, in chunks under 10 minutes: repeat
+                                                            # until it prints the table (a row cut off continues
+                                                            # from its last round's checkpoint)
+    python scripts/bench_scaling.py --preset smoke          # tiny model and steps, for CI (about a minute)
+    python scripts/bench_scaling.py --preset gpu --resume run.device=cuda   # on one GPU
+    python scripts/bench_scaling.py --resume --rows dipaco_16@route.topk=2  # a row beside the sweep
+    python scripts/bench_scaling.py --report                # train nothing: the tables of --out-dir's results
+
+Outputs in --out-dir: results.json (every row, rewritten after each), scaling.md (the tables, diagnostics and targets)
+and scaling_ppl_vs_paths.png.
 """
 
 from __future__ import annotations
@@ -40,7 +52,12 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -50,117 +67,587 @@ import bench_quality as bq  # noqa: E402
 
 from dipaco.atomic import write_text  # noqa: E402
 from dipaco.config import Config, ModelConfig  # noqa: E402
-from dipaco.metrics import echo  # noqa: E402
+from dipaco.metrics import echo, read_metrics  # noqa: E402
 from dipaco.model.llama import build_model, llama_config  # noqa: E402
 from dipaco.run import Run, apply_overrides, load_config  # noqa: E402
+from dipaco.run_dir import RunDir  # noqa: E402
 from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
 
-GRIDS = {4: "grid:2x2", 16: "grid:4x4", 64: "grid:8x8"}
-FAMILIES = ("dipaco", "diloco", "moe", "dense")
-PLAIN = ["outer.lr=1.0", "outer.momentum=0.0"]  # the dense rows: plain AdamW, cut into rounds
-DIPACO_OUTER = ["outer.lr=1.0", "outer.embedding_head_lr_scale=1.4"]
-DILOCO_OUTER = ["outer.lr=1.2"]
-DILOCO_ALT_LR = "outer.lr=1.0"  # the second DiLoCo step, at P = 16
-REROUTE_EVERY = (64, 32)
-TARGET_GAIN = 0.03
+GRID_PRESETS = {4: "grid:2x2", 16: "grid:4x4", 64: "grid:8x8"}
+FAMILIES = ("dipaco", "dipaco_shared", "diloco", "moe", "dense")
+LABELS = {"dipaco": "DiPaCo grid, path-specific embedding + head", "dipaco_shared": "DiPaCo grid, shared embedding + head",
+          "diloco": "DiLoCo-P", "moe": "flat MoE-P", "dense": "dense, P x steps"}
+PLAIN = ("outer.lr=1.0", "outer.momentum=0.0")  # the dense rows: plain AdamW, cut into rounds
+PATH_PARTS = ("topology.embedding=path", "topology.head=path")
+SHARED_PARTS = ("topology.embedding=shared", "topology.head=shared")
 
-# The path every row trains: 2 layers, d = 32, 20.6k non-embedding parameters. 8 rounds x 26 inner steps of
-# 16 x 128 tokens = 426k tokens per path, 20.7 per non-embedding parameter (the docs give the arithmetic).
-FULL = [
-    "model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
-    "tokenizer.vocab_size=2048", "data.seq_len=128", "data.prefix_tokens=32",
-    "pretrain.steps=200", "pretrain.optim.warmup_steps=20", "pretrain.optim.batch_size=16",
-    "train.rounds=8", "train.inner_steps=26", "train.optim.batch_size=16", "train.optim.warmup_steps=20",
-]
-SMOKE = [
-    "model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
-    "tokenizer.vocab_size=512", "data.seq_len=64", "data.prefix_tokens=16",
-    "pretrain.steps=20", "pretrain.optim.warmup_steps=2", "pretrain.optim.batch_size=8",
-    "train.rounds=1", "train.inner_steps=3", "train.optim.batch_size=8", "train.optim.warmup_steps=2",
-    "route.n_init=1",
-]  # one round: the outer step, checkpoint and evaluation of every row still run once (CI's time is short)
-SMOKE_DOCS_PER_SOURCE = 150
-
-
-def seeds_at(paths: int, seeds: int, smoke: bool = False) -> list[int]:
-    """The seeds a size runs: ``seeds`` at P = 4 and 16 (the issue's rows with a spread), one elsewhere; the
-    smoke run repeats P = 4 only (it checks the bookkeeping of seeds, not their spread)."""
-    return list(range(seeds)) if paths == 4 or (paths == 16 and not smoke) else [0]
-
-
-def seeded(name: str, seed: int) -> str:
-    return name if seed == 0 else f"{name}@{bq.SEED_KEY}={seed}"
+# Each family's outer step: the default (the row without @) and the grid searched on the tuning seed at every P.
+# Centred on what the pilot rows of docs/benchmarks.md ("Where more paths pay") found on the cpu preset: DiLoCo best
+# between 0.7 and 1.0 (1.2 and 1.4 diverge); DiPaCo with path-specific parts best at levels 1.0 and embedding/head 1.0
+# (levels 0.7 and 1.4, and embedding/head at 1.4, were worse); issue 36's DiPaCo with shared parts at levels 1.0 and
+# embedding/head 1.4. Flat MoE steps each path on its own change (quality.yaml's 0.7, momentum 0.9); its grid holds
+# independent paths (no outer step), the control of what the outer step on a path's own change is worth.
+DEFAULT_OUTER = {
+    "dipaco": ("outer.lr=1.0",),
+    "dipaco_shared": ("outer.lr=1.0", "outer.embedding_head_lr_scale=1.4"),
+    "diloco": ("outer.lr=1.0",),
+    "moe": (),
+    "dense": PLAIN,
+}
+GRIDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "dipaco": (("outer.embedding_head_lr_scale=0.7",), ("outer.lr=0.85",), ("outer.lr=0.7",)),
+    "dipaco_shared": (("outer.embedding_head_lr_scale=1.0",), ("outer.lr=0.85",),
+                      ("outer.lr=0.7", "outer.embedding_head_lr_scale=1.0", "outer.rescale=sqrt_paths")),
+    "diloco": (("outer.lr=0.7",), ("outer.lr=0.85",), ("outer.lr=1.2",)),
+    "moe": (("outer.lr=1.0",), ("outer.lr=1.0", "outer.momentum=0.0")),  # the latter: independent paths
+    "dense": (),
+}
+TARGET_RATIO = 0.95  # DiPaCo-16 <= 0.95 x DiLoCo-16
+TARGET_FALL = 0.05  # DiPaCo at P = 16 at least 5% below P = 4
 
 
-def scaling_rows(paths: list[int], seeds: int, smoke: bool = False) -> list[bq.Row]:
-    """Every row of the sweep, cheapest size first (a chunked run finishes the small sizes early)."""
-    # The smoke corpus's 16 shards hold 15 to 30 training documents: 5% would hold none out of some.
-    holdout = "train.early_stopping_holdout=0.2" if smoke else bq.EARLY_STOP_HOLDOUT
-    out: list[bq.Row] = []
-    for p in sorted(paths):
-        if p == 1:
-            out.append(bq.Row("dense_1x", "dense", None, overrides=PLAIN))
-            continue
-        shards = f"doctopics{p}_similar"
-        for seed in seeds_at(p, seeds, smoke):
-            extra = [] if seed == 0 else [f"{bq.SEED_KEY}={seed}"]
-            out += [
-                bq.Row(seeded(f"dipaco_{p}", seed), GRIDS[p], shards, overrides=[*DIPACO_OUTER, *extra]),
-                bq.Row(seeded(f"diloco_{p}", seed), f"diloco:{p}", None, overrides=[*DILOCO_OUTER, *extra]),
-                bq.Row(seeded(f"dense_{p}x", seed), "dense", None, rounds_factor=p, overrides=[*PLAIN, *extra]),
-            ]
-            if seed == 0 or (p == 4 and not smoke):  # flat MoE: one seed at P = 16 (no target is judged on it)
-                out.append(bq.Row(seeded(f"moe_{p}", seed), f"moe:{p}", shards, overrides=extra))
-        if p == 16:
-            if not smoke:  # the second DiLoCo step: a tuning row, not a code path of its own
-                out.append(bq.Row(f"diloco_{p}@{DILOCO_ALT_LR}", f"diloco:{p}", None,
-                                  overrides=[*DILOCO_OUTER, DILOCO_ALT_LR]))
-            out += [
-                bq.Row(f"dipaco_{p}_top2", GRIDS[p], shards, overrides=[*DIPACO_OUTER, "route.topk=2"]),
-                bq.Row(f"dipaco_{p}_early_stop", GRIDS[p], shards, early_stopping=True,
-                       overrides=[*DIPACO_OUTER, holdout]),
-            ]
-    return out
+@dataclass(frozen=True)
+class Preset:
+    """A regime: the path and its schedule (dotlist overrides of configs/bench/quality.yaml) and what it runs."""
+
+    overrides: tuple[str, ...]
+    paths: tuple[int, ...]
+    families: tuple[str, ...]
+    tune: bool  # run the outer-step grids (else every family runs its default)
+    big_dense: bool  # the dense_big_16x upper reference
+    extras: bool  # dipaco_16's top-2 overlapping shards
+    outer: dict[str, tuple[str, ...]] | None = None  # per family, replacing DEFAULT_OUTER (the gpu preset)
 
 
-def family(group: str) -> tuple[str, int]:
-    """A main row's family and P: ``dipaco_16`` -> ("dipaco", 16), ``dense_16x`` -> ("dense", 16)."""
-    head, _, size = group.split("@")[0].partition("_")
+# The gpu preset's outer steps, from the cpu sweep's tuning seed (docs/benchmarks.md, "Where more paths pay"): DiPaCo's
+# embedding/head step at 0.7 of the levels' 1.0 won at P = 4 and 16; DiLoCo's 1.0 won at P = 16 and was within 0.2% of
+# 0.85 at P = 4.
+GPU_OUTER_DIPACO = (*DEFAULT_OUTER["dipaco"], "outer.embedding_head_lr_scale=0.7")
+BYTE_PATH = ("tokenizer.vocab_size=258", "model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64",
+             "model.num_heads=2")
+PRESETS = {
+    # The byte-level regime (issue 49): 20,640 non-embedding parameters of 37,152 (56%); 32 rounds x 26 steps x
+    # 16 x 128 tokens = 1.70M tokens per path (82.6 per non-embedding parameter); the 96-byte routing prefix holds
+    # about as much text as the 32 BPE-2048 tokens of issue 36. AdamW at 3e-3 (pretraining and paths): at quality.yaml's
+    # 1e-3 this path was 15% worse after 832 steps and the outer step made up for the slow inner loop (pilot rows in
+    # docs/benchmarks.md); 1e-2 was worse than 3e-3.
+    "cpu": Preset((*BYTE_PATH, "data.seq_len=128", "data.prefix_tokens=96", "pretrain.steps=200",
+                   "pretrain.optim.lr=3e-3", "pretrain.optim.warmup_steps=20", "pretrain.optim.batch_size=16",
+                   "train.rounds=32", "train.inner_steps=26", "train.optim.lr=3e-3", "train.optim.batch_size=16",
+                   "train.optim.warmup_steps=20"),
+                  paths=(1, 4, 16), families=FAMILIES, tune=True, big_dense=True, extras=True),
+    # Issue 36's regime: BPE-2048, whose embedding and head are 86% of the path; 8 rounds (20.6 tokens per
+    # non-embedding parameter per path). Its rows in docs/benchmarks.md ran under the names and defaults of that
+    # script (DiPaCo with shared embedding and head at 1.4, DiLoCo at 1.2); the module docstring maps them.
+    "bpe": Preset(("model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
+                   "tokenizer.vocab_size=2048", "data.seq_len=128", "data.prefix_tokens=32", "pretrain.steps=200",
+                   "pretrain.optim.warmup_steps=20", "pretrain.optim.batch_size=16", "train.rounds=8",
+                   "train.inner_steps=26", "train.optim.batch_size=16", "train.optim.warmup_steps=20"),
+                  paths=(1, 4, 16), families=FAMILIES, tune=False, big_dense=False, extras=False),
+    # One short GPU run: DiPaCo and DiLoCo at P = 4 and 16 with the cpu preset's chosen outer steps. A byte-level path
+    # twice as wide, 4 layers, sequences of 256, 32 x 256 tokens a step, 32 rounds x 7 steps = 1.84M tokens per path
+    # (at most 1.4 passes over a 16-path shard: on these corpora the GPU buys width, not tokens). On one H100 a step
+    # of a small path is bound by launch overhead, not FLOPs: bench_quality's GPU rows measured 35-37 steps/s (a
+    # 17.8M-parameter path at 4,096 tokens a step, round checkpoints included), so the 40 paths x 224 steps take about
+    # 250 s; with prepare, pretrain, routing and four evaluations the preset fits 6 minutes (docs/benchmarks.md).
+    "gpu": Preset(("tokenizer.vocab_size=258", "model.num_layers=4", "model.hidden_size=64",
+                   "model.intermediate_size=128", "model.num_heads=4", "data.seq_len=256", "data.prefix_tokens=96",
+                   "pretrain.steps=150", "pretrain.optim.warmup_steps=15", "pretrain.optim.batch_size=32",
+                   "train.rounds=32", "train.inner_steps=7", "train.optim.batch_size=32",
+                   "train.optim.warmup_steps=20", "eval.batch_size=64", "run.device=auto"),
+                  paths=(4, 16), families=("dipaco", "diloco"), tune=False, big_dense=False, extras=False,
+                  outer={"dipaco": GPU_OUTER_DIPACO, "diloco": DEFAULT_OUTER["diloco"]}),
+}
+# --smoke: any preset's rows at a tiny size on 450 documents (CI): one round, so the outer step, the checkpoint,
+# the diagnostics and the evaluation of every row still run once. The grids keep one alternative for DiPaCo and
+# DiLoCo (the search and the fresh seeds still run), and one fresh seed.
+SMOKE = ("tokenizer.vocab_size=258", "model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64",
+         "model.num_heads=2", "data.seq_len=64", "data.prefix_tokens=16", "pretrain.steps=20",
+         "pretrain.optim.warmup_steps=2", "pretrain.optim.batch_size=8", "train.rounds=1", "train.inner_steps=3",
+         "train.optim.batch_size=8", "train.optim.warmup_steps=2", "route.n_init=1", "eval.batch_size=32")
+SMOKE_DOCS = 450
+SMOKE_GRIDS = {"dipaco": GRIDS["dipaco"][:1], "diloco": GRIDS["diloco"][:1]}
+
+
+# --- rows -------------------------------------------------------------------------------------------------------------
+
+def family_of(name: str) -> tuple[str, int]:
+    """A row's family and P: ``dipaco_shared_16@outer.lr=0.7@run.seed=1`` -> ("dipaco_shared", 16)."""
+    head, _, size = name.split("@")[0].rpartition("_")
     return head, int(size.rstrip("x"))
 
 
-def main_family_rows(results: list[dict], default_seed: int = 0) -> dict[tuple[str, int], dict[int, float]]:
-    """Perplexity by seed of the main row of each (family, P): no extras, no other outer step. ``dense_1x`` is
-    every family's P = 1."""
-    out: dict[tuple[str, int], dict[int, float]] = {}
-    for r in results:
-        group, seed = bq.seed_group(r["name"], default_seed)
-        if "@" in group or group.count("_") > 1:
-            continue
-        fam, p = family(group)
-        if fam not in FAMILIES:
-            continue
-        for f in (FAMILIES if p == 1 else (fam,)):
-            out.setdefault((f, p), {})[seed] = r["ppl"]
-    return out
+def with_extra(name: str, extra: Iterable[str]) -> str:
+    return "@".join([name, *extra])
 
 
-def best_group(results: list[dict], prefix: str, compute: int, default_seed: int = 0) -> tuple[str, dict[int, float]] | None:
-    """The configuration (over seeds) with the lowest mean among rows named ``prefix`` or ``prefix@...`` that
-    trained with ``compute`` (paths x steps per path): another outer step competes, another schedule does not."""
-    same = {bq.seed_group(r["name"], default_seed)[0] for r in results if r["paths"] * r["steps_per_path"] == compute}
-    groups = {g: s for g, s in bq.seed_groups(results, default_seed).items()
-              if g.split("@")[0] == prefix and g in same}
-    if not groups:
-        return None
-    best = min(groups, key=lambda g: statistics.fmean(groups[g].values()))
-    return best, groups[best]
+def family_row(family: str, paths: int, extra: Sequence[str] = (), seed: int | None = None,
+               outer: dict[str, tuple[str, ...]] | None = None) -> bq.Row:
+    """The row of ``family`` at P = ``paths`` with the grid point ``extra`` on top of its default outer step, at
+    ``seed`` (None: the base config's)."""
+    seeded = [*extra, *([] if seed is None else [f"{bq.SEED_KEY}={seed}"])]
+    base = (outer or DEFAULT_OUTER).get(family, DEFAULT_OUTER[family])
+    shards = f"doctopics{paths}_similar"
+    if family == "dense":
+        return bq.Row(with_extra(f"dense_{paths}x", seeded), "dense", None, rounds_factor=paths,
+                      overrides=[*base, *seeded])
+    if family == "diloco":
+        return bq.Row(with_extra(f"diloco_{paths}", seeded), f"diloco:{paths}", None, overrides=[*base, *seeded])
+    if family == "moe":
+        return bq.Row(with_extra(f"moe_{paths}", seeded), f"moe:{paths}", shards, overrides=[*base, *seeded])
+    parts = PATH_PARTS if family == "dipaco" else SHARED_PARTS
+    return bq.Row(with_extra(f"{family}_{paths}", seeded), GRID_PRESETS[paths], shards, overrides=[*parts, *base, *seeded])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one invocation runs: the preset, its sizes, the fresh seeds, and the grids searched."""
+
+    preset: Preset
+    paths: tuple[int, ...]
+    seeds: int
+    grids: dict[str, tuple[tuple[str, ...], ...]]
+    big: BigDense | None = None
+
+    def grid_points(self, family: str) -> list[tuple[str, ...]]:
+        """The outer-step settings ``family`` tries on the tuning seed, its default first; none without tuning (the
+        family runs its default on the fresh seeds) and none for dense (no outer step)."""
+        if not self.preset.tune or family == "dense":
+            return []
+        return [(), *self.grids.get(family, ())]
+
+    def tuning_rows(self) -> list[bq.Row]:
+        out = [family_row("dense", 1)] if 1 in self.paths else []
+        for p in sorted(x for x in self.paths if x > 1):
+            out += [family_row(f, p, extra, outer=self.preset.outer)
+                    for f in self.preset.families for extra in self.grid_points(f)]
+        return out
+
+    def best_setting(self, family: str, paths: int, done: dict[str, dict]) -> tuple[str, ...] | None:
+        """The grid point with the lowest tuning-seed perplexity once every point of the grid has run; the default
+        when there is no grid."""
+        points = self.grid_points(family)
+        if not points:
+            return ()
+        names = [family_row(family, paths, extra).name for extra in points]
+        if any(name not in done for name in names):
+            return None
+        return min(zip(points, names), key=lambda pn: done[pn[1]]["ppl"])[0]
+
+    def rows(self, done: dict[str, dict]) -> list[bq.Row]:
+        """Every row the sweep runs given the rows ``done``: the grids, then each family's best setting on the fresh
+        seeds (known once its grid finished), the 16-path extras, and the big dense reference. Cheapest P first."""
+        out: list[bq.Row] = []
+        tuning = self.tuning_rows()
+        for p in sorted(self.paths):
+            out += [r for r in tuning if family_of(r.name)[1] == p]
+            if p == 1:  # plain AdamW, and one path with the outer step: the start of every outer-step family
+                out += [family_row(f, 1, seed=s) for f in ("dense", "diloco") for s in range(1, self.seeds + 1)]
+            for family in (f for f in self.preset.families if p > 1):
+                best = self.best_setting(family, p, done)
+                if best is not None:
+                    out += [family_row(family, p, best, seed=s, outer=self.preset.outer)
+                            for s in range(1, self.seeds + 1)]
+            if p == 16 and self.preset.extras and (best := self.best_setting("dipaco", 16, done)) is not None:
+                out.append(family_row("dipaco", 16, (*best, "route.topk=2"), outer=self.preset.outer))
+        if self.big is not None and 16 in self.paths:
+            out.append(self.big.row())
+        return out
+
+
+# --- the upper reference: dense with DiPaCo-16's parameters at its compute ---------------------------------------------
+
+def count_params(model: ModelConfig, vocab: int) -> tuple[int, int, int]:
+    """(non-embedding, LM head, total) parameters of a path of this shape."""
+    net = build_model(llama_config(model, vocab_size=vocab, max_positions=8, eos_id=0, pad_id=1), seed=0)
+    params = dict(net.named_parameters())
+    head = sum(p.numel() for n, p in params.items() if "lm_head" in n)
+    nonemb = sum(p.numel() for n, p in params.items() if "embed_tokens" not in n and "lm_head" not in n)
+    return nonemb, head, sum(p.numel() for p in params.values())
 
 
 def non_embedding_params(model: ModelConfig) -> int:
     """Parameters outside the input embedding and the LM head (what the tokens-per-parameter rule counts)."""
-    net = build_model(llama_config(model, vocab_size=8, max_positions=8, eos_id=0, pad_id=1), seed=0)
-    return sum(p.numel() for n, p in net.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    return count_params(model, 8)[0]
+
+
+def flops_per_token(model: ModelConfig, vocab: int, seq_len: int) -> float:
+    """Forward + backward FLOPs of one training token (Kaplan et al. 2020): 6 x (non-embedding + LM head
+    parameters) + 6 x layers x context x width for attention; the embedding is a lookup."""
+    nonemb, head, _ = count_params(model, vocab)
+    return 6.0 * (nonemb + head) + 6.0 * model.num_layers * seq_len * model.hidden_size
+
+
+def big_dense_shape(base: Config, target_params: int, vocab: int) -> ModelConfig:
+    """A 4-layer path (SwiGLU width 2d, heads of 16) whose total parameters are closest to ``target_params``."""
+    candidates = [ModelConfig(num_layers=4, hidden_size=d, intermediate_size=2 * d, num_heads=max(d // 16, 1))
+                  for d in range(32, 513, 16)]
+    return min(candidates, key=lambda m: abs(count_params(m, vocab)[2] - target_params))
+
+
+@dataclass(frozen=True)
+class BigDense:
+    """dense_big_16x: its shape, its rounds, and the arithmetic that chose them."""
+
+    model: ModelConfig
+    rounds: int
+    params: int
+    dipaco_16_bank_params: int
+    path_flops_per_token: float
+    big_flops_per_token: float
+
+    def row(self) -> bq.Row:
+        m = self.model
+        shape = [f"model.num_layers={m.num_layers}", f"model.hidden_size={m.hidden_size}",
+                 f"model.intermediate_size={m.intermediate_size}", f"model.num_heads={m.num_heads}"]
+        return bq.Row("dense_big_16x", "dense", None, model=shape, overrides=[*PLAIN, f"train.rounds={self.rounds}"])
+
+
+def plan_big_dense(base: Config, vocab: int) -> BigDense:
+    """dense_big_16x's shape (about the parameters of the sweep's dipaco_16 bank) and its rounds (dipaco_16's
+    FLOPs: 16 paths x steps per path x a path's FLOPs per token, over the big model's FLOPs per token)."""
+    topo = Run(apply_overrides(base, [f"topology.preset={GRID_PRESETS[16]}", *PATH_PARTS])).topology()
+    nonemb, head, total = count_params(base.model, vocab)
+    embedding = total - nonemb - head
+    level_params = nonemb - base.model.hidden_size  # the blocks; the final norm goes with the head
+    per_block = level_params // base.model.num_layers
+    bank = sum(part.num_modules * (embedding if part.kind == "embedding" else head + base.model.hidden_size
+                                   if part.kind == "head" else per_block * len(part.layers)) for part in topo.parts)
+    model = big_dense_shape(base, bank, vocab)
+    steps = base.train.rounds * base.train.inner_steps
+    path_flops = flops_per_token(base.model, vocab, base.data.seq_len)
+    big_flops = flops_per_token(model, vocab, base.data.seq_len)
+    rounds = max(1, round(16 * steps * path_flops / big_flops / base.train.inner_steps))
+    return BigDense(model, rounds, count_params(model, vocab)[2], bank, path_flops, big_flops)
+
+
+# --- diagnostics --------------------------------------------------------------------------------------------------------
+
+def part_kind(module_name: str) -> str:
+    return "levels" if module_name.startswith("level") else module_name.split(".")[0]
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    kept = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.fmean(kept) if kept else None
+
+
+def outer_diagnostics(records: list[dict]) -> dict:
+    """Per part kind (embedding, levels, head): the outer-gradient norm, the mean pairwise cosine between the
+    changes of the paths through a module and their mean norm, averaged over modules and rounds; and the cosine of
+    the first and the last round."""
+    out: dict[str, dict] = {}
+    for kind in ("embedding", "levels", "head"):
+        def per_round(key: str, record: dict) -> float | None:
+            return _mean(v for n, v in record.get(key, {}).items() if part_kind(n) == kind)
+        norms = [per_round("outer_grad_norm", r) for r in records]
+        cosines = [per_round("path_cosine", r) for r in records]
+        deltas = [per_round("path_delta_norm", r) for r in records]
+        out[kind] = {"outer_grad_norm": _mean(norms), "path_cosine": _mean(cosines), "path_delta_norm": _mean(deltas),
+                     "path_cosine_first": cosines[0] if cosines else None,
+                     "path_cosine_last": cosines[-1] if cosines else None}
+    return out
+
+
+def shard_spread(cfg: Config, paths: int) -> dict:
+    """Training tokens per path of a row's shards: the smallest, the largest and their coefficient of variation."""
+    from dipaco.route.shards import assign_paths
+
+    prepared = Run(cfg).prepared(routed=cfg.train.sharding == "kmeans")
+    where = assign_paths(prepared.train, paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
+    tokens = np.bincount(np.asarray(where), weights=np.asarray(prepared.train["num_tokens"], dtype=np.float64),
+                         minlength=paths).astype(np.int64).tolist()
+    mean = statistics.fmean(tokens)
+    return {"tokens_min": min(tokens), "tokens_max": max(tokens),
+            "tokens_cv": statistics.pstdev(tokens) / mean if mean else None}
+
+
+def row_diagnostics(row: bq.Row, result: dict, base: Config, out_dir: Path) -> dict:
+    """What a finished row's metrics, shards and per-path perplexities say (added to its result)."""
+    if row.model:  # its own run dir (bench_quality.architecture_run)
+        run = apply_overrides(base, [f"run.dir={out_dir / f'run_{row.experiment}'}", *row.model])
+    else:
+        run = bq.variant_run(base, row.routing, out_dir)
+    cfg = apply_overrides(run, bq.row_overrides(row, base))
+    out: dict = {"bank_over_path": result["params_total"] / result["params_per_path"]}
+    metrics = RunDir(cfg.run.dir).experiment(row.experiment) / "metrics.jsonl"
+    out["outer"] = outer_diagnostics(read_metrics(metrics, "outer")) if metrics.is_file() else None
+    out["shards"] = shard_spread(cfg, result["paths"]) if result["paths"] > 1 else None
+    ppl = result.get("per_path_ppl") or []
+    finite = sorted(v for v in ppl if v is not None and math.isfinite(v))
+    out["per_path_ppl"] = ({"min": finite[0], "median": statistics.median(finite), "max": finite[-1]} if finite else None)
+    return out
+
+
+# --- the curve and the targets ------------------------------------------------------------------------------------------
+
+def is_grid_point(group: str) -> bool:
+    """Whether a row name without its seed is a family at its default or one of its grid's outer steps (not a row
+    beside the sweep, such as top-2 shards or another schedule). At P = 1 only dense_1x and diloco_1 exist."""
+    family, p = family_of(group)
+    if p == 1:
+        return group in ("dense_1x", "diloco_1")
+    return family in FAMILIES and tuple(group.split("@")[1:]) in ((), *GRIDS[family])
+
+
+# P = 1 of each family: plain AdamW for dense; one path with its outer step (DiLoCo-1, which a 1x1 grid and MoE-1 are)
+# for the others: the outer Nesterov step on a path's own change is worth having even alone (docs/benchmarks.md).
+START = {"dense": "dense", "dipaco": "diloco", "dipaco_shared": "diloco", "diloco": "diloco",
+         "moe": "diloco"}
+
+
+def fresh_seed_rows(results: list[dict], default_seed: int = 0) -> dict[tuple[str, int], dict[int, float]]:
+    """Perplexity by fresh seed of each (family, P) at its best setting: the rows run with ``@run.seed=N``, N !=
+    the tuning seed, not extras (top-2). At P = 1: dense_1x for dense, diloco_1 for every family with an outer step."""
+    out: dict[tuple[str, int], dict[int, float]] = {}
+    for r in results:
+        group, seed = bq.seed_group(r["name"], default_seed)
+        family, p = family_of(group)
+        if seed == default_seed or not is_grid_point(group):
+            continue
+        for f in ([g for g in FAMILIES if START[g] == family] if p == 1 else [family]):
+            out.setdefault((f, p), {})[seed] = r["ppl"]
+    return out
+
+
+def tuning_seed_rows(results: list[dict], default_seed: int = 0) -> dict[tuple[str, int], dict[str, float]]:
+    """Perplexity of each grid point on the tuning seed, by (family, P)."""
+    out: dict[tuple[str, int], dict[str, float]] = {}
+    for r in results:
+        group, seed = bq.seed_group(r["name"], default_seed)
+        family, p = family_of(group)
+        if seed == default_seed and p > 1 and is_grid_point(group):
+            out.setdefault((family, p), {})[group] = r["ppl"]
+    return out
+
+
+def _mean_std(by_seed: dict[int, float]) -> tuple[float, float | None]:
+    values = list(by_seed.values())
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def _cell(by_seed: dict[int, float] | None) -> str:
+    if not by_seed:
+        return "-"
+    mean, std = _mean_std(by_seed)
+    return f"{mean:.3f}" if std is None else f"{mean:.3f} ± {std:.3f} ({len(by_seed)})"
+
+
+def bits_per_byte(ppl: float, bytes_per_token: float | None) -> float | None:
+    return None if not bytes_per_token else math.log2(ppl) / bytes_per_token
+
+
+def scaling_table(results: list[dict], paths: Sequence[int], default_seed: int = 0,
+                  families: Sequence[str] = FAMILIES) -> str:
+    """Validation perplexity by family (rows) and P (columns): mean ± std over the fresh seeds (number of seeds)."""
+    main = fresh_seed_rows(results, default_seed)
+    lines = ["| family (inference: one path) | " + " | ".join(f"P = {p}" for p in paths) + " |",
+             "|---|" + "---|" * len(paths)]
+    for fam in families:
+        lines.append(f"| {LABELS[fam]} | " + " | ".join(_cell(main.get((fam, p))) for p in paths) + " |")
+    return "\n".join(lines)
+
+
+def grid_table(results: list[dict], default_seed: int = 0) -> str:
+    """The outer-step search: every grid point's tuning-seed perplexity, the chosen one in bold."""
+    lines = ["| family | P | outer step (on top of the family's default) | tuning-seed ppl |", "|---|---|---|---|"]
+    for (family, p), points in sorted(tuning_seed_rows(results, default_seed).items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        best = min(points, key=points.__getitem__)
+        for group, ppl in points.items():
+            setting = "@".join(group.split("@")[1:]) or "default (" + ", ".join(DEFAULT_OUTER[family]) + ")"
+            cell = f"**{ppl:.3f}**" if group == best and len(points) > 1 else f"{ppl:.3f}"
+            lines.append(f"| {family} | {p} | {setting} | {cell} |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def rows_table(results: list[dict], nonemb: int, tokens_per_step: int, bytes_per_token: float | None) -> str:
+    lines = ["| row | paths | params/path | params total | bank / path | tokens/path | tokens per non-emb param "
+             "| shard NMI | shard tokens min-max (CV) | wall | val ppl | bits/byte |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        per_path = r["steps_per_path"] * tokens_per_step
+        d = r.get("diagnostics") or {}
+        shards = d.get("shards")
+        spread = "-" if not shards else (f"{bq._count(shards['tokens_min'])}-{bq._count(shards['tokens_max'])} "
+                                         f"({shards['tokens_cv']:.2f})")
+        lines.append(f"| {r['name']} | {r['paths']} | {bq._count(r['params_per_path'])} | {bq._count(r['params_total'])} "
+                     f"| {r['params_total'] / r['params_per_path']:.1f} | {bq._count(per_path)} | {per_path / nonemb:.1f} "
+                     f"| {_fmt(r.get('nmi'))} | {spread} | {r['wall_time_s'] / 60:.1f} min"
+                     f"{' (resumed)' if r.get('resumed') else ''} | {r['ppl']:.3f} "
+                     f"| {_fmt(bits_per_byte(r['ppl'], bytes_per_token), '.4f')} |")
+    return "\n".join(lines)
+
+
+def diagnostics_table(results: list[dict], default_seed: int = 0) -> str:
+    """One line per (family, P) at its first fresh seed: what the outer step and the paths did."""
+    lines = ["| row | per-path ppl min / median / max | outer-grad norm: levels, emb, head | path cosine: levels "
+             "(first -> last round) | path cosine: emb, head | path change norm: levels |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        group, seed = bq.seed_group(r["name"], default_seed)
+        family, p = family_of(group)
+        if seed != default_seed + 1 or not is_grid_point(group):
+            continue
+        d = r.get("diagnostics") or {}
+        outer, per_path = d.get("outer") or {}, d.get("per_path_ppl")
+        lv, em, hd = (outer.get(k) or {} for k in ("levels", "embedding", "head"))
+        ppl = "-" if not per_path else f"{per_path['min']:.2f} / {per_path['median']:.2f} / {per_path['max']:.2f}"
+        lines.append(f"| {r['name']} | {ppl} | {_fmt(lv.get('outer_grad_norm'), '.4f')}, "
+                     f"{_fmt(em.get('outer_grad_norm'), '.4f')}, {_fmt(hd.get('outer_grad_norm'), '.4f')} "
+                     f"| {_fmt(lv.get('path_cosine'))} ({_fmt(lv.get('path_cosine_first'))} -> "
+                     f"{_fmt(lv.get('path_cosine_last'))}) | {_fmt(em.get('path_cosine'))}, {_fmt(hd.get('path_cosine'))} "
+                     f"| {_fmt(lv.get('path_delta_norm'), '.4f')} |")
+    return "\n".join(lines)
+
+
+def targets(results: list[dict], default_seed: int = 0) -> list[str]:
+    """The issue's targets on the fresh seeds' means of each family's best setting, and what explains them."""
+    main = fresh_seed_rows(results, default_seed)
+    out: list[str] = []
+
+    def check(label: str, ok: bool | None, detail: str) -> None:
+        out.append(f"- {label}: {'met' if ok else 'MISSED' if ok is not None else 'not run'} ({detail})")
+
+    def mean(key: tuple[str, int]) -> float | None:
+        return statistics.fmean(main[key].values()) if main.get(key) else None
+
+    d4, d16, l16 = mean(("dipaco", 4)), mean(("dipaco", 16)), mean(("diloco", 16))
+    ratio16 = None if d16 is None or l16 is None else d16 / l16
+    check(f"DiPaCo-16 <= {TARGET_RATIO} x DiLoCo-16 (fresh-seed means)",
+          None if ratio16 is None else ratio16 <= TARGET_RATIO,
+          "not run" if ratio16 is None else f"{d16:.3f} vs {l16:.3f}: ratio {ratio16:.4f}")
+    seeds = sorted(set(main.get(("dipaco", 4), {})) & set(main.get(("dipaco", 16), {}))
+                   & set(main.get(("diloco", 4), {})) & set(main.get(("diloco", 16), {})))
+    per_seed = [(s, main[("dipaco", 4)][s] / main[("diloco", 4)][s], main[("dipaco", 16)][s] / main[("diloco", 16)][s])
+                for s in seeds]
+    check("the DiPaCo/DiLoCo ratio at P = 16 is below the one at P = 4 in every seed",
+          None if not per_seed else all(b < a for _, a, b in per_seed),
+          "not run" if not per_seed else "; ".join(f"seed {s}: P=4 {a:.4f}, P=16 {b:.4f}" for s, a, b in per_seed))
+    fall = None if d4 is None or d16 is None else 1 - d16 / d4
+    check(f"DiPaCo at P = 16 at least {TARGET_FALL:.0%} below P = 4", None if fall is None else fall >= TARGET_FALL,
+          "not run" if fall is None else f"{d4:.3f} -> {d16:.3f}: {-fall:+.2%}")
+    for p in (4, 16):
+        cells = [f"{f} {mean((f, p)):.3f}" for f in FAMILIES if mean((f, p)) is not None]
+        if cells:
+            out.append(f"- (info) P = {p}: " + ", ".join(cells))
+    for p in (4, 16):
+        private, shared = mean(("dipaco", p)), mean(("dipaco_shared", p))
+        if private is not None and shared is not None:
+            out.append(f"- (info) P = {p}: path-specific embedding + head {private:.3f} vs shared {shared:.3f}: "
+                       f"{1 - private / shared:+.2%}")
+        moe = mean(("moe", p))
+        if private is not None and moe is not None:
+            out.append(f"- (info) P = {p}: DiPaCo {private:.3f} vs flat MoE (nothing shared) {moe:.3f}: "
+                       f"{1 - private / moe:+.2%}")
+    by = {r["name"]: r for r in results}
+    if "dense_big_16x" in by and d16 is not None:
+        big = by["dense_big_16x"]
+        out.append(f"- (info) dense_big_16x ({bq._count(big['params_total'])} parameters, DiPaCo-16's compute): "
+                   f"{big['ppl']:.3f} vs DiPaCo-16 {d16:.3f}")
+    for r in results:
+        if "route.topk=2" in r["name"]:
+            out.append(f"- (info) {r['name']} (top-2 overlapping shards, tuning seed): {r['ppl']:.3f}")
+    return out
+
+
+def plot(results: list[dict], paths: Sequence[int], path: Path, default_seed: int = 0,
+         families: Sequence[str] = FAMILIES) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        echo("[bench] matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return None
+    main = fresh_seed_rows(results, default_seed)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for fam, marker in zip(families, "osD^v"):
+        points = [(p, *_mean_std(main[(fam, p)])) for p in paths if (fam, p) in main]
+        if points:
+            ax.errorbar([x for x, _, _ in points], [m for _, m, _ in points], yerr=[s or 0 for _, _, s in points],
+                        marker=marker, capsize=3, label=f"{LABELS[fam]} (inference: 1 path)")
+    big = next((r for r in results if r["name"] == "dense_big_16x"), None)
+    if big is not None:
+        ax.plot([16], [big["ppl"]], marker="*", markersize=11, linestyle="none", color="black",
+                label=f"dense with DiPaCo-16's parameters ({bq._count(big['params_total'])}), same compute")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(paths), [str(p) for p in paths])
+    ax.set_xlabel("paths P (equal compute: P x one path's steps)")
+    ax.set_ylabel("validation perplexity (mean of the fresh seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --- running ------------------------------------------------------------------------------------------------------------
+
+def scored_bytes_per_token(cfg: Config) -> float | None:
+    """UTF-8 bytes per scored validation token (the tokens after each document's routing prefix), for bits per byte:
+    bits/byte = log2(ppl) / this. None when the tokenizer's pieces are not byte-level."""
+    prepared = Run(cfg).prepared(routed=False)
+    tok = prepared.tokenizer
+    pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+    special = set(tok.all_special_ids)
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = set(ByteLevel.alphabet())  # one character per byte
+    if any(i not in special and not set(piece) <= alphabet for i, piece in enumerate(pieces)):
+        return None
+    nbytes = [0 if i in special else len(piece) for i, piece in enumerate(pieces)]
+    tokens = scored = 0
+    prefix = max(cfg.data.prefix_tokens, 1)
+    for ids in prepared.validation["input_ids"]:
+        if len(ids) > prefix:
+            tokens += len(ids) - prefix
+            scored += sum(nbytes[i] for i in ids[prefix:])
+    return scored / tokens if tokens else None
+
+
+def parse_paths(text: str) -> list[int]:
+    try:
+        paths = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise SystemExit(f"error: --paths: a comma-separated list of 1, 4, 16, 64, got {text!r}") from None
+    unknown = [p for p in paths if p != 1 and p not in GRID_PRESETS]
+    if unknown:
+        raise SystemExit(f"error: --paths: {unknown} not among 1, 4, 16, 64 (the square grids of two levels)")
+    return paths
+
+
+def known_rows(preset: Preset) -> dict[str, bq.Row]:
+    """Every row a ``--rows ROW@key=value`` may start from: each family at each P at its default outer step."""
+    out = {family_row("dense", 1).name: family_row("dense", 1)}
+    for p in GRID_PRESETS:
+        for family in FAMILIES:
+            row = family_row(family, p, outer=preset.outer)
+            out[row.name] = row
+    return out
+
+
+def plan_families(plan: Plan) -> list[str]:
+    return [f for f in FAMILIES if f in plan.preset.families]
+
+
+def summary_text(results: list[dict], plan: Plan, nonemb: int, tokens_per_step: int, bytes_per_token: float | None,
+                 default_seed: int, passes: dict) -> str:
+    return "\n\n".join(t for t in [
+        scaling_table(results, plan.paths, default_seed, plan_families(plan)),
+        grid_table(results, default_seed),
+        rows_table(results, nonemb, tokens_per_step, bytes_per_token),
+        diagnostics_table(results, default_seed),
+        "\n".join(f"- P={p}: doc_topics shards of {s['shard_tokens_min']:,} tokens (smallest), "
+                  f"{s['shard_tokens_mean']:,.0f} (mean); each path reads its shard {s['passes_mean']:.2f} times on "
+                  f"average, {s['passes_max']:.2f} at most" for p, s in passes.items() if s),
+        "\n".join(targets(results, default_seed)),
+    ] if t)
 
 
 def shard_passes(out_dir: Path, paths: int, tokens_per_path: int) -> dict | None:
@@ -173,262 +660,162 @@ def shard_passes(out_dir: Path, paths: int, tokens_per_path: int) -> dict | None
             "passes_max": tokens_per_path / max(min(shard), 1), "passes_mean": tokens_per_path / statistics.fmean(shard)}
 
 
-def _mean_std(by_seed: dict[int, float]) -> tuple[float, float | None]:
-    values = list(by_seed.values())
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
-
-
-def _cell(by_seed: dict[int, float] | None) -> str:
-    if not by_seed:
-        return "-"
-    mean, std = _mean_std(by_seed)
-    return f"{mean:.2f}" if std is None else f"{mean:.2f} ± {std:.2f} ({len(by_seed)})"
-
-
-def scaling_table(results: list[dict], paths: list[int], default_seed: int = 0) -> str:
-    """Validation perplexity by family (rows) and P (columns): mean ± std over seeds (number of seeds)."""
-    main = main_family_rows(results, default_seed)
-    lines = ["| family (inference: one path) | " + " | ".join(f"P = {p}" for p in paths) + " |",
-             "|---|" + "---|" * len(paths)]
-    labels = {"dipaco": "DiPaCo grid (1x1, 2x2, 4x4, 8x8)", "diloco": "DiLoCo-P", "moe": "flat MoE-P",
-              "dense": "dense, P x steps"}
-    for fam in FAMILIES:
-        lines.append(f"| {labels[fam]} | " + " | ".join(_cell(main.get((fam, p))) for p in paths) + " |")
-    return "\n".join(lines)
-
-
-def rows_table(results: list[dict], nonemb: int, tokens_per_step: int) -> str:
-    lines = ["| row | paths | params/path (inference) | params total | non-emb/path | tokens/path | tokens per "
-             "non-emb param per path | wall (its last invocation) | val ppl |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        per_path = r["steps_per_path"] * tokens_per_step
-        lines.append(f"| {r['name']} | {r['paths']} | {bq._count(r['params_per_path'])} | {bq._count(r['params_total'])} "
-                     f"| {bq._count(nonemb)} | {bq._count(per_path)} | {per_path / nonemb:.1f} | "
-                     f"{r['wall_time_s'] / 60:.1f} min{' (resumed)' if r.get('resumed') else ''} | {r['ppl']:.2f} |")
-    return "\n".join(lines)
-
-
-def targets(results: list[dict], paths: list[int], default_seed: int = 0) -> list[str]:
-    """The issue's three targets, each on seed means; DiLoCo-P is its best outer step at that P."""
-    main = main_family_rows(results, default_seed)
-    out: list[str] = []
-
-    def check(label: str, ok: bool | None, detail: str) -> None:
-        out.append(f"- {label}: {'met' if ok else 'MISSED' if ok is not None else 'not run'} ({detail})")
-
-    dipaco = [(p, statistics.fmean(main[("dipaco", p)].values())) for p in paths if ("dipaco", p) in main]
-    falls = all(b < a for (_, a), (_, b) in zip(dipaco, dipaco[1:]))
-    check("DiPaCo's perplexity falls strictly as P grows", falls if len(dipaco) > 1 else None,
-          ", ".join(f"P={p}: {v:.2f}" for p, v in dipaco))
-
-    compute = {r["name"]: r["paths"] * r["steps_per_path"] for r in results}
-
-    def gap(p: int, rival: str) -> tuple[float, str] | None:
-        ours = main.get(("dipaco", p))
-        if not ours or f"dipaco_{p}" not in compute:
-            return None
-        theirs = best_group(results, rival, compute[f"dipaco_{p}"], default_seed)
-        if theirs is None:
-            return None
-        mine, their = statistics.fmean(ours.values()), statistics.fmean(theirs[1].values())
-        return 1 - mine / their, f"{mine:.2f} vs {theirs[0]} {their:.2f}: {1 - mine / their:+.1%}"
-
-    for rival in ("diloco_16", "dense_16x"):
-        g = gap(16, rival)
-        check(f"P=16: DiPaCo beats {rival} by >= 3%", None if g is None else g[0] >= TARGET_GAIN,
-              "not run" if g is None else g[1])
-    g4, g16 = gap(4, "diloco_4"), gap(16, "diloco_16")
-    check("the DiPaCo-vs-DiLoCo gap widens from P=4 to P=16", None if g4 is None or g16 is None else g16[0] > g4[0],
-          "not run" if g4 is None or g16 is None else f"P=4 {g4[0]:+.1%}, P=16 {g16[0]:+.1%}")
-    by = {r["name"]: r for r in results}
-    base16 = by.get("dipaco_16")
-    for extra in ("dipaco_16_top2", "dipaco_16_early_stop"):
-        if base16 and extra in by:
-            out.append(f"- (info) {extra}: {by[extra]['ppl']:.2f} vs dipaco_16 {base16['ppl']:.2f} (seed 0)")
-    if base16 and base16.get("reroute"):
-        cells = ", ".join(f"{'once per doc' if x['reroute_every'] is None else 'every ' + str(x['reroute_every'])} "
-                          f"{x['ppl']:.2f}" for x in base16["reroute"])
-        out.append(f"- (info) dipaco_16 test-time re-routing: {cells}")
-    return out
-
-
-def crossover(results: list[dict], default_seed: int = 0) -> list[str]:
-    """Rows run with another schedule (``dipaco_P@train.rounds=R``, with ``--rows``): DiPaCo against DiLoCo-P on
-    the same schedule and against the dense row of the same compute (paths x steps per path), on seed means."""
-    groups = bq.seed_groups(results, default_seed)
-    mean = {g: statistics.fmean(s.values()) for g, s in groups.items()}
-    compute = {bq.seed_group(r["name"], default_seed)[0]: r["paths"] * r["steps_per_path"] for r in results}
-    steps = {bq.seed_group(r["name"], default_seed)[0]: r["steps_per_path"] for r in results}
-    out = []
-    for g in sorted(groups):
-        if not (g.startswith("dipaco_") and "@train.rounds=" in g):
-            continue
-        cells = [f"{g} ({steps[g]} steps per path, seeds {bq._seeds(groups[g])}) {mean[g]:.2f}"]
-        rival = "diloco_" + g.removeprefix("dipaco_")
-        dense = [d for d in groups if d.startswith("dense_") and "@" not in d and compute[d] == compute[g]]
-        for other in ([rival] if rival in mean else []) + dense:
-            cells.append(f"{other} {mean[other]:.2f}: {1 - mean[g] / mean[other]:+.1%}")
-        out.append("- (info) crossover: " + "; vs ".join(cells))
-    return out
-
-
-def plot(results: list[dict], paths: list[int], path: Path, default_seed: int = 0) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        echo("[bench] matplotlib not installed (pip install -e '.[bench]'): no plot")
-        return None
-    main = main_family_rows(results, default_seed)
-    labels = {"dipaco": "DiPaCo grid", "diloco": "DiLoCo-P", "moe": "flat MoE-P", "dense": "dense, P x steps"}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for fam, marker in zip(FAMILIES, "osD^"):
-        points = [(p, *_mean_std(main[(fam, p)])) for p in paths if (fam, p) in main]
-        if points:
-            ax.errorbar([x for x, _, _ in points], [m for _, m, _ in points], yerr=[s or 0 for _, _, s in points],
-                        marker=marker, capsize=3, label=f"{labels[fam]} (inference: 1 path)")
-    by = {r["name"]: r for r in results}
-    for name, marker in (("dipaco_16_top2", "x"), ("dipaco_16_early_stop", "+")):
-        if name in by:
-            ax.plot([16], [by[name]["ppl"]], marker=marker, linestyle="none", color="black", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(paths, [str(p) for p in paths])
-    ax.set_xlabel("paths P (equal compute: P x one path's steps)")
-    ax.set_ylabel("validation perplexity")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def reroute(row: bq.Row, base: Config, out_dir: Path) -> list[dict]:
-    """Test-time re-routing of a trained DiPaCo row (its final checkpoint)."""
-    run = bq.variant_run(base, row.routing, out_dir)
-    cfg = apply_overrides(run, bq.row_overrides(row, base))
-    return Run(cfg).reroute_evaluate(REROUTE_EVERY)["results"]
-
-
-def parse_paths(text: str) -> list[int]:
-    try:
-        paths = sorted({int(x) for x in text.split(",")})
-    except ValueError:
-        raise SystemExit(f"error: --paths: a comma-separated list of 1, 4, 16, 64, got {text!r}") from None
-    unknown = [p for p in paths if p != 1 and p not in GRIDS]
-    if unknown:
-        raise SystemExit(f"error: --paths: {unknown} not among 1, 4, 16, 64 (the square grids of two levels)")
-    return paths
-
-
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny model and steps, 150 documents per corpus (CI)")
-    p.add_argument("--paths", default="1,4,16", help="comma-separated P among 1, 4, 16, 64 (default 1,4,16)")
-    p.add_argument("--seeds", type=int, default=2, help="seeds of the P = 4 and P = 16 rows (default 2)")
-    p.add_argument("--out-dir", default="runs/bench_scaling")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="the regime (default cpu; see above)")
+    p.add_argument("--smoke", action="store_true", help="the preset's rows at a tiny size on 450 documents (CI)")
+    p.add_argument("--paths", default=None, help="comma-separated P among 1, 4, 16, 64 (default: the preset's)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="fresh seeds of each family's best setting (default 2; 1 with --smoke or the gpu preset)")
+    p.add_argument("--families", default=None,
+                   help=f"comma-separated subset of the preset's families ({', '.join(FAMILIES)}); default: all of them")
+    p.add_argument("--corpus", choices=sorted(bq.CORPORA), default="mix",
+                   help="the shared corpora: mix (all three, the default) or one of them")
+    p.add_argument("--out-dir", default=None,
+                   help="default runs/bench_scaling_<preset>[_smoke] (runs/bench_scaling for the cpu preset)")
     p.add_argument("--resume", action="store_true",
                    help="keep the rows results.json already holds (same base config); a row cut off continues "
                         "from its last round's checkpoint")
+    p.add_argument("--report", action="store_true", help="train nothing: the tables and targets of --out-dir's rows")
     p.add_argument("--data", type=Path, default=None, help="the folder holding the shared corpora "
                    "(default: shared/data beside the repository)")
     p.add_argument("--rows", nargs="*", default=[], metavar="ROW@key=value",
-                   help="more rows after the sweep's: a sweep row with extra overrides, e.g. dipaco_4@train.rounds=32 "
-                        "(the crossover rows in docs/benchmarks.md); judged beside the sweep, not in its curve")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dipaco overrides on top of the sweep's")
-    args = p.parse_args()
-    paths = parse_paths(args.paths)
-    if args.seeds < 1:
+                   help="more rows after the sweep's: a family row with extra overrides, e.g. dipaco_16@route.topk=2 "
+                        "(give them after the key=value overrides)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dipaco overrides on top of the preset's")
+    args = p.parse_args(argv)
+    if args.seeds is not None and args.seeds < 1:
         p.error("--seeds must be >= 1")
-    rows = scaling_rows(paths, args.seeds, args.smoke)
-    known = {r.name: r for r in scaling_rows(sorted(GRIDS) + [1], args.seeds, args.smoke)}
+    if args.families is not None:
+        args.families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+        unknown = [f for f in args.families if f not in PRESETS[args.preset].families]
+        if unknown or not args.families:
+            p.error(f"--families: {unknown or 'none given'} not among the {args.preset} preset's "
+                    f"{', '.join(PRESETS[args.preset].families)}")
+    return args
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    preset = PRESETS[args.preset]
+    if args.families is not None:
+        preset = replace(preset, families=args.families)
+    paths = tuple(parse_paths(args.paths)) if args.paths else preset.paths
+    seeds = args.seeds if args.seeds is not None else 1 if args.smoke or args.preset == "gpu" else 2
+    return Plan(preset, paths, seeds, SMOKE_GRIDS if args.smoke else GRIDS)
+
+
+def default_out_dir(args: argparse.Namespace) -> Path:
+    name = "bench_scaling" + ("" if args.preset == "cpu" else f"_{args.preset}") + ("_smoke" if args.smoke else "")
+    return Path(args.out_dir or f"runs/{name}").resolve()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    plan = make_plan(args)
+    known = known_rows(plan.preset)
     try:
-        rows += [bq.named_row(name, known) for name in args.rows if name not in {r.name for r in rows}]
+        asked = [bq.named_row(row, known) for row in args.rows]
     except KeyError as err:
-        sys.exit(f"error: unknown row {err.args[0]!r} (a sweep row, or ROW@key=value@...); known: {', '.join(known)}")
+        sys.exit(f"error: unknown row {err.args[0]!r} (FAMILY_P or FAMILY_P@key=value@...); known: {', '.join(known)}")
+    out_dir = default_out_dir(args)
+    if args.report:
+        return report(out_dir, plan)
+    sources = bq.CORPORA[args.corpus]
     data_dir = (bq.SHARED if args.data is None else args.data).resolve()
-    missing = [name for name in bq.SOURCES if not (data_dir / name).is_file()]
+    missing = [source for source in sources if not (data_dir / source).is_file()]
     if missing:
         sys.exit(f"error: the shared corpora are not at {data_dir} (missing {', '.join(missing)}); name their folder "
                  "with --data")
 
     quiet_library_progress_bars()
-    out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = out_dir / "corpus.jsonl"
-    fresh = bq.write_corpus(out_dir / "corpus.jsonl.new", SMOKE_DOCS_PER_SOURCE if args.smoke else None,
-                            bq.SOURCES, data_dir)
+    docs = SMOKE_DOCS // len(sources) if args.smoke else None
+    fresh = bq.write_corpus(out_dir / "corpus.jsonl.new", docs, sources, data_dir)
     if (out_dir / "base" / "pretrain" / "config.json").is_file() and corpus.is_file() \
             and corpus.read_bytes() != fresh.read_bytes():
         fresh.unlink()
-        sys.exit(f"error: {out_dir} was prepared on another corpus{' (not --smoke)' if args.smoke else ''}; "
-                 "use another --out-dir")
+        sys.exit(f"error: {out_dir} was prepared on another corpus (--corpus, --smoke); use another --out-dir")
     fresh.replace(corpus)
     base = load_config(REPO / "configs/bench/quality.yaml",
-                       [*(SMOKE if args.smoke else FULL), f"run.dir={out_dir / 'base'}", f"data.corpus={corpus}",
-                        *args.overrides])
+                       [*plan.preset.overrides, *(SMOKE if args.smoke else ()), "train.diagnostics=true",
+                        f"run.dir={out_dir / 'base'}", f"data.corpus={corpus}", *args.overrides])
     nonemb = non_embedding_params(base.model)
     tokens_per_step = base.train.optim.batch_size * base.data.seq_len
     tokens_per_path = base.train.rounds * base.train.inner_steps * tokens_per_step
-    echo(f"[bench] path: {nonemb:,} non-embedding parameters; {tokens_per_path:,} training tokens per path "
-         f"({tokens_per_path / nonemb:.1f} per non-embedding parameter)")
+    echo(f"[bench] preset {args.preset}{' (smoke)' if args.smoke else ''}: path of {nonemb:,} non-embedding "
+         f"parameters; {tokens_per_path:,} training tokens per path ({tokens_per_path / nonemb:.1f} per "
+         f"non-embedding parameter)")
 
     started = time.perf_counter()
     if not (Path(base.run.dir) / "pretrain" / "config.json").is_file():
         bq.prepare(base)
         bq.pretrain(base)
     init = Run(base).evaluate_pretrained()
+    if plan.preset.big_dense and 16 in plan.paths:
+        plan = replace(plan, big=plan_big_dense(base, len(Run(base).prepared(routed=False).tokenizer)))
     by_name = bq.finished_rows(out_dir / "results.json", base) if args.resume else {}
     if not args.resume and (out_dir / "results.json").is_file():
         echo(f"[bench] starting over: {out_dir / 'results.json'} will be replaced (--resume keeps its rows)")
-    order = {r.name: i for i, r in enumerate(rows)}
+
+    def planned() -> list[bq.Row]:
+        rows = plan.rows(by_name)
+        return rows + [r for r in asked if r.name not in {x.name for x in rows}]
 
     def ordered() -> list[dict]:
+        order = {r.name: i for i, r in enumerate(planned())}
         return [by_name[n] for n in sorted(by_name, key=lambda n: order.get(n, len(order)))]
 
-    def last_only(last: int) -> list[int]:  # one full validation pass per row: the plot is against P
-        return [last]
-
-    for i, row in enumerate(rows, 1):
-        if row.name in by_name:
-            echo(f"[bench] {row.name}: kept from results.json (ppl {by_name[row.name]['ppl']:.2f})")
-            continue
-        echo(f"[bench] === {i}/{len(rows)} {row.name} ({row.preset}, shards {row.routing or 'iid'}) ===")
-        result = bq.run_row(row, base, out_dir, resume=args.resume, curve_at=last_only)
-        if row.name == "dipaco_16":
-            result["reroute"] = reroute(row, base, out_dir)
+    while todo := [r for r in planned() if r.name not in by_name]:
+        row = todo[0]
+        echo(f"[bench] === {row.name} ({row.preset}, shards {row.routing or 'iid'}); {len(todo)} rows to go, more "
+             f"once a grid finishes ===")
+        result = bq.run_row(row, base, out_dir, resume=args.resume, curve_at=lambda last: [last])
+        result["diagnostics"] = row_diagnostics(row, result, base, out_dir)
         by_name[row.name] = result
-        echo(f"[bench] {row.name}: ppl {result['ppl']:.2f} in {result['wall_time_s']:.0f}s "
+        echo(f"[bench] {row.name}: ppl {result['ppl']:.3f} in {result['wall_time_s']:.0f}s "
              f"({time.perf_counter() - started:.0f}s into this invocation)")
         bq.write_results(out_dir / "results.json", base, init, ordered())
     results = ordered()
 
-    passes = {p: shard_passes(out_dir, p, tokens_per_path) for p in paths if p > 1}
-    summary = "\n".join(targets(results, paths, base.run.seed) + crossover(results, base.run.seed))
-    text = "\n\n".join([
-        scaling_table(results, paths, base.run.seed),
-        rows_table(results, nonemb, tokens_per_step),
-        "\n".join(f"- P={p}: doc_topics shards of {s['shard_tokens_min']:,} tokens (smallest), "
-                  f"{s['shard_tokens_mean']:,.0f} (mean); each path reads its shard {s['passes_mean']:.2f} times on average, "
-                  f"{s['passes_max']:.2f} at most" for p, s in passes.items() if s),
-        summary,
-    ])
-    png = plot(results, paths, out_dir / "scaling_ppl_vs_paths.png", base.run.seed)
+    bytes_per_token = scored_bytes_per_token(base)
+    passes = {p: shard_passes(out_dir, p, tokens_per_path) for p in plan.paths if p > 1}
+    text = summary_text(results, plan, nonemb, tokens_per_step, bytes_per_token, base.run.seed, passes)
+    png = plot(results, plan.paths, out_dir / "scaling_ppl_vs_paths.png", base.run.seed, plan_families(plan))
     total = time.perf_counter() - started
     bq.write_results(out_dir / "results.json", base, init, results, invocation_wall_time_s=total,
                      rows_wall_time_s=sum(r["wall_time_s"] for r in results), command=" ".join(sys.argv),
-                     targets=summary, non_embedding_params=nonemb, tokens_per_path=tokens_per_path,
-                     shard_passes=passes)
+                     preset=args.preset, smoke=args.smoke, targets="\n".join(targets(results, base.run.seed)),
+                     non_embedding_params=nonemb, tokens_per_path=tokens_per_path, shard_passes=passes,
+                     scored_bytes_per_token=bytes_per_token,
+                     big_dense=None if plan.big is None else {**asdict(plan.big), "model": asdict(plan.big.model)})
     write_text(out_dir / "scaling.md", text + "\n")
-    print(f"\npretrained init: val ppl {init['overall']['ppl']:.2f}; path: {nonemb:,} non-embedding parameters, "
-          f"{tokens_per_path:,} tokens per path ({tokens_per_path / nonemb:.1f} per non-embedding parameter)\n")
+    print(f"\npreset {args.preset}; pretrained init: val ppl {init['overall']['ppl']:.3f}; path: {nonemb:,} "
+          f"non-embedding parameters, {tokens_per_path:,} tokens per path ({tokens_per_path / nonemb:.1f} per "
+          f"non-embedding parameter); {_fmt(bytes_per_token)} bytes per scored token\n")
     print(text)
     print(f"\n{len(results)} rows (training {sum(r['wall_time_s'] for r in results) / 60:.1f} min); this invocation "
           f"took {total / 60:.1f} min; results in {out_dir}; plot: {png or 'none'}")
     if any(not math.isfinite(r["ppl"]) for r in results):
         sys.exit("error: a row's validation perplexity is not finite")
+
+
+def report(out_dir: Path, plan: Plan) -> None:
+    """The tables and targets of the rows results.json holds, without training."""
+    path = out_dir / "results.json"
+    if not path.is_file():
+        sys.exit(f"error: --report: no {path}")
+    payload = json.loads(path.read_text())
+    # A sweep still running has written only its rows and base config: derive the rest from the config.
+    base: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), payload["base_config"]))
+    tokens_per_step = base.train.optim.batch_size * base.data.seq_len
+    tokens_per_path = base.train.rounds * base.train.inner_steps * tokens_per_step
+    bytes_per_token = payload.get("scored_bytes_per_token")
+    if bytes_per_token is None and (Path(base.run.dir) / "tokenizer").is_dir():
+        bytes_per_token = scored_bytes_per_token(base)
+    passes = payload.get("shard_passes") or {p: shard_passes(out_dir, p, tokens_per_path) for p in plan.paths if p > 1}
+    print(summary_text(payload["rows"], plan, non_embedding_params(base.model), tokens_per_step, bytes_per_token,
+                       base.run.seed, passes))
 
 
 if __name__ == "__main__":

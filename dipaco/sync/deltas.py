@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -58,6 +59,47 @@ def local_sums(bank: ModuleBank, part: Part, paths: Mapping[int, PreTrainedModel
         count.index_add_(0, index, torch.ones_like(w))
     return {part.first_module + i: Payload(torch.stack((weight[r], count[r])), weighted_delta[r])
             for r, i in enumerate(rows)}
+
+
+@dataclass(frozen=True)
+class PathAgreement:
+    """How alike the changes of the paths through one module are (``train.diagnostics``).
+
+    ``cosine``: the mean over pairs of paths p != q of cos(d_p, d_q), d_p = theta_m - theta_{p,m}; None with
+    fewer than two paths. 1: the paths moved the module the same way (the average keeps their step);
+    near 0: they pulled apart (the average shrinks by about sqrt(paths)). ``delta_norm``: the mean of |d_p|."""
+
+    paths: int
+    cosine: float | None
+    delta_norm: float
+
+
+@torch.no_grad()
+def path_agreement(bank: ModuleBank, part: Part, paths: Mapping[int, PreTrainedModel]) -> dict[int, PathAgreement]:
+    """Module id -> :class:`PathAgreement` of the given paths through each module of ``part`` they use.
+
+    From unit vectors u_p = d_p / |d_p| and their sum U over a module's n paths, the mean pairwise cosine is
+    (|U|^2 - n) / (n (n - 1)): one pass over the deltas, no n x n matrix. A path that did not move a module
+    (d_p = 0) counts as cosine 0 with every other."""
+    topo = bank.topology
+    order = sorted(paths)
+    out: dict[int, PathAgreement] = {}
+    if not order:
+        return out
+    used = [part.first_module + topo.module_index(part, p) for p in order]
+    unit_sum: dict[int, torch.Tensor] = {}
+    norms: dict[int, list[float]] = {}
+    for p, m in zip(order, used):
+        delta = bank.params[m] - bank.path_vector(paths[p], part)
+        norm = float(torch.linalg.vector_norm(delta))
+        norms.setdefault(m, []).append(norm)
+        unit = delta / norm if norm > 0 else delta
+        unit_sum[m] = unit_sum[m] + unit if m in unit_sum else unit
+    for m, total in unit_sum.items():
+        n = len(norms[m])
+        cosine = (float(total.dot(total)) - sum(1.0 for v in norms[m] if v > 0)) / (n * (n - 1)) if n > 1 else None
+        out[m] = PathAgreement(n, cosine, sum(norms[m]) / n)
+    return out
 
 
 def outer_gradient(total: Payload, rescale: str = "none") -> torch.Tensor | None:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Mapping
 
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel
 
 from dipaco.comm.accounting import ddp_bytes
 from dipaco.comm.world import World
@@ -30,6 +31,7 @@ from dipaco.model.topology import Topology
 from dipaco.paths.early_stopping import PathEarlyStopping
 from dipaco.paths.inner import InnerLoop, InnerStats
 from dipaco.sync.base import OuterSync, SyncReport
+from dipaco.sync.deltas import path_agreement
 from dipaco.train.trainer import Progress
 
 
@@ -41,10 +43,11 @@ class RoundScheduler:
     def __init__(self, sync: OuterSync, loops: Mapping[int, InnerLoop], bank: ModuleBank, topology: Topology,
                  world: World, rounds: int, inner_steps: int, log_every: int = 10, progress: bool = True,
                  early_stopping: PathEarlyStopping | None = None, comm_dtype: str = "fp32",
-                 report_dropped: bool = False) -> None:
+                 report_dropped: bool = False, diagnostics: bool = False) -> None:
         self.sync, self.loops, self.bank, self.topology, self.world = sync, loops, bank, topology, world
         self.rounds, self.inner_steps, self.log_every, self.progress = rounds, inner_steps, log_every, progress
         self.early_stopping, self.comm_dtype, self.report_dropped = early_stopping, comm_dtype, report_dropped
+        self.diagnostics = diagnostics
 
     def describe(self) -> str:
         return f"{self.rounds} rounds x {self.inner_steps} inner steps"
@@ -61,13 +64,17 @@ class RoundScheduler:
                    disable=not self.progress or self.world.rank != 0, dynamic_ncols=True, leave=False)
         segments: dict[int, list[InnerStats]] = {p: [] for p in self.loops}
         syncs: list[SyncReport] = []
+        agreement: dict[str, dict] = {}
         done = 0
         for point in self.sync.sync_points():
             for p, loop in self.loops.items():
                 bar.set_description(f"round {round_index + 1}/{self.rounds} path {p}")
                 segments[p].append(loop.run(point - done, progress=bar, log_every=self.log_every))
             done = point
-            syncs.append(self.sync.at(round_index, point, {p: loop.model for p, loop in self.loops.items()}))
+            models = {p: loop.model for p, loop in self.loops.items()}
+            if self.diagnostics and point == self.inner_steps:  # the round's whole change, before the outer step
+                agreement = self._agreement(models)
+            syncs.append(self.sync.at(round_index, point, models))
         bar.close()
         records = []
         for p, stats in segments.items():
@@ -79,7 +86,15 @@ class RoundScheduler:
         norms = {name: v for report in syncs for name, v in report.norms.items()}
         dropped = sorted({p for report in syncs for p in report.dropped})
         return {"paths": records, "norms": norms, "dropped": dropped, "heldout_ppl": heldout_ppl,
-                "comm": self._comm_record(syncs, time.perf_counter() - start)}
+                "agreement": agreement, "comm": self._comm_record(syncs, time.perf_counter() - start)}
+
+    def _agreement(self, models: Mapping[int, PreTrainedModel]) -> dict[str, dict]:
+        """Module name -> the paths of this rank through it, their mean pairwise cosine and mean change norm."""
+        out = {}
+        for part in self.topology.parts:
+            for m, a in path_agreement(self.bank, part, models).items():
+                out[self.bank.module_name(m)] = {"paths": a.paths, "cosine": a.cosine, "delta_norm": a.delta_norm}
+        return out
 
     def _comm_record(self, syncs: list[SyncReport], round_s: float) -> dict:
         steps = self.inner_steps * len(self.loops)
@@ -121,6 +136,8 @@ class RoundScheduler:
         merged = {name: v for rep in reports for name, v in rep["norms"].items()}
         norms = {m.name: merged[m.name] for m in self.topology.modules if m.name in merged}
         extra = {"dropped": reports[0]["dropped"]} if self.report_dropped else {}
+        if self.diagnostics:
+            extra.update(self._agreement_record(reports))
         metrics.log("outer", step=index, round=index, outer_grad_norm=norms, **extra)
         for rep in reports:
             metrics.log("comm", step=index, round=index, **rep["comm"])
@@ -133,6 +150,20 @@ class RoundScheduler:
             sent = max(rep["comm"]["bytes_sent"] for rep in reports)
             comm_text = f" | comm {sent / 1e6:.2f} MB/rank ({self.comm_dtype})"
         echo(f"[train] round {index}/{self.rounds} loss {loss_text}{comm_text} -> {checkpoint_name}")
+
+    def _agreement_record(self, reports: list[dict]) -> dict:
+        """The ranks' agreement as logged: each module's cosine among the paths of one rank (all of its
+        paths in a single process); a module whose paths several ranks train is logged with the rank that
+        holds the most of them, and ``path_cosine_paths`` says how many that is."""
+        best: dict[str, dict] = {}
+        for rep in reports:
+            for name, entry in rep.get("agreement", {}).items():
+                if name not in best or entry["paths"] > best[name]["paths"]:
+                    best[name] = entry
+        order = [m.name for m in self.topology.modules if m.name in best]
+        return {"path_cosine": {n: best[n]["cosine"] for n in order},
+                "path_delta_norm": {n: best[n]["delta_norm"] for n in order},
+                "path_cosine_paths": {n: best[n]["paths"] for n in order}}
 
     def summary(self, metrics: MetricsLogger) -> None:
         """Nothing beyond the rounds' records."""

@@ -45,6 +45,9 @@ def check_train(train: TrainConfig) -> None:
     if name in ("", ".", "..") or any(c in name for c in "/\\\0") or len(name.encode()) > 200:
         raise ConfigError(f"train.name: must be a plain directory name of at most 200 bytes (no '/', not '.' or "
                           f"'..'; it names <run.dir>/train/<name>), got {name if len(name) < 60 else name[:57] + '...'!r}")
+    if train.diagnostics and train.driver != "torchrun":
+        raise ConfigError("train.diagnostics: the paths' agreement is measured at the lock-step rounds of "
+                          "train.driver=torchrun; the Ray task queue has no moment when every path's change is at hand")
     check_optim("train.optim", train.optim)
 
 

@@ -1,15 +1,18 @@
 """scripts/bench_scaling.py: what the path-count sweep runs and how it judges its rows.
 
 The whole script runs end to end in CI (`.ci/run`, `--smoke`); these tests pin what the smoke run cannot
-show: the sweep's rows and settings, the tokens-per-parameter rule of its path, and the targets' arithmetic."""
+show: each preset's rows and settings, the outer-step search and its fresh seeds, the regime's arithmetic (tokens
+per parameter, the big dense reference's compute), the diagnostics and the targets' arithmetic."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
+from dipaco.config import ModelConfig
 from dipaco.run import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,86 +28,175 @@ def _row(name: str, ppl: float, paths: int = 4) -> dict:
             "params_total": 1000, "wall_time_s": 1.0}
 
 
-def test_every_size_has_every_family_at_equal_compute(bench):
-    rows = {r.name: r for r in bench.scaling_rows([1, 4, 16, 64], seeds=2)}
-    assert len(rows) == len(bench.scaling_rows([1, 4, 16, 64], seeds=2))  # unique names
+def plan(bench, preset: str = "cpu", seeds: int = 2, smoke: bool = False, paths: str | None = None):
+    args = bench.parse_args(["--preset", preset, *(["--smoke"] if smoke else []), "--seeds", str(seeds),
+                             *(["--paths", paths] if paths else [])])
+    return bench.make_plan(args)
+
+
+def finish(rows, ppl=None) -> dict[str, dict]:
+    return {r.name: _row(r.name, (ppl or {}).get(r.name, 10.0)) for r in rows}
+
+
+def test_every_family_at_every_size_trains_one_path_shape_at_equal_compute(bench):
+    rows = {r.name: r for r in bench.known_rows(bench.PRESETS["cpu"]).values()}
     assert rows["dense_1x"].preset == "dense"
-    for p, grid in ((4, "grid:2x2"), (16, "grid:4x4"), (64, "grid:8x8")):
-        assert rows[f"dipaco_{p}"].preset == grid
+    for p, grid in ((4, "grid:2x2"), (16, "grid:4x4")):
+        dipaco, shared = rows[f"dipaco_{p}"], rows[f"dipaco_shared_{p}"]
+        assert dipaco.preset == shared.preset == grid
+        assert {"topology.embedding=path", "topology.head=path"} <= set(dipaco.overrides)
+        assert {"topology.embedding=shared", "topology.head=shared"} <= set(shared.overrides)
         assert rows[f"diloco_{p}"].preset == f"diloco:{p}" and rows[f"diloco_{p}"].routing is None  # iid shards
         assert rows[f"moe_{p}"].preset == f"moe:{p}"
         assert rows[f"dense_{p}x"].rounds_factor == p  # one path, P times the steps
         # DiPaCo and flat MoE train on the same doc_topics shards, numbered so alike ones share modules
-        assert rows[f"dipaco_{p}"].routing == rows[f"moe_{p}"].routing == f"doctopics{p}_similar"
-        preset, method, settings = bench.bq.ROUTINGS[f"doctopics{p}_similar"]
-        assert preset == grid and "route.featurizer=doc_topics" in settings and "route.arrange=similar" in settings
+        assert dipaco.routing == shared.routing == rows[f"moe_{p}"].routing == f"doctopics{p}_similar"
 
 
-def test_seeds_repeat_the_four_and_sixteen_path_rows(bench):
-    names = [r.name for r in bench.scaling_rows([1, 4, 16, 64], seeds=2)]
-    for name in ("dipaco_4", "diloco_4", "dense_4x", "moe_4", "dipaco_16", "diloco_16", "dense_16x"):
-        assert f"{name}@run.seed=1" in names
-    assert "dense_1x@run.seed=1" not in names and "dipaco_64@run.seed=1" not in names
-    smoke = [r.name for r in bench.scaling_rows([1, 4, 16], seeds=2, smoke=True)]
-    assert "dipaco_4@run.seed=1" in smoke and "dipaco_16@run.seed=1" not in smoke
-    seed_row = next(r for r in bench.scaling_rows([4], seeds=2) if r.name == "dipaco_4@run.seed=1")
-    assert "run.seed=1" in seed_row.overrides and set(bench.DIPACO_OUTER) <= set(seed_row.overrides)
+def test_the_grid_runs_first_then_the_best_setting_on_fresh_seeds(bench):
+    sweep = plan(bench, paths="1,4")
+    first = sweep.rows({})
+    names = [r.name for r in first]
+    assert names[0] == "dense_1x"
+    assert "dipaco_4" in names and "dipaco_4@outer.lr=0.7" in names and "diloco_4@outer.lr=0.85" in names
+    assert "dipaco_shared_4@outer.lr=0.7@outer.embedding_head_lr_scale=1.0@outer.rescale=sqrt_paths" in names
+    # P = 1 and dense have no grid: only their fresh seeds, from the start; nothing else has fresh seeds yet
+    assert [n for n in names if "run.seed" in n] == ["dense_1x@run.seed=1", "dense_1x@run.seed=2", "diloco_1@run.seed=1",
+                                                     "diloco_1@run.seed=2", "dense_4x@run.seed=1", "dense_4x@run.seed=2"]
+    one = next(r for r in first if r.name == "diloco_1@run.seed=1")
+    assert one.preset == "diloco:1" and "outer.lr=1.0" in one.overrides  # one path with DiLoCo's outer step
+    done = finish(first, {"dipaco_4@outer.lr=0.85": 9.0, "diloco_4": 9.5})
+    names = [r.name for r in sweep.rows(done)]
+    for seed in (1, 2):
+        assert f"dipaco_4@outer.lr=0.85@run.seed={seed}" in names  # the lowest tuning-seed perplexity
+        assert f"diloco_4@run.seed={seed}" in names  # the default won
+        assert f"moe_4@run.seed={seed}" in names
+    assert not any(n.startswith("dipaco_4@run.seed") for n in names)
+    row = next(r for r in sweep.rows(done) if r.name == "dipaco_4@outer.lr=0.85@run.seed=1")
+    assert row.overrides[-2:] == ["outer.lr=0.85", "run.seed=1"]  # on top of the family's default, seed last
 
 
-def test_the_sixteen_path_extras_and_outer_steps(bench):
-    rows = {r.name: r for r in bench.scaling_rows([16], seeds=1)}
-    assert "route.topk=2" in rows["dipaco_16_top2"].overrides
-    assert rows["dipaco_16_early_stop"].early_stopping
-    assert set(bench.DILOCO_OUTER) <= set(rows["diloco_16"].overrides)
-    assert rows["diloco_16@outer.lr=1.0"].overrides[-1] == "outer.lr=1.0"  # the later override wins
-    assert set(bench.PLAIN) <= set(rows["dense_16x"].overrides)
-    assert not any(name.startswith("dipaco_4_") for name in rows)
+def test_a_family_waits_for_its_whole_grid(bench):
+    sweep = plan(bench, paths="4")
+    done = finish([r for r in sweep.rows({}) if r.name != "dipaco_4@outer.lr=0.7"])
+    names = [r.name for r in sweep.rows(done)]
+    assert not any(n.startswith("dipaco_4") and "run.seed" in n for n in names)
+    assert "diloco_4@run.seed=1" in names
 
 
-def test_the_path_reads_twenty_tokens_per_non_embedding_parameter(bench):
-    cfg = load_config(REPO / "configs/bench/quality.yaml", bench.FULL)
-    nonemb = bench.non_embedding_params(cfg.model)
+def test_sixteen_paths_add_the_extras_and_the_big_dense_reference(bench):
+    sweep = plan(bench, paths="16")
+    big = bench.BigDense(ModelConfig(num_layers=4, hidden_size=96, intermediate_size=192, num_heads=6), rounds=50,
+                         params=400_000, dipaco_16_bank_params=350_000, path_flops_per_token=1.0,
+                         big_flops_per_token=10.0)
+    sweep = bench.replace(sweep, big=big)
+    done = finish(sweep.rows({}))
+    rows = {r.name: r for r in sweep.rows(done)}
+    assert "route.topk=2" in rows["dipaco_16@route.topk=2"].overrides
+    assert rows["dense_big_16x"].model == ["model.num_layers=4", "model.hidden_size=96", "model.intermediate_size=192",
+                                           "model.num_heads=6"]
+    assert rows["dense_big_16x"].overrides[-1] == "train.rounds=50"
+
+
+def test_presets_without_tuning_run_their_defaults_on_fresh_seeds_only(bench):
+    gpu = plan(bench, preset="gpu", seeds=1)
+    assert [r.name for r in gpu.rows({})] == ["dipaco_4@run.seed=1", "diloco_4@run.seed=1", "dipaco_16@run.seed=1",
+                                              "diloco_16@run.seed=1"]
+    bpe = plan(bench, preset="bpe", seeds=2, paths="4")
+    assert {r.name for r in bpe.rows({})} == {f"{f}@run.seed={s}" for f in ("dipaco_4", "dipaco_shared_4", "diloco_4",
+                                                                            "moe_4", "dense_4x") for s in (1, 2)}
+
+
+def test_the_smoke_run_keeps_one_alternative_per_compared_family(bench):
+    smoke = plan(bench, smoke=True, seeds=1, paths="4")
+    names = {r.name for r in smoke.rows({})}
+    assert {"dipaco_4", "dipaco_4@outer.embedding_head_lr_scale=0.7", "diloco_4", "diloco_4@outer.lr=0.7",
+            "dipaco_shared_4", "moe_4"} <= names
+    assert not any(n.startswith("dipaco_shared_4@") or n.startswith("moe_4@") for n in names)
+
+
+def test_the_cpu_regime_binds_capacity_within_two_passes(bench):
+    """Issue 49's rules for the cpu preset: non-embedding parameters are the path's majority, >= 80 tokens per
+    non-embedding parameter per path, >= 32 rounds; the smallest 16-path shard is checked in the docs (1.30M bytes)."""
+    cfg = load_config(REPO / "configs/bench/quality.yaml", list(bench.PRESETS["cpu"].overrides))
+    nonemb, head, total = bench.count_params(cfg.model, cfg.tokenizer.vocab_size)
     d, ff, layers = cfg.model.hidden_size, cfg.model.intermediate_size, cfg.model.num_layers
     assert nonemb == layers * (4 * d * d + 3 * d * ff + 2 * d) + d  # attention, SwiGLU MLP, norms, final norm
+    assert head == cfg.tokenizer.vocab_size * d and total == nonemb + 2 * head
+    assert nonemb / total > 0.5
     tokens = cfg.train.rounds * cfg.train.inner_steps * cfg.train.optim.batch_size * cfg.data.seq_len
-    assert tokens / nonemb >= 20
+    assert tokens / nonemb >= 80 and cfg.train.rounds >= 32
+    assert 2 * 1_298_598 >= tokens  # the smallest 16-path doc_topics shard of the mixed corpus, in bytes
 
 
-def test_main_rows_give_one_curve_per_family_and_dense_1x_starts_them_all(bench):
-    results = [_row("dense_1x", 100.0, 1), _row("dipaco_4", 80.0), _row("dipaco_4@run.seed=1", 82.0),
-               _row("dipaco_16_top2", 10.0, 16), _row("diloco_16@outer.lr=1.0", 10.0, 16), _row("dense_4x", 85.0, 1)]
-    main = bench.main_family_rows(results)
-    assert main[("dipaco", 1)] == main[("moe", 1)] == {0: 100.0}
-    assert main[("dipaco", 4)] == {0: 80.0, 1: 82.0}
-    assert main[("dense", 4)] == {0: 85.0}
-    assert ("dipaco", 16) not in main and ("diloco", 16) not in main  # extras and other steps are not the curve
-    assert "81.00 ± 1.41 (2)" in bench.scaling_table(results, [1, 4, 16])
+def test_the_big_dense_reference_has_dipaco_sixteens_parameters_and_compute(bench, tmp_path):
+    cfg = load_config(REPO / "configs/bench/quality.yaml", [*bench.PRESETS["cpu"].overrides, f"run.dir={tmp_path}"])
+    big = bench.plan_big_dense(cfg, vocab=258)
+    # the bank of a 4x4 grid with path-specific embedding and head: 16 embeddings and heads, 8 one-block modules
+    d, vocab = cfg.model.hidden_size, 258
+    block = (bench.non_embedding_params(cfg.model) - d) // cfg.model.num_layers
+    assert big.dipaco_16_bank_params == 16 * (vocab * d) + 16 * (vocab * d + d) + 8 * block
+    assert abs(big.params - big.dipaco_16_bank_params) / big.dipaco_16_bank_params < 0.15
+    compute = 16 * cfg.train.rounds * cfg.train.inner_steps * big.path_flops_per_token
+    assert math.isclose(big.rounds * cfg.train.inner_steps * big.big_flops_per_token, compute, rel_tol=0.05)
 
 
-def test_targets_use_seed_means_and_the_best_diloco_step(bench):
-    results = [
-        _row("dense_1x", 100.0, 1),
-        _row("dipaco_4", 80.0), _row("dipaco_4@run.seed=1", 82.0),
-        _row("diloco_4", 82.0), _row("diloco_4@run.seed=1", 82.0),
-        _row("dipaco_16", 60.0, 16), _row("dipaco_16@run.seed=1", 62.0, 16),
-        _row("diloco_16", 70.0, 16), _row("diloco_16@run.seed=1", 70.0, 16),
-        _row("diloco_16@outer.lr=1.0", 63.0, 16),  # the better DiLoCo step: 61 vs 63 is a 3.2% gain
-        _row("dense_16x", 61.5, 1), _row("dense_16x@run.seed=1", 61.5, 1),
+def test_outer_diagnostics_average_each_part_kind_over_modules_and_rounds(bench):
+    records = [
+        {"outer_grad_norm": {"embedding.0": 1.0, "level0.0": 2.0, "level1.0": 4.0, "head.0": 8.0},
+         "path_cosine": {"embedding.0": 0.5, "level0.0": 0.2, "level1.0": 0.4, "head.0": None},
+         "path_delta_norm": {"level0.0": 1.0, "level1.0": 3.0}},
+        {"outer_grad_norm": {"level0.0": 4.0, "level1.0": 6.0}, "path_cosine": {"level0.0": 0.6, "level1.0": 0.8},
+         "path_delta_norm": {"level0.0": 5.0, "level1.0": 7.0}},
     ]
-    for r in results:  # one model for 16x the steps: the compute of 16 paths
-        r["steps_per_path"] *= 16 if r["name"].startswith("dense_16x") else 1
-    lines = bench.targets(results, [1, 4, 16])
-    assert lines[0].startswith("- DiPaCo's perplexity falls strictly as P grows: met")
-    assert "diloco_16 by >= 3%: met (61.00 vs diloco_16@outer.lr=1.0 63.00: +3.2%)" in lines[1]
-    assert "dense_16x by >= 3%: MISSED (61.00 vs dense_16x 61.50: +0.8%)" in lines[2]
-    assert "widens from P=4 to P=16: met (P=4 +1.2%, P=16 +3.2%)" in lines[3]
-    flat = [{**r, "ppl": 90.0} if r["name"].startswith("dipaco_16") else r for r in results]
-    assert bench.targets(flat, [1, 4, 16])[0].startswith("- DiPaCo's perplexity falls strictly as P grows: MISSED")
+    d = bench.outer_diagnostics(records)
+    assert d["levels"]["outer_grad_norm"] == pytest.approx((3.0 + 5.0) / 2)
+    assert d["levels"]["path_cosine"] == pytest.approx((0.3 + 0.7) / 2)
+    assert d["levels"]["path_cosine_first"] == pytest.approx(0.3) and d["levels"]["path_cosine_last"] == pytest.approx(0.7)
+    assert d["levels"]["path_delta_norm"] == pytest.approx((2.0 + 6.0) / 2)
+    assert d["head"]["path_cosine"] is None  # one path per head: no pair to compare
+    assert d["embedding"]["outer_grad_norm"] == 1.0
+
+
+def test_the_curve_and_targets_use_fresh_seed_means_of_each_familys_best(bench):
+    results = [_row("dense_1x", 10.0, 1), _row("dense_1x@run.seed=1", 10.2, 1), _row("diloco_1@run.seed=1", 9.5, 1),
+               _row("dipaco_4", 9.0), _row("dipaco_4@outer.lr=0.85", 8.0),  # tuning seed: not in the curve
+               _row("dipaco_4@outer.lr=0.85@run.seed=1", 8.6), _row("dipaco_4@outer.lr=0.85@run.seed=2", 8.8),
+               _row("diloco_4@run.seed=1", 9.0), _row("diloco_4@run.seed=2", 9.0),
+               _row("dipaco_16@run.seed=1", 8.0, 16), _row("dipaco_16@run.seed=2", 8.2, 16),
+               _row("diloco_16@run.seed=1", 8.8, 16), _row("diloco_16@run.seed=2", 8.6, 16),
+               _row("dipaco_16@route.topk=2@run.seed=1", 1.0, 16)]  # beside the sweep: never the curve
+    main = bench.fresh_seed_rows(results)
+    assert main[("dipaco", 1)] == main[("moe", 1)] == main[("diloco", 1)] == {1: 9.5}  # one path, outer step
+    assert main[("dense", 1)] == {1: 10.2}  # plain AdamW; the tuning seed's dense_1x is not in the curve
+    assert main[("dipaco", 4)] == {1: 8.6, 2: 8.8}
+    assert main[("dipaco", 16)] == {1: 8.0, 2: 8.2}
+    assert "8.700 ± 0.141 (2)" in bench.scaling_table(results, [1, 4, 16])
+    lines = bench.targets(results)
+    assert lines[0] == "- DiPaCo-16 <= 0.95 x DiLoCo-16 (fresh-seed means): met (8.100 vs 8.700: ratio 0.9310)"
+    assert lines[1].startswith("- the DiPaCo/DiLoCo ratio at P = 16 is below the one at P = 4 in every seed: met")
+    assert "seed 1: P=4 0.9556, P=16 0.9091" in lines[1]
+    assert lines[2] == "- DiPaCo at P = 16 at least 5% below P = 4: met (8.700 -> 8.100: -6.90%)"
+    flat = [{**r, "ppl": 8.7} if r["name"].startswith("dipaco_16") else r for r in results]
+    assert bench.targets(flat)[2].startswith("- DiPaCo at P = 16 at least 5% below P = 4: MISSED")
+
+
+def test_the_grid_table_marks_the_chosen_setting(bench):
+    results = [_row("diloco_16", 9.0, 16), _row("diloco_16@outer.lr=0.85", 8.5, 16), _row("diloco_16@outer.lr=1.2", 9.5, 16)]
+    table = bench.grid_table(results)
+    assert "| diloco | 16 | outer.lr=0.85 | **8.500** |" in table
+    assert "| diloco | 16 | default (outer.lr=1.0) | 9.000 |" in table
+
+
+def test_bits_per_byte_convert_a_token_perplexity(bench):
+    assert bench.bits_per_byte(8.0, 1.0) == pytest.approx(3.0)
+    assert bench.bits_per_byte(8.0, 3.0) == pytest.approx(1.0)
+    assert bench.bits_per_byte(8.0, None) is None
 
 
 def test_targets_say_not_run_without_the_rows(bench):
-    lines = bench.targets([_row("dense_1x", 100.0, 1)], [1])
-    assert all(": not run" in line for line in lines)
+    lines = bench.targets([_row("dense_1x", 10.0, 1)])
+    assert all(": not run" in line for line in lines[:3])
 
 
 def test_paths_option_names_what_it_refuses(bench):
@@ -116,34 +208,40 @@ def test_paths_option_names_what_it_refuses(bench):
 
 
 def test_an_unknown_extra_row_fails_before_anything_is_prepared(bench, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["bench_scaling.py", "--out-dir", str(tmp_path / "out"), "--rows", "dipaco_5"])
     with pytest.raises(SystemExit, match="unknown row 'dipaco_5'"):
-        bench.main()
+        bench.main(["--out-dir", str(tmp_path / "out"), "--rows", "dipaco_5"])
     assert not (tmp_path / "out").exists()
-    known = {r.name: r for r in bench.scaling_rows([1, 4, 16, 64], seeds=1)}
-    row = bench.bq.named_row("dipaco_4@train.rounds=32", known)
-    assert row.overrides[-1] == "train.rounds=32" and row.routing == "doctopics4_similar"
+    known = bench.known_rows(bench.PRESETS["cpu"])
+    row = bench.bq.named_row("dipaco_16@route.topk=2", known)
+    assert row.overrides[-1] == "route.topk=2" and row.routing == "doctopics16_similar"
 
 
-def test_crossover_rows_are_judged_against_diloco_and_the_dense_row_of_their_compute(bench):
-    def row(name: str, ppl: float, paths: int, steps: int) -> dict:
-        return {**_row(name, ppl, paths), "steps_per_path": steps}
-
-    results = [row("dense_4x", 140.0, 1, 832), row("dense_16x", 85.0, 1, 3328),
-               row("dipaco_4@train.rounds=32", 89.0, 4, 832), row("dipaco_4@train.rounds=32@run.seed=1", 91.0, 4, 832),
-               row("diloco_4@train.rounds=32", 92.0, 4, 832), row("diloco_4@train.rounds=32@run.seed=1", 92.0, 4, 832)]
-    (line,) = bench.crossover(results)
-    assert line == ("- (info) crossover: dipaco_4@train.rounds=32 (832 steps per path, seeds 0,1) 90.00; "
-                    "vs diloco_4@train.rounds=32 92.00: +2.2%; vs dense_16x 85.00: -5.9%")
+def test_a_missing_corpus_is_named(bench, tmp_path):
+    with pytest.raises(SystemExit, match="missing 20news_bydate.jsonl.gz"):
+        bench.main(["--out-dir", str(tmp_path / "out"), "--data", str(tmp_path)])
+    assert sys.modules["bench_scaling"] is bench
 
 
-def test_a_rival_with_another_schedule_is_not_the_best_diloco(bench):
-    """Regression: diloco_4@train.rounds=32 (4x the compute) was taken as DiLoCo-4's best row."""
-    def row(name: str, ppl: float, paths: int, steps: int) -> dict:
-        return {**_row(name, ppl, paths), "steps_per_path": steps}
+def test_families_option_runs_a_subset_and_names_what_it_refuses(bench, capsys):
+    sweep = bench.make_plan(bench.parse_args(["--preset", "bpe", "--seeds", "1", "--paths", "16",
+                                              "--families", "dipaco,diloco"]))
+    assert [r.name for r in sweep.rows({})] == ["dipaco_16@run.seed=1", "diloco_16@run.seed=1"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "gpu", "--families", "moe"])
+    assert "--families: ['moe'] not among the gpu preset's dipaco, diloco" in capsys.readouterr().err
 
-    results = [row("dense_1x", 270.0, 1, 208), row("dipaco_4", 157.0, 4, 208), row("diloco_4", 156.0, 4, 208),
-               row("diloco_4@outer.lr=1.0", 158.0, 4, 208), row("diloco_4@train.rounds=32", 91.0, 4, 832),
-               row("dipaco_16", 158.0, 16, 208), row("diloco_16", 153.0, 16, 208)]
-    lines = bench.targets(results, [1, 4, 16])
-    assert "widens from P=4 to P=16: MISSED (P=4 -0.6%, P=16 -3.3%)" in lines[3]
+
+def test_report_of_a_sweep_in_progress_derives_the_arithmetic_from_its_config(bench, tmp_path, capsys):
+    # A running sweep's results.json holds only its base config and rows; --report printed 1,703,936 tokens per
+    # non-embedding parameter (the path's parameters read as 1) before it derived them from the config.
+    import json
+
+    from omegaconf import OmegaConf
+
+    cfg = load_config(REPO / "configs/bench/quality.yaml", [*bench.PRESETS["cpu"].overrides, f"run.dir={tmp_path}/b"])
+    rows = [{**_row("dense_1x", 8.5, paths=1), "steps_per_path": 32 * 26}]
+    (tmp_path / "results.json").write_text(json.dumps({"base_config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+                                                        "pretrained_ppl": 20.0, "rows": rows}))
+    bench.main(["--report", "--out-dir", str(tmp_path)])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| dense_1x |"))
+    assert "| 82.6 |" in line

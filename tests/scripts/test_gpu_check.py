@@ -113,10 +113,18 @@ def test_throughput_compares_both_sizes_eager_and_compiled(dry_run):
 def test_quality_rows_train_and_are_kept(dry_run):
     _, record, out = dry_run
     quality = record["sections"]["quality"]
-    assert set(quality["results"]["rows"]) == {"dense_1x", "diloco_4", "dipaco_2x2_doctopics", "dipaco_2x2_iid"}
-    assert all(c["status"] in ("passed", "not_run") for c in quality["checks"])
-    assert checks(record, "quality")["quality_rows"]["status"] == "passed"
-    assert json.loads((out / "quality_results.json").read_text())["rows"]
+    # bench_scaling's gpu preset at the smoke size: DiPaCo and DiLoCo at P = 4 and 16, one fresh seed
+    assert set(quality["results"]["rows"]) == {"dipaco_4@run.seed=1", "diloco_4@run.seed=1", "dipaco_16@run.seed=1",
+                                               "diloco_16@run.seed=1"}
+    assert quality["results"]["command"].startswith("python scripts/bench_scaling.py --preset gpu --smoke")
+    assert all(c["status"] == "passed" for c in quality["checks"])
+    ordering = quality["results"]["ordering"]
+    assert ordering["status"] in ("same ordering as the CPU sweep", "not the CPU sweep's ordering")
+    rows = quality["results"]["rows"]
+    assert math.isclose(ordering["dipaco_over_diloco_16"],
+                        rows["dipaco_16@run.seed=1"]["ppl"] / rows["diloco_16@run.seed=1"]["ppl"])
+    assert "Quality ordering (issue 49)" in (out / "gpu_check.md").read_text()
+    assert json.loads((out / "quality_results.json").read_text())["preset"] == "gpu"
 
 
 def test_a_budget_too_small_skips_the_later_sections_with_a_line(tmp_path):

@@ -11,6 +11,7 @@ from dipaco.metrics import read_metrics
 from dipaco.run import Run
 from dipaco.run_dir import RunDir
 from dipaco.tensor_io import load_state, load_tensors
+from dipaco.train.trainer import check_train
 
 
 def with_train(cfg: Config, **kw) -> Config:
@@ -74,6 +75,24 @@ def test_metrics_log_loss_throughput_and_outer_norms_per_module(run_cfg):
     assert len(outer) == 2
     assert set(outer[0]["outer_grad_norm"]) == {m.name for m in exp.topology.modules}
     assert (exp.dir / "config.yaml").is_file()
+
+
+def test_diagnostics_log_each_modules_path_agreement_and_change_nothing(run_cfg):
+    plain = Run(with_train(run_cfg, name="plain", rounds=1)).train()
+    exp = Run(with_train(run_cfg, name="diagnosed", rounds=1, diagnostics=True)).train()
+    for a, b in zip(plain.bank.params, exp.bank.params):  # logging only: the same bits
+        assert torch.equal(a, b)
+    [outer] = read_metrics(exp.dir / "metrics.jsonl", "outer")
+    names = [m.name for m in exp.topology.modules]
+    assert list(outer["path_cosine"]) == names
+    through = {m.name: len(exp.topology.paths_through(m.id)) for m in exp.topology.modules}
+    assert outer["path_cosine_paths"] == through
+    for name in names:
+        assert outer["path_delta_norm"][name] > 0
+        assert -1.0 <= outer["path_cosine"][name] <= 1.0
+    assert "path_cosine" not in read_metrics(plain.dir / "metrics.jsonl", "outer")[0]
+    with pytest.raises(ConfigError, match="train.diagnostics"):
+        check_train(replace(run_cfg.train, diagnostics=True, driver="ray"))
 
 
 def test_checkpoints_keep_last_k_and_refuse_silent_overwrite(run_cfg):
