@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,21 @@ def replacing(final: str | Path) -> Iterator[Path]:
         _remove(old)
     else:
         os.replace(tmp, final)
+
+
+def remove_tree(path: str | Path) -> None:
+    """Removes the directory ``path`` so that a kill at any moment leaves it whole or gone, never half:
+    it is renamed away in one step, then deleted. A work directory whose marker file outlived its data
+    would be resumed from files that are not there; this order cannot leave one. What a killed removal
+    left behind (``.NAME.removing.*`` beside it) is deleted by the next call."""
+    path = Path(path)
+    for leftover in path.parent.glob(f".{path.name}.removing.*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if not path.is_dir():
+        return
+    doomed = path.with_name(f".{path.name}.removing.{uuid.uuid4().hex[:8]}")
+    path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def write_text(path: str | Path, text: str) -> None:

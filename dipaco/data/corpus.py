@@ -707,6 +707,29 @@ def _check_json_lines(path: Path) -> None:
             if not isinstance(value, dict):
                 raise DataError(f"{path}, line {number}: a JSON {type(value).__name__}, not an object "
                                 f"({{\"text\": ...}}); a .jsonl file holds one JSON object per line")
+            field = _field_with_lone_surrogate(value)
+            if field is not None:
+                raise DataError(f"{path}, line {number}: field {field!r} holds a lone UTF-16 surrogate escape "
+                                f"(such as \\ud800 without its pair), which is not a character and cannot be "
+                                f"stored as UTF-8; fix or drop that line")
+
+
+def _field_with_lone_surrogate(row: dict) -> str | None:
+    """The first field whose string (at any depth) holds a surrogate: valid JSON escapes, yet not text."""
+    def bad(value) -> bool:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(value, dict):
+            return any(bad(v) for v in value.values())
+        if isinstance(value, list):
+            return any(bad(v) for v in value)
+        return False
+
+    return next((key for key, value in row.items() if bad(value)), None)
 
 
 def _file_listing(files: list[Path]) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 from transformers import PreTrainedTokenizerFast
 
-from dipaco.atomic import replacing
+from dipaco.atomic import remove_tree, replacing
 from dipaco.config import Config, DataConfig, TokenizerConfig, config_diff, merge_config
 from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
 from dipaco.data.reading import SplitReader, drop_mapped_pages
@@ -134,7 +134,7 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
             info["files"] = _link_shards(tokenized, tmp_data)
             (tmp_data / PREPARE_INFO).write_text(json.dumps(info, indent=2))
             (tmp_data / "config.yaml").write_text(config_yaml)
-    shutil.rmtree(run.prepare_work, ignore_errors=True)
+    remove_tree(run.prepare_work)
     for split, s in info["splits"].items():
         echo(f"[prepare] {split}: {s['docs']:,} docs, {s['tokens']:,} tokens")
     short = info["validation_docs_within_prefix"]
@@ -212,8 +212,12 @@ def _work_dir(run: RunDir, key: str) -> Path:
     corpus are reused; those of any other are removed."""
     if run.prepare_work.is_dir():
         for old in run.prepare_work.iterdir():
-            if old.name != key:
+            if old.name == key:
+                continue
+            if old.name.startswith("."):  # what a killed removal left: already out of the way
                 shutil.rmtree(old, ignore_errors=True)
+            else:
+                remove_tree(old)
     work = run.prepare_work / key
     if work.is_dir():
         echo(f"[prepare] resuming: reusing the finished steps in {work}")
@@ -226,7 +230,7 @@ def _tokenizer(cfg: TokenizerConfig, train: datasets.Dataset, saved: Path, progr
     run of this prepare is reused."""
     if cfg.path:
         return load_tokenizer(cfg.path)
-    if (saved / _DONE).is_file():
+    if (saved / _DONE).is_file() and (saved / "tokenizer.json").is_file():
         return load_tokenizer(saved)
     sample = train
     if cfg.train_docs is not None and cfg.train_docs < len(train):

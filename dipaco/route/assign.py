@@ -52,7 +52,7 @@ import pyarrow as pa
 import torch
 from transformers import PreTrainedModel
 
-from dipaco.atomic import replacing, write_text
+from dipaco.atomic import remove_tree, replacing, write_text
 from dipaco.config import RouteConfig
 from dipaco.data.prepare import Prepared
 from dipaco.data.reading import ChunkedArray, SplitReader, in_memory_dataset
@@ -461,17 +461,27 @@ class FeatureWork:
                 record = json.loads((root / RECORD).read_text())
             except ValueError:
                 record = None  # a torn record: start over
-        if record is not None and record.get("produced_by") == produced:
+        missing = [] if record is None else self._missing_files(record)
+        if record is not None and record.get("produced_by") == produced and not missing:
             done = {split: len(entry["done"]) for split, entry in record["splits"].items()}
             echo(f"[route] resuming the features in {root}: chunks done {done}")
         else:
-            if record is not None:
+            if missing:
+                echo(f"[route] the features in {root} lack {', '.join(missing)}; starting over")
+            elif record is not None:
                 echo(f"[route] the features in {root} are from other settings; starting over")
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
             root.mkdir(parents=True)
             record = {"produced_by": produced, "splits": {}, "text_model": None}
         self.record = record
         self._save()
+
+    def _missing_files(self, record: dict) -> list[str]:
+        """The files ``record`` says exist and do not (a removal killed by an older version, a hand-deleted file)."""
+        names = [f"{split}.npy" for split in record.get("splits", {})]
+        if record.get("text_model") is not None:
+            names += ["text_model.json", "text_model.npz"]
+        return [name for name in names if not (self.root / name).is_file()]
 
     def _save(self) -> None:
         write_text(self.root / RECORD, json.dumps(self.record, indent=1))
@@ -513,7 +523,7 @@ class FeatureWork:
             return TEXT_MODELS[kind].from_parts(state, {k: arrays[k] for k in arrays.files})
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
 
 
 Featurize = Callable[[list[str]], np.ndarray]  # routing contexts -> (n, D) float32 features

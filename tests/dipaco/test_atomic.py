@@ -1,8 +1,11 @@
 """Write-to-temporary-then-rename: old or new content, never half."""
 
+from pathlib import Path
+
 import pytest
 
-from dipaco.atomic import replacing, write_text
+import dipaco.atomic as atomic
+from dipaco.atomic import remove_tree, replacing, write_text
 
 
 def test_a_directory_is_swapped_only_when_complete(tmp_path):
@@ -29,3 +32,26 @@ def test_a_file_is_replaced_whole(tmp_path):
     write_text(target, '{"ppl": 1.0}')
     assert target.read_text() == '{"ppl": 1.0}'
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_a_killed_removal_leaves_the_directory_gone_not_half(tmp_path, monkeypatch):
+    # Issue 48: a work directory deleted in place could lose its data and keep its marker, and every
+    # later run "resumed" from files that were not there.
+    work = tmp_path / "routing.work"
+    work.mkdir()
+    (work / "train.npy").write_bytes(b"x" * 100)
+    (work / "record.json").write_text("{}")
+    real = atomic.shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):
+        (Path(path) / "train.npy").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        remove_tree(work)
+    assert not work.exists()  # gone at once: whatever remains is out of its way
+    monkeypatch.setattr(atomic.shutil, "rmtree", real)
+    remove_tree(work)  # the next removal (of the same name) deletes what the killed one left
+    assert list(tmp_path.iterdir()) == []
+    remove_tree(work)  # nothing there: nothing to do

@@ -335,7 +335,10 @@ def test_empty_jsonl_names_the_file(tmp_path, name):
 
 @pytest.mark.parametrize(
     "bad,what",
-    [("{not json}", "not valid JSON"), ('{"id": "x", "text": "cut', "not valid JSON"), ("[1, 2]", "a JSON list, not an object")],
+    [("{not json}", "not valid JSON"), ('{"id": "x", "text": "cut', "not valid JSON"), ("[1, 2]", "a JSON list, not an object"),
+     # issue 48: valid JSON escapes but not text; pyarrow's reader said only "An error occurred while generating"
+     ('{"id": "x", "text": "a \\ud800 b"}', "field 'text' holds a lone UTF-16 surrogate escape"),
+     ('{"id": "x", "text": "ok", "meta": ["\\udfff"]}', "field 'meta' holds a lone UTF-16 surrogate escape")],
 )
 def test_a_line_that_is_not_json_names_file_and_line(tmp_path, bad, what):
     path = tmp_path / "c.jsonl"

@@ -156,6 +156,26 @@ def test_a_killed_prepare_resumes_from_its_finished_shards(tmp_path, corpus, mon
     assert not (run_dir / "prepare.work").exists()
 
 
+def test_a_tokenizer_marked_done_without_its_file_is_trained_again(tmp_path, corpus, monkeypatch):
+    # Issue 48: prepare.work's `done` marker could outlive tokenizer.json (a removal killed midway), and the next
+    # prepare failed on the missing file instead of training the tokenizer again.
+    real = prepare_module.tokenize_to_disk
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    cfg = tiny_config(tmp_path / "run", corpus)
+    monkeypatch.setattr(prepare_module, "tokenize_to_disk", killed)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg).prepare()
+    (marker,) = (tmp_path / "run" / "prepare.work").glob("*/*/done")
+    (marker.parent / "tokenizer.json").unlink()
+    monkeypatch.setattr(prepare_module, "tokenize_to_disk", real)
+    Run(cfg).prepare()
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
+    assert not (tmp_path / "run" / "prepare.work").exists()
+
+
 def test_the_scratch_a_killed_prepare_left_goes_with_the_next_one(tmp_path, corpus):
     """A kill -9 runs no clean-up: the scratch copy of the corpus (11 GB at 10M documents) has one fixed
     name beside the run directory, so the next prepare removes it instead of leaving it forever."""

@@ -132,6 +132,31 @@ def test_changed_settings_start_the_features_over(run_cfg, monkeypatch, capsys):
     assert Router.load(RunDir(cfg.run.dir).routing / "router").featurizer["kind"] == "tfidf_svd"
 
 
+def test_a_work_folder_whose_record_outlived_its_features_starts_over(run_cfg, monkeypatch, capsys):
+    # Issue 48: `dipaco route` killed while it deleted routing.work left record.json without train.npy, and
+    # every later route "resumed" and crashed with FileNotFoundError until the folder was deleted by hand.
+    cfg = routed(run_cfg, featurizer="lm_prefix", fit_docs=150)
+    real = assign.featurize_chunk
+    calls: list[int] = []
+
+    def killed_in_chunk_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(assign, "featurize_chunk", killed_in_chunk_2)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg).route()
+    work = RunDir(cfg.run.dir).root / WORK
+    (work / "train.npy").unlink()  # what a removal killed between the two files left
+    monkeypatch.setattr(assign, "featurize_chunk", real)
+    Run(cfg).route()
+    assert "lack train.npy; starting over" in capsys.readouterr().out
+    assert not work.exists() and not list(work.parent.glob(f".{WORK}.removing.*"))
+    assert Router.load(RunDir(cfg.run.dir).routing / "router").featurizer["kind"] == "lm_prefix"
+
+
 def test_routing_writes_only_its_columns_and_joins_them_to_the_prepared_splits(run_cfg):
     """`routing/data` holds the path columns only, not a copy of the corpus; training sees them joined to
     the prepared rows. Routing written whole by older versions is still read."""
