@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="YAML config file (see configs/); defaults apply when omitted")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotlist overrides, e.g. train.inner_steps=20 topology.preset=grid:2x2")
+                        help="dotlist overrides, before or after the flags (the last wins), e.g. train.inner_steps=20 "
+                             "topology.preset=grid:2x2")
 
 
 def _cmd_prepare(run: Run, args: argparse.Namespace) -> None:
@@ -256,10 +257,25 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line. ``key=value`` overrides may come before and after the flags
+    (``train run.dir=x --resume train.inner_steps=20``), later ones winning; argparse's own
+    ``parse_intermixed_args`` cannot, as it refuses subcommands."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [e for e in extra if "=" in e and not e.startswith("-")]
+    if overrides and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *overrides]
+        extra = [e for e in extra if e not in overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     command = None
     try:  # the imports below are inside: a Ctrl-C while they load is one line too
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(argv)
         command = args.command
         if args.func in (_cmd_config, _cmd_report):  # the schema and JSON alone: they answer without loading torch
             args.func(args)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from tiny import TINY
 
-from dipaco.cli import main
+from dipaco.cli import main, parse_command_line
 
 
 def write_jsonl(path: Path, texts: list[str]) -> Path:
@@ -196,3 +196,18 @@ def test_ctrl_c_while_the_imports_load_is_one_line(tmp_path, sigint_from_a_termi
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["interrupted: dipaco train stopped; continue with --resume"], err
+
+
+def test_overrides_may_follow_the_flags():
+    # Issue 48: `dipaco train run.dir=x --resume train.inner_steps=20` was "unrecognized arguments".
+    args = parse_command_line(["train", "--config", "c.yaml", "run.dir=x", "--resume", "train.inner_steps=20",
+                               "run.dir=y"])
+    assert args.resume and args.config == "c.yaml"
+    assert args.overrides == ["run.dir=x", "train.inner_steps=20", "run.dir=y"]  # in order: the last one wins
+
+
+def test_an_unknown_flag_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_command_line(["train", "run.dir=x", "--bogus", "train.inner_steps=20"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
