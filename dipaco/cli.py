@@ -296,12 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     except DipacoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C (SIGINT): one line, no traceback; 130 = 128 + SIGINT, as shells report it
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line, no traceback; 128 + the signal, as shells report it
         if "tqdm" in sys.modules:
             _close_progress_bars()
         hint = "; continue with --resume" if command == "train" else ""
-        print(f"interrupted: dipaco{f' {command}' if command else ''} stopped{hint}", file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, getattr(sys.modules.get("dipaco.runtime"), "Terminated", ()))
+        what = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(f"{what}: dipaco{f' {command}' if command else ''} stopped{hint}", file=sys.stderr)
+        return 143 if terminated else 130
     return 0
 
 

@@ -93,37 +93,50 @@ def quiet_library_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-_interrupted = False  # set by the SIGINT handler of sigint_stops_training
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm, Kubernetes, cloud preemption): stops training as Ctrl-C does, so every handler of
+    KeyboardInterrupt runs; the CLI exits 143 (128 + SIGTERM) instead of 130."""
 
 
-def _on_sigint(signum, frame) -> None:
+_interrupted: type[KeyboardInterrupt] | None = None  # set by the handlers of sigint_stops_training
+
+
+def _on_signal(signum, frame) -> None:
     global _interrupted
-    _interrupted = True
-    raise KeyboardInterrupt
+    _interrupted = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    raise _interrupted
 
 
 @contextmanager
 def sigint_stops_training() -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is also remembered.
+    """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is also remembered; SIGTERM
+    raises :class:`Terminated`, a KeyboardInterrupt.
 
     Python runs a signal handler between bytecodes, wherever they are: a KeyboardInterrupt raised
     inside a finalizer or a callback called from C is printed as "Exception ignored" and lost, and
     training would go on. :func:`raise_if_interrupted`, called every inner step, raises it again.
     A SIGINT that the process inherited as ignored (a background job) stays ignored."""
     global _interrupted
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, _on_sigint)
-    _interrupted = False
+    # SIGTERM is handled the same way where nobody else handles it (the default would end the process
+    # silently, with no checkpoint line and no hint to resume).
+    handled = [s for s in (signal.SIGINT, signal.SIGTERM)
+               if signal.getsignal(s) is not signal.SIG_IGN
+               and (s == signal.SIGINT or signal.getsignal(s) is signal.SIG_DFL)]
+    previous = {s: signal.signal(s, _on_signal) for s in handled}
+    _interrupted = None
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        _interrupted = False
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _interrupted = None
 
 
 def raise_if_interrupted() -> None:
-    """Raises KeyboardInterrupt when a Ctrl-C arrived under :func:`sigint_stops_training`."""
-    if _interrupted:
-        raise KeyboardInterrupt
+    """Raises KeyboardInterrupt (:class:`Terminated` for SIGTERM) when a signal arrived under
+    :func:`sigint_stops_training`."""
+    if _interrupted is not None:
+        raise _interrupted

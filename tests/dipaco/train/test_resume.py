@@ -91,8 +91,11 @@ def _signal_masks(pid: int) -> str:
     return " ".join(line.replace("\t", "") for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
-@pytest.mark.parametrize("progress", [False, True], ids=["no_bars", "bars"])
-def test_ctrl_c_is_one_line_and_exit_130(run_cfg, sigint_from_a_terminal, progress):
+@pytest.mark.parametrize("progress,signum", [(False, signal.SIGINT), (True, signal.SIGINT), (False, signal.SIGTERM)],
+                         ids=["no_bars", "bars", "sigterm"])
+def test_ctrl_c_is_one_line_and_exit_130(run_cfg, sigint_from_a_terminal, progress, signum):
+    """Ctrl-C, and SIGTERM (Slurm, Kubernetes, preemption; issue 48: it ended training silently): one line, no
+    traceback, 128 + the signal."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")])}
     # -X faulthandler: if the child hangs, SIGABRT makes it print every thread's stack before it dies.
     cmd = [sys.executable, "-X", "faulthandler", "-m", "dipaco", "train",
@@ -103,20 +106,21 @@ def test_ctrl_c_is_one_line_and_exit_130(run_cfg, sigint_from_a_terminal, progre
         assert line.startswith("[train]"), line
         time.sleep(1.0)
         signals = _signal_masks(proc.pid)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         try:
             out, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
             out, err = proc.communicate(timeout=30)
-            pytest.fail(f"no exit within 120 s of SIGINT; signal masks before it: {signals}\n{err[-6000:]}")
+            pytest.fail(f"no exit within 120 s of {signum.name}; signal masks before it: {signals}\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 128 + signum, err
     # split on "\n" only: a bar redraws with "\r", so the line must not carry a bar's text before it (issue 34)
     last_line = err.rstrip("\n").split("\n")[-1]
-    assert "Traceback" not in err and last_line == "interrupted: dipaco train stopped; continue with --resume"
+    what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+    assert "Traceback" not in err and last_line == f"{what}: dipaco train stopped; continue with --resume"
     if not progress:
         assert len(err.strip().splitlines()) == 1, err
 
