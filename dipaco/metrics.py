@@ -19,6 +19,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from dipaco import json_text
 from dipaco.errors import DataError, DipacoError
 
 
@@ -40,7 +41,7 @@ class MetricsLogger:
 
     def log(self, event: str, step: int | None = None, **values: Any) -> None:
         record = {"event": event, "time": round(time.time(), 3), **({"step": step} if step is not None else {}), **values}
-        line = (json.dumps(record, default=_jsonable) + "\n").encode("utf-8")
+        line = (json_text.dumps(record, default=_jsonable) + "\n").encode("utf-8")
         end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
             view = memoryview(line)

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 from transformers import PreTrainedTokenizerFast
 
+from dipaco import json_text
 from dipaco.atomic import remove_tree, replacing
 from dipaco.config import Config, DataConfig, TokenizerConfig, config_diff, merge_config
 from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
@@ -132,7 +133,7 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
             echo(f"[prepare] tokenized {tokens:,} tokens in {seconds:.0f}s ({tokens / max(seconds, 1e-9):,.0f} tokens/s, "
                  f"{processes} process{'es' if processes > 1 else ''}); writing {run.data}")
             info["files"] = _link_shards(tokenized, tmp_data)
-            (tmp_data / PREPARE_INFO).write_text(json.dumps(info, indent=2))
+            (tmp_data / PREPARE_INFO).write_text(json_text.dumps(info, indent=2))
             (tmp_data / "config.yaml").write_text(config_yaml)
     remove_tree(run.prepare_work)
     for split, s in info["splits"].items():

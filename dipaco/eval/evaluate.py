@@ -8,7 +8,6 @@ Perplexities are token-weighted: overall ppl = exp(total NLL / total scored toke
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, PreTrainedModel
 
+from dipaco import json_text
 from dipaco.atomic import write_text
 from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
 from dipaco.config import EvalConfig
@@ -74,12 +74,17 @@ def check_eval(section: EvalConfig) -> None:
 
 
 def _summary(scores: Scores, n_docs: int) -> dict:
-    return {
+    out: dict[str, int | float | str] = {
         "docs": n_docs,
         "scored_tokens": int(scores.tokens.sum()),
         "nll": float(scores.nll.sum()),
         "ppl": scores.perplexity,
     }
+    if not out["scored_tokens"]:  # eval.json writes the NaN as null, with this reason beside it
+        out["ppl_null_reason"] = ("no validation document is routed to this path" if not n_docs else
+                                  f"no scored tokens: the {n_docs} validation documents routed here end within "
+                                  "the routing prefix")
+    return out
 
 
 EVAL_CHUNK_DOCS = 10_000  # documents read and scored at a time: eval's memory does not grow with the split
@@ -191,7 +196,7 @@ def evaluate_pretrained(section: EvalConfig, run_dir: Path, model: PreTrainedMod
 
 
 def _write(report: dict, path: Path) -> None:
-    write_text(path, json.dumps(report, indent=2))
+    write_text(path, json_text.dumps(report, indent=2))
 
 
 def print_path_table(report: dict) -> None:

@@ -28,7 +28,6 @@ The report goes to ``train/<name>/reroute_eval.json``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from dipaco import json_text
 from dipaco.atomic import write_text
 from dipaco.checkpoint.experiment import experiment_checkpoint, read_bank
 from dipaco.data.packing import IGNORE_INDEX, DocumentTokens, EvalWindow, count_scored_tokens, eval_windows
@@ -285,7 +285,7 @@ def reroute_evaluate(job: EvalJob, load_prepared: Callable[[], Prepared], every:
         "docs": len(val),
         "results": results,
     }
-    write_text(exp_dir / REPORT, json.dumps(report, indent=2))
+    write_text(exp_dir / REPORT, json_text.dumps(report, indent=2))
     print_reroute_table(report)
     return report
 

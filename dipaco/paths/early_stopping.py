@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedModel
 
+from dipaco import json_text
 from dipaco.atomic import replacing, write_text
 from dipaco.data.hashing import holdout_mask
 from dipaco.errors import CheckpointError
@@ -76,7 +77,7 @@ class PathEarlyStopping:
         one that claims parameters which were not written."""
         with replacing(self.dir / f"path_{path:03d}.safetensors") as tmp:
             save_tensors(dict(model.named_parameters()), tmp)
-        write_text(self.dir / f"path_{path:03d}.json", json.dumps(self.best[path]))
+        write_text(self.dir / f"path_{path:03d}.json", json_text.dumps(self.best[path]))
 
 
 def load_best_path(directory: Path, path: int, model: PreTrainedModel) -> PreTrainedModel:

@@ -52,6 +52,7 @@ import pyarrow as pa
 import torch
 from transformers import PreTrainedModel
 
+from dipaco import json_text
 from dipaco.atomic import remove_tree, replacing, write_text
 from dipaco.config import RouteConfig
 from dipaco.data.prepare import Prepared
@@ -318,12 +319,12 @@ def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dic
     routed = {**paths, **({"train_topk": topk} if topk is not None else {})}
     info = {"prepare_hash": prepared.info["prepare_hash"], "router": router.kind, "num_paths": router.num_paths,
             "fingerprint": routing_fingerprint(routed, tmp / "router")}
-    (tmp / "data" / ROUTED_INFO).write_text(json.dumps(info, indent=2))
+    (tmp / "data" / ROUTED_INFO).write_text(json_text.dumps(info, indent=2))
     if isinstance(features, Path):  # unchanged (re-routing): the old routing's file, linked, not copied
         link_or_copy(features, tmp / FEATURES)
     else:
         save_features(features, tmp / FEATURES)
-    (tmp / REPORT).write_text(json.dumps(report, indent=2, default=float))
+    (tmp / REPORT).write_text(json_text.dumps(report, indent=2, default=float))
     return info["fingerprint"]
 
 

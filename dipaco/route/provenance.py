@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dipaco import json_text
 from dipaco.atomic import write_text
 from dipaco.errors import DataError
 from dipaco.run_dir import RunDir
@@ -86,7 +87,7 @@ def record_routing(run_dir: str | Path, exp_dir: Path, routed: bool, rerouting: 
     if fingerprint is not None:
         exp_dir.mkdir(parents=True, exist_ok=True)
         entry = {"fingerprint": fingerprint, **({"rerouting": rerouting} if rerouting else {})}
-        write_text(exp_dir / EXPERIMENT_ROUTING, json.dumps(entry) + "\n")
+        write_text(exp_dir / EXPERIMENT_ROUTING, json_text.dumps(entry) + "\n")
 
 
 def pending_rerouting(exp_dir: Path) -> str | None:

@@ -14,10 +14,10 @@ tokenizer, so ``AutoModelForCausalLM.from_pretrained(DIR, local_files_only=True)
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from dipaco import json_text
 from dipaco.atomic import replacing
 from dipaco.errors import DipacoError
 from dipaco.metrics import echo
@@ -63,7 +63,7 @@ def export_path(loaded: LoadedExperiment, path: int, out: str | Path, model=None
             "seq_len": loaded.cfg.data.seq_len,
             "parameters": sum(p.numel() for p in model.parameters()),
         }
-        (tmp / PATH_INFO).write_text(json.dumps(info, indent=2))
+        (tmp / PATH_INFO).write_text(json_text.dumps(info, indent=2))
         _normal_file_modes(tmp)
     return out
 

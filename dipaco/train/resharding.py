@@ -24,12 +24,12 @@ resumes. Re-routing must finish within ``dist.timeout_s``.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dipaco import json_text
 from dipaco.atomic import write_text
 from dipaco.checkpoint.store import TRAINER_STATE, CheckpointManager, SavedCheckpoint
 from dipaco.comm.world import World
@@ -186,7 +186,7 @@ def _reroute(plan: EMPlan, point: int, ckpt: Path) -> None:
     entry = {"round": point, "checkpoint": ckpt.name, "fingerprint": current_fingerprint(run),
              "moved_train_docs": report["moved_train_docs"], "moved_train_docs_count": moved,
              "docs_per_path": report["train"]["docs_per_path"]}
-    write_text(exp_dir / EM_RECORD, json.dumps({"done": [*read_record(exp_dir), entry]}, indent=2) + "\n")
+    write_text(exp_dir / EM_RECORD, json_text.dumps({"done": [*read_record(exp_dir), entry]}, indent=2) + "\n")
     metrics = MetricsLogger(exp_dir, tensorboard=False)
     try:
         metrics.log("em", step=point, **entry)

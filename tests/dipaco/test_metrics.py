@@ -25,3 +25,15 @@ def test_a_broken_line_inside_the_log_is_named(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"event": "path"}\nnot json\n{"event": "outer"}\n')
     with pytest.raises(DataError, match=r"metrics\.jsonl:2: not a JSON record"):
         read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_a_diverged_loss_is_logged_as_null_with_its_reason(tmp_path):
+    # Issue 48: a NaN loss made metrics.jsonl invalid JSON for jq and every strict parser.
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log("path", step=1, loss=float("nan"), grad_norm=float("inf"))
+    log.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert record["loss"] is None and record["loss_null_reason"] == "not a finite number (nan)"
+    assert record["grad_norm"] is None

@@ -37,3 +37,15 @@ def test_documents_are_the_column_rows(served_run):
     docs = DocumentTokens(val).documents(rows, np.int32)
     assert all(d.dtype == np.int32 for d in docs)
     assert [d.tolist() for d in docs] == [val["input_ids"][int(r)] for r in rows]
+
+
+def test_a_path_without_validation_documents_is_null_with_the_reason_in_eval_json():
+    # Issue 48: its perplexity was written as NaN, which no strict JSON parser reads.
+    from dipaco import json_text
+    from dipaco.eval.evaluate import _summary
+    from dipaco.model.scoring import Scores
+
+    empty = json.loads(json_text.dumps(_summary(Scores(np.zeros(0), np.zeros(0, dtype=np.int64)), 0)))
+    assert empty["ppl"] is None and empty["ppl_null_reason"] == "no validation document is routed to this path"
+    short = json.loads(json_text.dumps(_summary(Scores(np.zeros(2), np.zeros(2, dtype=np.int64)), 2)))
+    assert short["ppl"] is None and "the 2 validation documents routed here end within" in short["ppl_null_reason"]
