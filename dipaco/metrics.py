@@ -14,6 +14,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,21 +40,47 @@ class MetricsLogger:
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         _drop_torn_line(self._fd)
         self._tb = _tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
+        self._pending: list[tuple[bytes, str, int | None, dict[str, Any]]] | None = None
 
     def log(self, event: str, step: int | None = None, **values: Any) -> None:
         record = {"event": event, "time": round(time.time(), 3), **({"step": step} if step is not None else {}), **values}
         line = (json_text.dumps(record, default=_jsonable) + "\n").encode("utf-8")
+        if self._pending is not None:  # inside together(): written with the others
+            self._pending.append((line, event, step, values))
+            return
+        self._append(line)
+        if self._tb is not None and step is not None:
+            self._log_scalars(event, step, values)
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """The records logged inside are appended in one write, all or none: a round's records, so that a
+        full disk cannot leave some of them (a resumed run, seeing the round's ``outer`` record, would never
+        log the rest, and one that did not would log the others twice)."""
+        if self._pending is not None:
+            yield
+            return
+        self._pending = []
+        try:
+            yield
+            pending = self._pending
+        finally:
+            self._pending = None
+        self._append(b"".join(line for line, *_ in pending))
+        for _, event, step, values in pending:
+            if self._tb is not None and step is not None:
+                self._log_scalars(event, step, values)
+
+    def _append(self, data: bytes) -> None:
         end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
-            view = memoryview(line)
+            view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
         except OSError as exc:
-            os.ftruncate(self._fd, end)  # no half line: the log is as it was before this record
+            os.ftruncate(self._fd, end)  # no half line: the log is as it was before these records
             raise DipacoError(f"could not append to {self.path}: {exc.strerror or exc}; it is as it was before "
-                              f"this record: free the space and continue with --resume") from None
-        if self._tb is not None and step is not None:
-            self._log_scalars(event, step, values)
+                              f"these records: free the space and continue with --resume") from None
 
     def _log_scalars(self, prefix: str, step: int, values: dict[str, Any]) -> None:
         assert self._tb is not None

@@ -128,22 +128,23 @@ class RoundScheduler:
         return any(r["event"] == "outer" and r.get("round") == index for r in records)
 
     def log(self, metrics: MetricsLogger, index: int, reports: list[dict], info: dict, checkpoint_name: str) -> None:
-        """Rank 0 logs every rank's report of a completed (checkpointed) round."""
+        """Rank 0 logs every rank's report of a completed (checkpointed) round, in one append (all or none)."""
         records = sorted((rec for rep in reports for rec in rep["paths"]), key=lambda rec: rec["path"])
-        for rec in records:
-            rec = dict(rec)
-            metrics.log("path", step=rec.pop("step"), **rec)
-        merged = {name: v for rep in reports for name, v in rep["norms"].items()}
-        norms = {m.name: merged[m.name] for m in self.topology.modules if m.name in merged}
-        extra = {"dropped": reports[0]["dropped"]} if self.report_dropped else {}
-        if self.diagnostics:
-            extra.update(self._agreement_record(reports))
-        metrics.log("outer", step=index, round=index, outer_grad_norm=norms, **extra)
-        for rep in reports:
-            metrics.log("comm", step=index, round=index, **rep["comm"])
-        if self.early_stopping is not None:
-            heldout = {p: v for rep in reports for p, v in rep["heldout_ppl"].items()}
-            metrics.log("early_stopping", step=index, round=index, heldout_ppl=dict(sorted(heldout.items())))
+        with metrics.together():
+            for rec in records:
+                rec = dict(rec)
+                metrics.log("path", step=rec.pop("step"), **rec)
+            merged = {name: v for rep in reports for name, v in rep["norms"].items()}
+            norms = {m.name: merged[m.name] for m in self.topology.modules if m.name in merged}
+            extra = {"dropped": reports[0]["dropped"]} if self.report_dropped else {}
+            if self.diagnostics:
+                extra.update(self._agreement_record(reports))
+            metrics.log("outer", step=index, round=index, outer_grad_norm=norms, **extra)
+            for rep in reports:
+                metrics.log("comm", step=index, round=index, **rep["comm"])
+            if self.early_stopping is not None:
+                heldout = {p: v for rep in reports for p, v in rep["heldout_ppl"].items()}
+                metrics.log("early_stopping", step=index, round=index, heldout_ppl=dict(sorted(heldout.items())))
         loss_text = " ".join(f"p{rec['path']}={rec['loss']:.3f}" for rec in records)
         comm_text = ""
         if self.world.size > 1:

@@ -325,10 +325,11 @@ class TaskScheduler:
         return any(r["event"] == "checkpoint" and r.get("step") == index for r in records)
 
     def log(self, metrics: MetricsLogger, index: int, reports: list, info: dict, checkpoint_name: str) -> None:
-        """The completed tasks (and re-queues) since the last checkpoint, then the checkpoint."""
-        for event, step, values in reports:
-            metrics.log(event, step=step, **values)
-        metrics.log("checkpoint", step=index, checkpoint=checkpoint_name, **info)
+        """The completed tasks (and re-queues) since the last checkpoint, then the checkpoint: one append."""
+        with metrics.together():
+            for event, step, values in reports:
+                metrics.log(event, step=step, **values)
+            metrics.log("checkpoint", step=index, checkpoint=checkpoint_name, **info)
 
     def summary(self, metrics: MetricsLogger) -> None:
         wall, summary = time.perf_counter() - self.start, staleness_summary(self.staleness)

@@ -70,6 +70,32 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_resume_works(run_cfg, mon
     assert CheckpointManager(root).latest().name == "round_000002"
 
 
+def test_disk_full_while_a_round_is_logged_leaves_every_rounds_records_once_after_resume(run_cfg, monkeypatch, capsys):
+    # Issue 48: a round's records went to metrics.jsonl one at a time; ENOSPC between them left the round's
+    # outer record without its comm record, and a resume (which checks the outer record) never logged it.
+    import dipaco.metrics as metrics_module
+    from dipaco.metrics import read_metrics
+
+    real_write = os.write
+
+    def full_at_round_2s_comm(fd, data):
+        if b'"event": "comm"' in bytes(data) and b'"round": 2' in bytes(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(metrics_module.os, "write", full_at_round_2s_comm)
+    assert main(["train", *cli_args(run_cfg)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.setattr(metrics_module.os, "write", real_write)
+    assert main(["train", *cli_args(run_cfg), "--resume"]) == 0
+    records = read_metrics(Path(run_cfg.run.dir) / "train" / run_cfg.train.name / "metrics.jsonl")
+    for index in (1, 2):
+        events = sorted(r["event"] for r in records if r.get("round") == index or
+                        (r["event"] == "path" and r.get("step") == index * run_cfg.train.inner_steps))
+        n_paths = sum(1 for r in records if r["event"] == "path" and r.get("step") == run_cfg.train.inner_steps)
+        assert events == sorted(["comm", "outer", *["path"] * n_paths]), (index, events)
+
+
 def test_a_failed_write_of_any_kind_removes_the_temporary_directory(tmp_path):
     manager = CheckpointManager(tmp_path / "ckpts")
 
