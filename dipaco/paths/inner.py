@@ -49,6 +49,10 @@ class InnerStats:
     seconds: float
     lr: float  # learning rate after the last step
     swap_seconds: float = 0.0  # moving the AdamW state to and from CPU memory (train.offload_inactive)
+    # The mean loss of each window of train.log_every steps (the last one may be shorter; windows restart at a
+    # round's sync points) and the loop's step count at each window's end.
+    loss_curve: tuple[float, ...] = ()
+    loss_curve_steps: tuple[int, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,7 +66,9 @@ class InnerStats:
         steps = sum(s.steps for s in parts)
         return InnerStats(steps=steps, loss=sum(s.loss * s.steps for s in parts) / max(steps, 1),
                           tokens=sum(s.tokens for s in parts), seconds=sum(s.seconds for s in parts),
-                          lr=parts[-1].lr, swap_seconds=sum(s.swap_seconds for s in parts))
+                          lr=parts[-1].lr, swap_seconds=sum(s.swap_seconds for s in parts),
+                          loss_curve=tuple(v for s in parts for v in s.loss_curve),
+                          loss_curve_steps=tuple(v for s in parts for v in s.loss_curve_steps))
 
 
 @dataclass(frozen=True)
@@ -215,6 +221,8 @@ class InnerLoop:
         start = time.perf_counter()
         total = torch.zeros((), device=self.device)
         recent = torch.zeros((), device=self.device)
+        windows: list[torch.Tensor] = []
+        window_ends: list[int] = []
         for i in range(steps):
             raise_if_interrupted()
             loss = self.train_step()
@@ -222,11 +230,14 @@ class InnerLoop:
             recent += loss
             if progress is not None:
                 progress.update(1)
-                if (i + 1) % log_every == 0 or i + 1 == steps:
-                    # .item() syncs the device, so only at log points.
-                    progress.set_postfix(loss=f"{recent.item() / ((i % log_every) + 1):.3f}", refresh=False)
-                    recent.zero_()
+            if (i + 1) % log_every == 0 or i + 1 == steps:
+                windows.append(recent / ((i % log_every) + 1))  # a new tensor: no device sync here
+                window_ends.append(self.step)
+                if progress is not None:  # .item() syncs the device, so only at log points and with a bar
+                    progress.set_postfix(loss=f"{windows[-1].item():.3f}", refresh=False)
+                recent = torch.zeros((), device=self.device)
         mean_loss = total.item() / max(steps, 1)  # syncs the device, so the time below is the steps' own
+        curve = tuple(torch.stack(windows).tolist()) if windows else ()
         seconds = time.perf_counter() - start
         swap += self._swap(to_home=False)
         return InnerStats(
@@ -236,6 +247,8 @@ class InnerLoop:
             seconds=seconds,
             lr=float(self.scheduler.get_last_lr()[0]),
             swap_seconds=swap,
+            loss_curve=curve,
+            loss_curve_steps=tuple(window_ends),
         )
 
     def state_dict(self) -> dict:

@@ -58,7 +58,7 @@ def pretrain(run: RunConfig, section: PretrainConfig, model_cfg: ModelConfig, pr
         with tqdm(total=steps, desc="pretrain", disable=not run.progress, dynamic_ncols=True) as bar:
             stats = loop.run(steps, progress=bar, log_every=log_every)
         metrics.log("pretrain", step=steps, loss=stats.loss, tokens=stats.tokens, tokens_per_s=stats.tokens_per_s,
-                    lr=stats.lr)
+                    lr=stats.lr, inner_loss=list(stats.loss_curve), inner_loss_steps=list(stats.loss_curve_steps))
         metrics.close()
         model.save_pretrained(tmp)  # safetensors by default
         prepared.tokenizer.save_pretrained(tmp)

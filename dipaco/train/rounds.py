@@ -81,7 +81,9 @@ class RoundScheduler:
             total = InnerStats.combine(stats)
             offload = {"swap_seconds": total.swap_seconds} if self.loops[p].offload is not None else {}
             records.append(dict(step=self.loops[p].step, round=round_index + 1, path=p, loss=total.loss,
-                                tokens_per_s=total.tokens_per_s, lr=total.lr, tokens=total.tokens, **offload))
+                                tokens_per_s=total.tokens_per_s, lr=total.lr, tokens=total.tokens,
+                                inner_loss=list(total.loss_curve), inner_loss_steps=list(total.loss_curve_steps),
+                                **offload))
         heldout_ppl = self.early_stopping.update(self.bank, round_index + 1) if self.early_stopping else {}
         norms = {name: v for report in syncs for name, v in report.norms.items()}
         dropped = sorted({p for report in syncs for p in report.dropped})

@@ -67,10 +67,15 @@ def test_training_lowers_validation_perplexity(run_cfg):
 
 
 def test_metrics_log_loss_throughput_and_outer_norms_per_module(run_cfg):
-    exp = Run(run_cfg).train()
+    cfg = replace(run_cfg, train=replace(run_cfg.train, log_every=2))  # 5 inner steps: windows of 2, 2, 1
+    exp = Run(cfg).train()
     paths = read_metrics(exp.dir / "metrics.jsonl", "path")
     assert {(r["round"], r["path"]) for r in paths} == {(r, p) for r in (1, 2) for p in range(4)}
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in paths)
+    for r in paths:  # issue 48: the inner loss per train.log_every steps, not only on the progress bar
+        first = (r["round"] - 1) * 5
+        assert r["inner_loss_steps"] == [first + 2, first + 4, first + 5]
+        assert sum(w * n for w, n in zip(r["inner_loss"], (2, 2, 1))) / 5 == pytest.approx(r["loss"], rel=1e-5)
     outer = read_metrics(exp.dir / "metrics.jsonl", "outer")
     assert len(outer) == 2
     assert set(outer[0]["outer_grad_norm"]) == {m.name for m in exp.topology.modules}
