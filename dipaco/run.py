@@ -33,6 +33,7 @@ from dipaco.errors import ConfigError, DataError
 from dipaco.eval.evaluate import EvalJob, check_eval, evaluate_experiment, evaluate_pretrained
 from dipaco.eval.report import comparison_table
 from dipaco.eval.reroute_eval import reroute_evaluate
+from dipaco.metrics import echo
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model, check_model
 from dipaco.model.pretrained import load_pretrained, path_llama_config
@@ -214,10 +215,19 @@ class Run:
     def check_resume(self, checkpoint: Path) -> None:
         """Refuses to resume from a checkpoint whose saved config differs from this run's in a key that
         changes what the run computes (:func:`dipaco.config.config_diff`)."""
-        saved = checkpoint / "config.yaml"
-        diff = config_diff(merge_config(saved), self.cfg)
+        saved = merge_config(checkpoint / "config.yaml")
+        diff = config_diff(saved, self.cfg)
+        longer = self.cfg.train.rounds > saved.train.rounds
+        if longer:  # more rounds continue the run; only the inner LR schedule sees the new length
+            diff = [d for d in diff if not d.startswith("train.rounds:")]
         if diff:
-            raise ConfigError(f"cannot resume {checkpoint}: the config changed ({'; '.join(diff)})")
+            hint = ("; a run is shortened with --until-round, not train.rounds"
+                    if self.cfg.train.rounds < saved.train.rounds else "")
+            raise ConfigError(f"cannot resume {checkpoint}: the config changed ({'; '.join(diff)}){hint}")
+        if longer:
+            echo(f"[train] extending the run from {saved.train.rounds} to {self.cfg.train.rounds} rounds: each path's "
+                 f"warmup-cosine learning rate now spans {self.cfg.train.rounds * self.cfg.train.inner_steps} steps, so "
+                 f"it rises from where the shorter schedule left it to that step's value on the longer one")
 
 
 def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler], None] | None = None) -> Trainer:

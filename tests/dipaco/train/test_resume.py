@@ -43,9 +43,30 @@ def test_resume_with_a_relative_or_moved_run_dir(run_cfg, tmp_path, monkeypatch)
     shutil.move(str(absolute), str(moved))
     exp = Run(with_dir(run_cfg, moved)).train(resume=True)  # continues the moved run
     assert exp.checkpoints.latest().name == "round_000002" and exp.rounds == 2  # train.rounds
-    longer = replace(run_cfg, run=replace(run_cfg.run, dir=str(moved)), train=replace(run_cfg.train, rounds=3))
-    with pytest.raises(Exception, match=r"train\.rounds: 2 -> 3"):  # a real change is still refused
-        Run(longer).train(resume=True)
+    other = replace(run_cfg, run=replace(run_cfg.run, dir=str(moved)), train=replace(run_cfg.train, inner_steps=6))
+    with pytest.raises(Exception, match=r"train\.inner_steps: 5 -> 6"):  # a real change is still refused
+        Run(other).train(resume=True)
+
+
+def test_resume_with_more_rounds_continues_the_run_on_the_longer_lr_schedule(run_cfg, capsys):
+    # Issue 48: `--resume train.rounds=N` with a larger N was refused, with no alternative offered.
+    from dipaco.metrics import read_metrics
+    from dipaco.paths.lr_schedule import warmup_cosine
+
+    Run(run_cfg).train()
+    longer = replace(run_cfg, train=replace(run_cfg.train, rounds=3))
+    exp = Run(longer).train(resume=True)
+    assert exp.checkpoints.latest().name == "round_000003"
+    assert "extending the run from 2 to 3 rounds" in capsys.readouterr().out
+    records = read_metrics(exp.dir / "metrics.jsonl", "path")
+    assert sorted({r["round"] for r in records}) == [1, 2, 3]  # rounds 1-2 kept, round 3 added, none twice
+    assert len(records) == 3 * exp.topology.num_paths
+    optim, steps = run_cfg.train.optim, 3 * run_cfg.train.inner_steps
+    want = optim.lr * warmup_cosine(steps, optim.warmup_steps, steps, optim.min_lr_ratio)
+    assert all(r["lr"] == pytest.approx(want) for r in records if r["round"] == 3)  # the new schedule's end
+    shorter = replace(run_cfg, train=replace(run_cfg.train, rounds=1))
+    with pytest.raises(Exception, match=r"train\.rounds: 3 -> 1.*--until-round"):
+        Run(shorter).train(resume=True)
 
 
 def test_disk_full_during_a_checkpoint_is_one_line_and_resume_works(run_cfg, monkeypatch, capsys):

@@ -79,6 +79,16 @@ def test_async_run_stops_resumes_and_evaluates(ray_session, run_cfg):
     assert report["checkpoint"].endswith(latest.name) and torch.isfinite(torch.tensor(report["overall"]["ppl"]))
 
 
+def test_more_rounds_on_resume_extend_the_task_budget(ray_session, run_cfg):
+    # Issue 48: `--resume train.rounds=N` with a larger N continues the run, under the Ray driver too.
+    exp = Run(with_overrides(run_cfg)).train()
+    assert sum(t["steps"] for t in completed_tasks(exp.dir)) == 2 * 5 * 4
+    exp = Run(with_overrides(run_cfg, "train.rounds=3")).train(resume=True)
+    tasks = completed_tasks(exp.dir)
+    assert sum(t["steps"] for t in tasks) == 3 * 5 * 4  # one more round's worth, nothing counted twice
+    assert len({t["task"] for t in tasks}) == len(tasks)
+
+
 def overrides_of(cfg: Config) -> list[str]:
     """The tiny run's config as CLI overrides (eval reads the same experiment)."""
     from tiny import TINY
