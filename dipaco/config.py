@@ -154,7 +154,8 @@ class DelayedConfig:
     delay: int = 1  # rounds between a round's outer gradient and the round it is applied at; 0 = DiLoCo
     eager: bool = False  # each path keeps its own last delta at once; the average lands a round later (delay 1)
     # the outer step of this sync. lr: null = outer.lr. momentum: null = min(outer.momentum, 0.5) with a delay
-    # (a round-late outer gradient under momentum 0.9 overshoots; measured in docs/benchmarks.md), outer.momentum at 0
+    # (a round-late outer gradient under momentum 0.9 overshoots; measured in
+    # docs/notes/2026-11-23-streaming-delay-codecs.md, run 4), outer.momentum at 0
     lr: Optional[float] = None
     momentum: Optional[float] = None
 
@@ -169,7 +170,8 @@ class OuterConfig:
     weighting: Literal["tokens", "uniform"] = "tokens"  # tokens: w_p proportional to shard tokens
     rescale: Literal["none", "sqrt_paths", "inv_sqrt_paths"] = "none"  # x sqrt(n) | / sqrt(n) for n paths
     # the embedding's and head's outer lr is this x the sync's lr (the levels' is the lr itself); a per-part
-    # step, on top of rescale. DiLoCo and DiPaCo grids may want a larger step there (docs/benchmarks.md)
+    # step, on top of rescale. DiLoCo and DiPaCo grids may want a larger step there
+    # (docs/notes/2026-11-23-what-routing-buys.md)
     embedding_head_lr_scale: float = 1.0
     drop_prob: float = 0.0  # each path's contribution is dropped with this probability per round (seeded)
     sync: str = "diloco"  # the outer-sync algorithm: a name in dipaco.sync.SYNCS (or async_nesterov, train.driver=ray)

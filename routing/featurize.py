@@ -13,7 +13,7 @@ Three featurizers:
 - `doc_topics_features`: topics found in the whole training documents, read back from the
   routing context: the posterior over T topics of a naive Bayes word model fitted on the
   whole documents (`DocTopics`). Needs no model either, and is the most topical of the
-  three on a 32-token prefix (docs/benchmarks.md, "Topics from whole documents").
+  three on a 32-token prefix (docs/notes/2026-11-23-what-routing-buys.md, "Topics from whole documents").
 
 The fitted text models are kept as plain arrays (vocabulary, idf, SVD components, word
 log-probabilities) in `TfidfSvd` and `DocTopics`, not as pickled scikit-learn objects, so a
@@ -513,7 +513,7 @@ def doc_topics_features(
     document's. Not the lowest k-means inertia: among clusterings of nearly equal inertia, some split
     the corpus along lines a prefix shows and some along lines only the whole text shows, and on the
     benchmark's mixed corpus the lowest-inertia one of three was the least readable (label NMI 0.20
-    against 0.28; docs/benchmarks.md). No label is used.
+    against 0.28; docs/notes/2026-11-23-what-routing-buys.md). No label is used.
 
     `contexts[i]` is what routing may see of `documents[i]` (its prefix). Returns the contexts'
     topic posteriors (N, T), the fitted model, and each document's whole-document topic.

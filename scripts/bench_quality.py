@@ -26,7 +26,7 @@ steps differ. Rows (P = paths of the small grid, Q = paths of the large one):
 
 "kmeans" routing is `dipaco route`'s default featurizer (the pretrained model's mean last hidden
 state over the prefix); "featurizer" is the improved one (TF-IDF + SVD of the same prefix text, cosine
-k-means; see docs/benchmarks.md for the NMI study that chose it); "doctopics" reads the same prefix with
+k-means; see docs/notes/2026-11-23-what-routing-buys.md for the NMI study that chose it); "doctopics" reads the same prefix with
 a naive Bayes word model of topics found in the whole training documents (`route.featurizer=doc_topics`). Each row
 reports the NMI and purity of its training shards against the corpus labels, so what routing buys
 is visible beside the routed row's perplexity and its iid control's.
@@ -239,7 +239,7 @@ def named_row(name: str, known: dict[str, Row]) -> Row:
 
 
 def improved_featurizer() -> list[str]:
-    """The featurizer the NMI study (scripts/bench_routing.py --sections featurizers, docs/benchmarks.md)
+    """The featurizer the NMI study (scripts/bench_routing.py --sections featurizers, docs/notes/2026-11-23-what-routing-buys.md)
     found topical on the same 32-token prefix: TF-IDF + SVD of the prefix text, cosine k-means. No pooling,
     layer choice or whitening of the small path model's hidden states came near it."""
     return ["route.featurizer=tfidf_svd", f"route.svd_components={IMPROVED_SVD}", "route.metric=cosine",
@@ -248,8 +248,8 @@ def improved_featurizer() -> list[str]:
 
 def doc_topics_featurizer() -> list[str]:
     """Topics of the whole training documents (TF-IDF + SVD(64), cosine k-means, one per path) read from the
-    same prefix by a naive Bayes word model (the NMI study in docs/benchmarks.md, "Topics from whole documents");
-    the router then clusters the prefixes' topic posteriors, cosine."""
+    same prefix by a naive Bayes word model (the NMI study in docs/notes/2026-11-23-what-routing-buys.md, "Topics from
+    whole documents"); the router then clusters the prefixes' topic posteriors, cosine."""
     return ["route.featurizer=doc_topics", f"route.svd_components={IMPROVED_SVD}", "route.metric=cosine", "route.topk=2"]
 
 

@@ -21,12 +21,12 @@ Every family runs one path per input at inference, of the same size (dense_big_1
 The outer step is searched per family and per P: every family with an outer step has a small grid (GRIDS), run on the
 tuning seed (run.seed of the base config, 0); its best setting is then run on ``--seeds`` fresh seeds (1, 2, ...), and
 the curve, the tables and the targets use those fresh seeds' mean, so the seed that chose a setting does not also
-judge it. Every row logs the diagnostics of docs/benchmarks.md ("Where more paths pay"): each module's outer-gradient
-norm and the mean pairwise cosine between the changes of its paths (train.diagnostics), per-path validation
-perplexity, shard NMI and size spread, and the bank's parameters against one path's.
+judge it. Every row logs the diagnostics of docs/notes/2026-11-27-path-count-scaling.md ("Where more paths pay"): each
+module's outer-gradient norm and the mean pairwise cosine between the changes of its paths (train.diagnostics), per-path
+validation perplexity, shard NMI and size spread, and the bank's parameters against one path's.
 
 Presets (--preset): ``cpu`` (the default: the byte-level regime where a path's non-embedding parameters are its
-majority, 82.6 tokens per non-embedding parameter per path, 32 rounds; docs/benchmarks.md gives the arithmetic),
+majority, 82.6 tokens per non-embedding parameter per path, 32 rounds; the same note gives the arithmetic),
 ``bpe`` (issue 36's path and schedule: BPE-2048, 8 rounds, with today's families and default outer steps: issue 36's
 DiPaCo row is ``dipaco_shared_P`` here and its DiLoCo row ``diloco_P@outer.lr=1.2``), ``gpu`` (P = 4
 and 16, DiPaCo and DiLoCo at the cpu preset's chosen outer steps, a wider path, sized for 6 minutes of one H100);
@@ -82,11 +82,11 @@ PATH_PARTS = ("topology.embedding=path", "topology.head=path")
 SHARED_PARTS = ("topology.embedding=shared", "topology.head=shared")
 
 # Each family's outer step: the default (the row without @) and the grid searched on the tuning seed at every P.
-# Centred on what the pilot rows of docs/benchmarks.md ("Where more paths pay") found on the cpu preset: DiLoCo best
-# between 0.7 and 1.0 (1.2 and 1.4 diverge); DiPaCo with path-specific parts best at levels 1.0 and embedding/head 1.0
-# (levels 0.7 and 1.4, and embedding/head at 1.4, were worse); issue 36's DiPaCo with shared parts at levels 1.0 and
-# embedding/head 1.4. Flat MoE steps each path on its own change (quality.yaml's 0.7, momentum 0.9); its grid holds
-# independent paths (no outer step), the control of what the outer step on a path's own change is worth.
+# Centred on what the pilot rows (docs/notes/2026-11-27-path-count-scaling.md, "Where more paths pay") found on the cpu
+# preset: DiLoCo best between 0.7 and 1.0 (1.2 and 1.4 diverge); DiPaCo with path-specific parts best at levels 1.0 and
+# embedding/head 1.0 (levels 0.7 and 1.4, and embedding/head at 1.4, were worse); issue 36's DiPaCo with shared parts at
+# levels 1.0 and embedding/head 1.4. Flat MoE steps each path on its own change (quality.yaml's 0.7, momentum 0.9); its
+# grid holds independent paths (no outer step), the control of what the outer step on a path's own change is worth.
 DEFAULT_OUTER = {
     "dipaco": ("outer.lr=1.0",),
     "dipaco_shared": ("outer.lr=1.0", "outer.embedding_head_lr_scale=1.4"),
@@ -119,9 +119,9 @@ class Preset:
     outer: dict[str, tuple[str, ...]] | None = None  # per family, replacing DEFAULT_OUTER (the gpu preset)
 
 
-# The gpu preset's outer steps, from the cpu sweep's tuning seed (docs/benchmarks.md, "Where more paths pay"): DiPaCo's
-# embedding/head step at 0.7 of the levels' 1.0 won at P = 4 and 16; DiLoCo's 1.0 won at P = 16 and was within 0.2% of
-# 0.85 at P = 4.
+# The gpu preset's outer steps, from the cpu sweep's tuning seed (docs/notes/2026-11-27-path-count-scaling.md, "Where
+# more paths pay"): DiPaCo's embedding/head step at 0.7 of the levels' 1.0 won at P = 4 and 16; DiLoCo's 1.0 won at
+# P = 16 and was within 0.2% of 0.85 at P = 4.
 GPU_OUTER_DIPACO = (*DEFAULT_OUTER["dipaco"], "outer.embedding_head_lr_scale=0.7")
 BYTE_PATH = ("tokenizer.vocab_size=258", "model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64",
              "model.num_heads=2")
@@ -130,15 +130,16 @@ PRESETS = {
     # 16 x 128 tokens = 1.70M tokens per path (82.6 per non-embedding parameter); the 96-byte routing prefix holds
     # about as much text as the 32 BPE-2048 tokens of issue 36. AdamW at 3e-3 (pretraining and paths): at quality.yaml's
     # 1e-3 this path was 15% worse after 832 steps and the outer step made up for the slow inner loop (pilot rows in
-    # docs/benchmarks.md); 1e-2 was worse than 3e-3.
+    # docs/notes/2026-11-27-path-count-scaling.md); 1e-2 was worse than 3e-3.
     "cpu": Preset((*BYTE_PATH, "data.seq_len=128", "data.prefix_tokens=96", "pretrain.steps=200",
                    "pretrain.optim.lr=3e-3", "pretrain.optim.warmup_steps=20", "pretrain.optim.batch_size=16",
                    "train.rounds=32", "train.inner_steps=26", "train.optim.lr=3e-3", "train.optim.batch_size=16",
                    "train.optim.warmup_steps=20"),
                   paths=(1, 4, 16), families=FAMILIES, tune=True, big_dense=True, extras=True),
     # Issue 36's regime: BPE-2048, whose embedding and head are 86% of the path; 8 rounds (20.6 tokens per
-    # non-embedding parameter per path). Its rows in docs/benchmarks.md ran under the names and defaults of that
-    # script (DiPaCo with shared embedding and head at 1.4, DiLoCo at 1.2); the module docstring maps them.
+    # non-embedding parameter per path). Its rows in docs/notes/2026-11-27-path-count-scaling.md ran under the names
+    # and defaults of that script (DiPaCo with shared embedding and head at 1.4, DiLoCo at 1.2); the module docstring
+    # maps them.
     "bpe": Preset(("model.num_layers=2", "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
                    "tokenizer.vocab_size=2048", "data.seq_len=128", "data.prefix_tokens=32", "pretrain.steps=200",
                    "pretrain.optim.warmup_steps=20", "pretrain.optim.batch_size=16", "train.rounds=8",
@@ -149,7 +150,8 @@ PRESETS = {
     # (at most 1.4 passes over a 16-path shard: on these corpora the GPU buys width, not tokens). On one H100 a step
     # of a small path is bound by launch overhead, not FLOPs: bench_quality's GPU rows measured 35-37 steps/s (a
     # 17.8M-parameter path at 4,096 tokens a step, round checkpoints included), so the 40 paths x 224 steps take about
-    # 250 s; with prepare, pretrain, routing and four evaluations the preset fits 6 minutes (docs/benchmarks.md).
+    # 250 s; with prepare, pretrain, routing and four evaluations the preset fits 6 minutes
+    # (docs/notes/2026-11-27-path-count-scaling.md).
     "gpu": Preset(("tokenizer.vocab_size=258", "model.num_layers=4", "model.hidden_size=64",
                    "model.intermediate_size=128", "model.num_heads=4", "data.seq_len=256", "data.prefix_tokens=96",
                    "pretrain.steps=150", "pretrain.optim.warmup_steps=15", "pretrain.optim.batch_size=32",
@@ -391,7 +393,8 @@ def is_grid_point(group: str) -> bool:
 
 
 # P = 1 of each family: plain AdamW for dense; one path with its outer step (DiLoCo-1, which a 1x1 grid and MoE-1 are)
-# for the others: the outer Nesterov step on a path's own change is worth having even alone (docs/benchmarks.md).
+# for the others: the outer Nesterov step on a path's own change is worth having even alone
+# (docs/notes/2026-11-27-path-count-scaling.md).
 START = {"dense": "dense", "dipaco": "diloco", "dipaco_shared": "diloco", "diloco": "diloco",
          "moe": "diloco"}
 

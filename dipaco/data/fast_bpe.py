@@ -2,8 +2,8 @@
 
 `dipaco prepare` spends almost all its time encoding. On the shared 2-core machine, HF `tokenizers`
 (``encode_batch_fast``, both cores) encodes the benchmark corpus at about 0.9M tokens/s and tiktoken at
-about 2.6M (docs/benchmarks.md). tiktoken takes a vocabulary as ``bytes -> rank`` and a split pattern,
-so a byte-level BPE trained by HF (:func:`dipaco.data.tokenizer.train_tokenizer`) converts to it
+about 2.6M (docs/notes/2026-11-27-corpora-larger-than-memory.md). tiktoken takes a vocabulary as ``bytes -> rank``
+and a split pattern, so a byte-level BPE trained by HF (:func:`dipaco.data.tokenizer.train_tokenizer`) converts to it
 directly. :func:`tiktoken_bpe` does the conversion only where the ids are provably the same, and says
 why not otherwise; the caller then keeps HF.
 

@@ -11,7 +11,7 @@ short window are decoded together (:func:`dipaco.serve.decode.decode_batch`).
   a path is decoded by one worker at a time (its requests meanwhile gather into its next batch), so
   batches of different paths run in parallel, at most ``workers`` at once. One is the default: decoding
   threads of one process contend for the GIL around every small torch op, and on the 2-core CPU four
-  of them halved the unbatched server's throughput (docs/benchmarks.md); one thread also lets the
+  of them halved the unbatched server's throughput (docs/notes/2026-11-27-single-path-inference.md); one thread also lets the
   other paths' requests pile up into larger batches while it decodes.
 - Requests of a path that is decoding join its running batch between two steps (up to ``max_batch``
   rows), unless that would keep a request of another path waiting for a worker: with every worker

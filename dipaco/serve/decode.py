@@ -27,7 +27,7 @@ How a row is computed, and why it matches HF ``generate``:
 
 What batching can change: a padded row attends over more (masked) columns and its matrix products run
 at another batch size, so its logits can differ from the lone row's in the last bits of float32; a
-greedy token flips only where two logits tie to that precision (docs/benchmarks.md measures how often).
+greedy token flips only where two logits tie to that precision (docs/results.md measures how often).
 """
 
 from __future__ import annotations
