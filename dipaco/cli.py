@@ -11,9 +11,12 @@
     dipaco generate --run runs/demo "prompt"             route the prompt, run its one path
     dipaco export   --run runs/demo --path 3 --out DIR    a path as a standalone HF model directory
     dipaco serve    --run runs/demo --port 8000           HTTP API: /v1/route, /v1/generate, /v1/paths
+    dipaco convert-spec --run runs/demo                   experiment.json for a run trained before specs
     dipaco config show [--config FILE] [key=value ...]    every key of the config and its value
 
-The inference commands take ``--run RUN_DIR`` instead: they use the experiment's stored config.
+The inference commands take ``--run RUN_DIR`` instead: they read the experiment's spec
+(``experiment.json``, :mod:`dipaco.checkpoint.spec`), converted once from its stored config for a
+run trained before specs existed.
 
 Problems with the user's input (config, data, checkpoints) print one ``error:`` line and exit 2.
 Nothing heavy is imported before the arguments are parsed, so ``dipaco --help`` answers at once.
@@ -83,6 +86,7 @@ def _cmd_report(args: argparse.Namespace) -> None:
 def _cmd_generate(args: argparse.Namespace) -> None:
     from dipaco.serve.pipeline import Pipeline
 
+    _spec_of_old_run(args)
     pipe = Pipeline.from_run(args.run, experiment=args.experiment, checkpoint=args.checkpoint, device=args.device,
                              precision=args.precision)
     out = pipe.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -103,20 +107,43 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 def _cmd_export(args: argparse.Namespace) -> None:
     from dipaco.serve.export import export
 
+    _spec_of_old_run(args)
     export(args.run, args.out, path=args.path, all_paths=args.all, experiment=args.experiment, checkpoint=args.checkpoint)
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
     from dipaco.serve.auth import resolve_token
-    from dipaco.serve.http import serve
+    from dipaco.serve.http import AppOptions, ServeOptions, serve
 
-    serve(args.run, host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
-          cache_size=args.cache_size, max_prompt_tokens=args.max_prompt_tokens,
-          max_new_tokens_cap=args.max_new_tokens_cap, device=args.device, max_body_bytes=args.max_body_bytes,
-          precision=args.precision, body_timeout_s=args.body_timeout_s, token=resolve_token(args.token),
-          allow_unauthenticated=args.allow_unauthenticated, max_batch=args.max_batch,
-          batch_wait_ms=args.batch_wait_ms, header_timeout_s=args.header_timeout_s,
-          max_connections=args.max_connections, decode_workers=args.decode_workers)
+    _spec_of_old_run(args)
+    app = AppOptions(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_cap=args.max_new_tokens_cap,
+                     max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s, max_batch=args.max_batch,
+                     batch_wait_ms=args.batch_wait_ms, decode_workers=args.decode_workers)
+    serve(args.run, ServeOptions(host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
+                                 cache_size=args.cache_size, device=args.device, precision=args.precision,
+                                 token=resolve_token(args.token), allow_unauthenticated=args.allow_unauthenticated,
+                                 header_timeout_s=args.header_timeout_s, max_connections=args.max_connections, app=app))
+
+
+def _spec_of_old_run(args: argparse.Namespace) -> None:
+    """An experiment trained before experiment specs gets one, once, from its stored config (the root's converter)."""
+    from dipaco.run import convert_experiment
+    from dipaco.run_dir import RunDir
+    from dipaco.serve.pipeline import resolve_experiment
+
+    try:
+        exp_dir = resolve_experiment(RunDir(args.run), args.experiment)
+    except DipacoError:
+        return  # no such run or experiment: the job's own loading names the problem
+    convert_experiment(args.run, exp_dir.name)
+
+
+def _cmd_convert_spec(args: argparse.Namespace) -> None:
+    from dipaco.run import convert_experiment
+    from dipaco.run_dir import RunDir
+    from dipaco.serve.pipeline import resolve_experiment
+
+    print(convert_experiment(args.run, resolve_experiment(RunDir(args.run), args.experiment).name))
 
 
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -196,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--all", action="store_true", help="every path, into OUT/path_NNN")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=_cmd_export)
+
+    p = _command(sub, "convert-spec", "write the experiment spec of an experiment trained before dipaco wrote one")
+    _add_run_args(p)
+    p.set_defaults(func=_cmd_convert_spec)
 
     p = _command(sub, "serve", "HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate, /metrics")
     _add_run_args(p)

@@ -16,31 +16,34 @@ value fails before any job starts, with one error naming its key.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from transformers import LlamaForCausalLM, PreTrainedModel
 
+from dipaco.checkpoint.spec import SPEC, ExperimentSpec, ShardingRef, TokenizerRef, read_spec, spec_file
 from dipaco.checkpoint.state import TrainingState
-from dipaco.checkpoint.store import CheckpointManager
+from dipaco.checkpoint.store import CONFIG, CheckpointManager, resolve_checkpoint
 from dipaco.comm.placement import check_world_size, module_writers, paths_by_rank
 from dipaco.comm.world import DistEnv, World, check_dist, check_same_config, detect_env, init_world, rank_device
-from dipaco.config import Config, EvalConfig, config_diff, flatten, merge_config, to_yaml
+from dipaco.config import Config, config_diff, flatten, merge_config, to_yaml
 from dipaco.data.corpus import numpy_column
-from dipaco.data.packing import DocumentTokens
+from dipaco.data.packing import DocumentTokens, PackedShard
 from dipaco.data.prepare import Prepared, check_data, check_tokenizer, load_prepared, prepare
 from dipaco.errors import ConfigError, DataError
-from dipaco.eval.evaluate import EvalJob, check_eval, evaluate_experiment, evaluate_pretrained
+from dipaco.eval.evaluate import EvalJob, PretrainedEval, check_eval, evaluate_experiment, evaluate_pretrained
 from dipaco.eval.report import comparison_table
 from dipaco.eval.reroute_eval import reroute_evaluate
 from dipaco.metrics import echo
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model, check_model
 from dipaco.model.pretrained import load_pretrained, path_llama_config
+from dipaco.model.scoring import Scoring
 from dipaco.model.topology import Topology, check_topology, topology_from_config
 from dipaco.paths.early_stopping import PathEarlyStopping, early_stopping_holdout
-from dipaco.paths.inner import InnerLoop, InnerOptions
-from dipaco.paths.sampler import ShardSampler
+from dipaco.paths.factory import LoopSettings, PathLoops
 from dipaco.precision import resolve_precision
 from dipaco.route.assign import RouteJob, check_route, route
 from dipaco.route.shards import (
@@ -55,10 +58,11 @@ from dipaco.route.shards import (
 from dipaco.run_dir import RunDir
 from dipaco.runtime import check_run, resolve_device, seed_everything
 from dipaco.sync import ASYNC_SYNCS, SyncContext, build_sync, check_outer
+from dipaco.train.experiment import BuiltExperiment
 from dipaco.train.pretrain import check_pretrain, pretrain
 from dipaco.train.reroute import RerouteJob, reroute
 from dipaco.train.resharding import EMPlan, check_em, train_em
-from dipaco.train.rounds import RoundScheduler
+from dipaco.train.rounds import RoundOptions, RoundScheduler
 from dipaco.train.task_queue import check_ray
 from dipaco.train.tasks import TaskScheduler
 from dipaco.train.trainer import Trainer, check_train
@@ -119,13 +123,34 @@ class Run:
         return load_pretrained(RunDir(cfg.run.dir).pretrain, llama)
 
     def eval_job(self, prepared: Prepared) -> EvalJob:
+        """Evaluation of the experiment as it was trained: its spec, not this config, gives the model's shape,
+        topology, lengths and routing rule."""
         cfg = self.cfg
-        return EvalJob(eval=cfg.eval, run_dir=Path(cfg.run.dir), name=cfg.train.name, sharding=cfg.train.sharding,
-                       shard_column=cfg.train.shard_column, seed=cfg.run.seed, topology=self.topology(),
-                       llama=path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len),
-                       seq_len=cfg.data.seq_len, prefix_tokens=cfg.data.prefix_tokens,
+        spec = self.trained_spec()
+        return EvalJob(eval=cfg.eval, run_dir=Path(cfg.run.dir), name=cfg.train.name, sharding=spec.sharding.rule,
+                       shard_column=spec.sharding.column, seed=spec.sharding.seed, topology=spec.build_topology(),
+                       llama=spec.llama_config(), seq_len=spec.seq_len, prefix_tokens=spec.prefix_tokens,
                        device=resolve_device(cfg.run.device), inner_steps=cfg.train.inner_steps,
                        progress=cfg.run.progress)
+
+    def trained_spec(self) -> ExperimentSpec:
+        """The spec of the trained experiment ``train.name`` (converted once for a run trained before specs)."""
+        exp_dir = RunDir(self.cfg.run.dir).experiment(self.cfg.train.name)
+        if not (exp_dir / CONFIG).is_file():  # not trained: the checkpoint reader's own error says so
+            resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"))
+        convert_experiment(self.cfg.run.dir, exp_dir.name)
+        spec = read_spec(exp_dir)
+        cfg = self.cfg
+        declared = {"train.sharding": (cfg.train.sharding, spec.sharding.rule),
+                    "data.seq_len": (cfg.data.seq_len, spec.seq_len),
+                    "data.prefix_tokens": (cfg.data.prefix_tokens, spec.prefix_tokens),
+                    **{f"model.{k}": (v, spec.model.get(k)) for k, v in asdict(cfg.model).items()},
+                    "topology": (self.topology().describe(), spec.build_topology().describe())}
+        differ = [f"{key}={mine} against {key}={theirs}" for key, (mine, theirs) in declared.items() if mine != theirs]
+        if differ:
+            raise ConfigError(f"this config does not describe experiment {spec.name} as it was trained "
+                              f"({exp_dir / SPEC}): {'; '.join(differ)}; use the config it was trained with")
+        return spec
 
     # --- the jobs -----------------------------------------------------------------------------------------
     def prepare(self) -> dict:
@@ -198,9 +223,9 @@ class Run:
     def evaluate_pretrained(self) -> dict:
         cfg = self.cfg
         prepared = self.prepared(routed=False)
-        return evaluate_pretrained(cfg.eval, Path(cfg.run.dir), self.pretrained(prepared), prepared, cfg.data.seq_len,
-                                   cfg.data.prefix_tokens, cfg.pretrain.steps, resolve_device(cfg.run.device),
-                                   progress=cfg.run.progress)
+        job = PretrainedEval(cfg.eval, Path(cfg.run.dir), cfg.data.seq_len, cfg.data.prefix_tokens, cfg.pretrain.steps,
+                             resolve_device(cfg.run.device), progress=cfg.run.progress)
+        return evaluate_pretrained(job, self.pretrained(prepared), prepared)
 
     def reroute_evaluate(self, every: Sequence[int], checkpoint: str | None = None) -> dict:
         cfg = self.cfg
@@ -211,6 +236,86 @@ class Run:
 
     def report(self) -> str:
         return comparison_table(self.cfg.run.dir)
+
+    # --- the experiment of `dipaco train` ------------------------------------------------------------------
+    def sharding(self, prepared: Prepared, topology: Topology) -> Sharding:
+        """The paths' shards of the training documents, and their outer weights."""
+        cfg = self.cfg
+        train, train_ds = cfg.train, prepared.train
+        doc_paths = assign_paths(train_ds, topology.num_paths, train.sharding, cfg.run.seed, train.shard_column)
+        heldout = np.zeros(len(doc_paths), dtype=bool)
+        if train.early_stopping_holdout > 0:
+            heldout = early_stopping_holdout(document_ids(train_ds), train.early_stopping_holdout, cfg.run.seed)
+        trains = training_paths(train_ds, doc_paths, topology.num_paths, cfg.route.topk, train.sharding)
+        # Without a holdout every document trains: no selection, and no copies of 8 bytes a document.
+        kept = np.flatnonzero(~heldout) if heldout.any() else None
+        if kept is not None:
+            trains = trains[kept]
+        shards = build_shards(train_ds if kept is None else train_ds.select(kept), trains, topology.num_paths,
+                              cfg.data.seq_len, prepared.tokenizer.eos_token_id)
+        shares = None
+        if trains.shape[1] > 1:  # overlapping shards; else every share is 1
+            tokens = numpy_column(train_ds, "num_tokens")
+            shares = overlap_token_shares(trains, topology.num_paths, tokens if kept is None else tokens[kept])
+        return Sharding(doc_paths, heldout, shards, path_weights(shards, cfg.outer.weighting, shares))
+
+    def experiment_spec(self, tokenizer: Any, topology: Topology, doc_paths: np.ndarray,
+                        tokens: np.ndarray) -> ExperimentSpec:
+        """What the experiment of ``cfg`` is, for everything after training (:mod:`dipaco.checkpoint.spec`);
+        ``doc_paths``/``tokens``: every training document's first path and its tokens (the shards' sizes)."""
+        cfg, n = self.cfg, topology.num_paths
+        run_dir = RunDir(cfg.run.dir)
+        sharding = ShardingRef(rule=cfg.train.sharding, column=cfg.train.shard_column, seed=cfg.run.seed,
+                               routing=run_dir.routing.name if cfg.train.sharding == "kmeans" else None,
+                               docs=np.bincount(doc_paths, minlength=n).tolist(),
+                               tokens=np.bincount(doc_paths, weights=tokens, minlength=n).astype(np.int64).tolist())
+        return ExperimentSpec(name=cfg.train.name, model=asdict(cfg.model), topology=topology.to_dict(),
+                              tokenizer=TokenizerRef(dir=run_dir.tokenizer.name, vocab_size=len(tokenizer),
+                                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+                              seq_len=cfg.data.seq_len, prefix_tokens=cfg.data.prefix_tokens, sharding=sharding,
+                              precision={"train": cfg.train.precision, "eval": cfg.eval.precision})
+
+    def build_experiment(self, world: World) -> tuple[BuiltExperiment, Prepared, Sharding]:
+        """The record of one rank's experiment (:class:`dipaco.train.experiment.BuiltExperiment`), with the data
+        and sharding it came from (early stopping reads its held-out documents)."""
+        cfg = self.cfg
+        train, device = cfg.train, world.device
+        topology = topology_from_config(cfg.topology, cfg.model.num_layers)
+        prepared = self.prepared()
+        sharding = self.sharding(prepared, topology)
+        by_rank = paths_by_rank([s.numel() for s in sharding.shards], world.size)
+        mine = by_rank[world.rank]
+        llama = path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len)
+        init = (load_pretrained(RunDir(cfg.run.dir).pretrain, llama,
+                                hint="run `dipaco pretrain` first, or set train.init=random")
+                if train.init == "pretrained" else build_model(llama, seed=cfg.run.seed))
+        bank = ModuleBank(topology, init.to(device), modules={m for p in mine for m in topology.path_modules(p)})
+        settings = LoopSettings.from_config(train, cfg.model, train.rounds * train.inner_steps, "train")
+        path_loops = PathLoops(dict(enumerate(sharding.shards)), settings, cfg.run.seed)
+        loops = {p: path_loops.build(p, bank.compose(p, build_model(llama, device=device)), device) for p in mine}
+        spec = self.experiment_spec(prepared.tokenizer, topology, sharding.doc_paths, numpy_column(prepared.train, "num_tokens"))
+        experiment = BuiltExperiment(spec=spec, config_yaml=to_yaml(cfg), run_dir=Path(cfg.run.dir),
+                                     dir=RunDir(cfg.run.dir).experiment(train.name), rounds=train.rounds,
+                                     inner_steps=train.inner_steps, topology=topology, world=world, by_rank=by_rank,
+                                     weights=sharding.weights, bank=bank, path_loops=path_loops, loops=loops)
+        return experiment, prepared, sharding
+
+    def early_stopping(self, experiment: BuiltExperiment, held: HeldOut,
+                       scratch_model: PreTrainedModel) -> PathEarlyStopping:
+        """Early stopping for this rank's paths, each judged on the held-out docs routed to it."""
+        cfg = self.cfg
+        # Only the held-out documents of this rank's paths are read, as int32 arrays (a Python list took
+        # about 9x the memory).
+        tokens = DocumentTokens(held.prepared.train)
+        docs = {p: tokens.documents(np.flatnonzero(held.mask & (held.doc_paths == p)), np.int32) for p in experiment.paths}
+        starved = [p for p, d in docs.items() if not d]
+        if starved:
+            raise DataError(f"train.early_stopping_holdout={held.fraction} leaves paths {starved} without held-out "
+                            f"documents; raise it")
+        device = next(scratch_model.parameters()).device
+        return PathEarlyStopping(experiment.dir / "early_stopping", docs, Scoring(
+            cfg.data.seq_len, cfg.data.prefix_tokens, cfg.eval.batch_size, held.prepared.tokenizer.pad_token_id,
+            resolve_precision(cfg.eval.precision, device, "eval.precision")), scratch_model)
 
     def check_resume(self, checkpoint: Path) -> None:
         """Refuses to resume from a checkpoint whose saved config differs from this run's in a key that
@@ -230,84 +335,86 @@ class Run:
                  f"it rises from where the shorter schedule left it to that step's value on the longer one")
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """The training documents' split into the paths' shards, as one run derives it."""
+
+    doc_paths: np.ndarray  # every training document's first path
+    heldout: np.ndarray  # documents kept out of training for early stopping
+    shards: list[PackedShard]  # path -> its packed sequences
+    weights: dict[int, float]  # path -> its outer weight
+
+
 def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler], None] | None = None) -> Trainer:
-    """The composition root of `dipaco train`, as one rank sees the experiment: every shard (to balance the
-    ranks), its own paths' inner loops, the bank of the modules they go through, the scheduler with its
-    sync, and the checkpoints. Each component gets its own section."""
-    train, device = cfg.train, world.device
-    check_train(train)
-    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
-    prepared = Run(cfg).prepared()
-    train_ds = prepared.train
-    paths = assign_paths(train_ds, topology.num_paths, train.sharding, cfg.run.seed, train.shard_column)
-    heldout = np.zeros(len(paths), dtype=bool)
-    if train.early_stopping_holdout > 0:
-        heldout = early_stopping_holdout(document_ids(train_ds), train.early_stopping_holdout, cfg.run.seed)
-    trains = training_paths(train_ds, paths, topology.num_paths, cfg.route.topk, train.sharding)
-    # Without a holdout every document trains: no selection, and no copies of 8 bytes a document.
-    kept = np.flatnonzero(~heldout) if heldout.any() else None
-    if kept is not None:
-        trains = trains[kept]
-    shards = build_shards(train_ds if kept is None else train_ds.select(kept), trains, topology.num_paths,
-                          cfg.data.seq_len, prepared.tokenizer.eos_token_id)
-    by_rank = paths_by_rank([s.numel() for s in shards], world.size)
-    mine = by_rank[world.rank]
-
-    llama = path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len)
-    init = (load_pretrained(RunDir(cfg.run.dir).pretrain, llama,
-                            hint="run `dipaco pretrain` first, or set train.init=random")
-            if train.init == "pretrained" else build_model(llama, seed=cfg.run.seed))
-    bank = ModuleBank(topology, init.to(device), modules={m for p in mine for m in topology.path_modules(p)})
-    options = InnerOptions.from_config(train, cfg.model, device, "train")
-    loops = {}
-    for p in mine:
-        model = build_model(llama, device=device)
-        sampler = ShardSampler(shards[p], train.optim.batch_size, seed=cfg.run.seed * 7919 + p)
-        loops[p] = InnerLoop(bank.compose(p, model), sampler, train.optim, train.rounds * train.inner_steps, device,
-                             options)
-    shares = None
-    if trains.shape[1] > 1:  # overlapping shards; else every share is 1
-        tokens = numpy_column(train_ds, "num_tokens")
-        shares = overlap_token_shares(trains, topology.num_paths, tokens if kept is None else tokens[kept])
-    weights = path_weights(shards, cfg.outer.weighting, shares)
-    exp_dir = RunDir(cfg.run.dir).experiment(train.name)
-    early_stopping = None
-    if heldout.any():
-        early_stopping = _early_stopping(cfg.eval, exp_dir, prepared, paths, heldout, mine, build_model(llama, device=device),
-                                         cfg.data.seq_len, cfg.data.prefix_tokens, train.early_stopping_holdout)
+    """The composition root of `dipaco train`, as one rank sees the experiment: the built record, the
+    scheduler with its sync, and the checkpoints. Each component gets its own section."""
+    check_train(cfg.train)
+    run = Run(cfg)
+    experiment, prepared, sharding = run.build_experiment(world)
     scheduler: RoundScheduler | TaskScheduler
-    if train.driver == "ray":
-        scheduler = TaskScheduler(cfg.ray, cfg.outer, train, cfg.model, cfg.run.seed, topology, bank, loops, weights,
-                                  exp_dir, to_yaml(cfg), cfg.dist.timeout_s, on_start)
+    if cfg.train.driver == "ray":
+        scheduler = TaskScheduler(experiment, cfg.ray, cfg.outer, cfg.dist.timeout_s, cfg.train.dynamic_local_steps,
+                                  on_start)
     else:
-        sync = build_sync(SyncContext(cfg.outer, cfg.dist, train.inner_steps, train.rounds, cfg.run.seed, topology, bank,
-                                      weights, by_rank, world))
-        scheduler = RoundScheduler(sync, loops, bank, topology, world, train.rounds, train.inner_steps,
-                                   train.log_every, cfg.run.progress, early_stopping, cfg.dist.comm_dtype,
-                                   report_dropped=cfg.outer.drop_prob > 0, diagnostics=train.diagnostics)
-    writers = module_writers(topology, by_rank)
-    state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held if writers[m] == world.rank), loops,
-                          scheduler.sync, scheduler, world.rank, by_rank)
-    return Trainer(config_yaml=to_yaml(cfg), check_resume=Run(cfg).check_resume, run_dir=Path(cfg.run.dir), dir=exp_dir,
-                   rounds=train.rounds, routed=train.sharding == "kmeans", topology=topology, bank=bank, loops=loops,
-                   weights=weights, by_rank=by_rank, world=world, scheduler=scheduler, state=state,
-                   checkpoints=CheckpointManager(exp_dir / "checkpoints", keep=train.keep_checkpoints))
+        sync = build_sync(SyncContext(cfg.outer, cfg.dist, experiment.inner_steps, experiment.rounds, cfg.run.seed,
+                                      experiment.topology, experiment.bank, experiment.weights, experiment.by_rank,
+                                      world))
+        early_stopping = None
+        if sharding.heldout.any():
+            llama = path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len)
+            held = HeldOut(prepared, sharding.doc_paths, sharding.heldout, cfg.train.early_stopping_holdout)
+            early_stopping = run.early_stopping(experiment, held, build_model(llama, device=world.device))
+        options = RoundOptions(cfg.train.log_every, cfg.run.progress, cfg.dist.comm_dtype,
+                               report_dropped=cfg.outer.drop_prob > 0, diagnostics=cfg.train.diagnostics)
+        scheduler = RoundScheduler(experiment, sync, options, early_stopping)
+    writers = module_writers(experiment.topology, experiment.by_rank)
+    bank = experiment.bank
+    state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held if writers[m] == world.rank),
+                          experiment.loops, scheduler.sync, scheduler, world.rank, experiment.by_rank)
+    return Trainer(experiment, scheduler, state, CheckpointManager(experiment.dir / "checkpoints",
+                                                                   keep=cfg.train.keep_checkpoints),
+                   check_resume=run.check_resume)
 
 
-def _early_stopping(section: EvalConfig, exp_dir: Path, prepared: Prepared, paths: np.ndarray, heldout: np.ndarray,
-                    own_paths: tuple[int, ...], scratch_model: PreTrainedModel, seq_len: int, prefix_tokens: int,
-                    fraction: float) -> PathEarlyStopping:
-    """Early stopping for this rank's paths, each judged on the held-out docs routed to it."""
-    # Only the held-out documents of this rank's paths are read, as int32 arrays (a Python list took
-    # about 9x the memory).
-    tokens = DocumentTokens(prepared.train)
-    docs = {p: tokens.documents(np.flatnonzero(heldout & (paths == p)), np.int32) for p in own_paths}
-    starved = [p for p, d in docs.items() if not d]
-    if starved:
-        raise DataError(f"train.early_stopping_holdout={fraction} leaves paths {starved} without held-out "
-                        f"documents; raise it")
-    device = next(scratch_model.parameters()).device
-    return PathEarlyStopping(exp_dir / "early_stopping", docs, seq_len, prefix_tokens, section.batch_size,
-                             prepared.tokenizer.pad_token_id, scratch_model,
-                             resolve_precision(section.precision, device, "eval.precision"))
+@dataclass(frozen=True)
+class HeldOut:
+    """The training documents early stopping holds out, and the paths they are routed to."""
 
+    prepared: Prepared
+    doc_paths: np.ndarray  # every training document's first path
+    mask: np.ndarray
+    fraction: float  # train.early_stopping_holdout
+
+
+def convert_experiment(run_dir: str | Path, experiment: str | None = None) -> Path:
+    """Writes the experiment spec of an experiment trained before specs existed (or returns the one it has):
+    read once from its stored ``config.yaml``, its shards' sizes derived once from the run's data."""
+    run = RunDir(run_dir)
+    exp_dir = run.experiment(experiment) if experiment else _only_experiment(run)
+    found = spec_file(exp_dir)
+    if found is not None:
+        return found
+    latest = CheckpointManager(exp_dir / "checkpoints").latest()
+    if latest is not None and (latest / SPEC).is_file():  # the experiment's copy was removed: the checkpoint has one
+        return ExperimentSpec.from_json((latest / SPEC).read_text(encoding="utf-8"), str(latest / SPEC)).write(exp_dir)
+    stored = exp_dir / "config.yaml"
+    if not stored.is_file():
+        raise ConfigError(f"{exp_dir}: no {stored.name}; it is not a trained experiment (run `dipaco train` first)")
+    cfg = merge_config(stored)
+    cfg = merge_config(None, [f"run.dir={run.root}"], base=cfg)  # the stored run.dir may be another machine's
+    root = Run(cfg)
+    prepared = root.prepared()
+    topology = root.topology()
+    doc_paths = assign_paths(prepared.train, topology.num_paths, cfg.train.sharding, cfg.run.seed, cfg.train.shard_column)
+    spec = root.experiment_spec(prepared.tokenizer, topology, doc_paths, numpy_column(prepared.train, "num_tokens"))
+    path = spec.write(exp_dir)
+    echo(f"[spec] {exp_dir.name}: wrote {path} from its {stored.name} (trained before experiment specs)")
+    return path
+
+
+def _only_experiment(run: RunDir) -> Path:
+    found = [e for e in run.experiments() if (e / "config.yaml").is_file()]
+    if len(found) != 1:
+        names = ", ".join(e.name for e in found) or "none"
+        raise ConfigError(f"{run.root}: choose the experiment to convert with --experiment (the run has: {names})")
+    return found[0]

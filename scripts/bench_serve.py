@@ -131,10 +131,16 @@ def percentiles(ms: list[float]) -> dict:
             "mean_ms": float(a.mean()), "n": int(a.size)}
 
 
-def prompts_from_run(pipe, n: int, n_tokens: int) -> list[str]:
-    from dipaco.run import Run
+def validation_split(pipe):
+    """The validation documents of the served experiment's run (its stored config, read by the root)."""
+    from dipaco.run import Run, load_config
 
-    val = Run(pipe.cfg).prepared().validation
+    cfg = load_config(pipe.loaded.dir / "config.yaml", [f"run.dir={pipe.loaded.run.root}"])
+    return Run(cfg).prepared().validation
+
+
+def prompts_from_run(pipe, n: int, n_tokens: int) -> list[str]:
+    val = validation_split(pipe)
     ids = [d[:n_tokens] for d in val["input_ids"] if len(d) >= n_tokens]
     return [pipe.decode(d) for d in ids[:n]]
 
@@ -509,9 +515,7 @@ def print_abuse(a: dict) -> None:
 def varied_prompts(pipe, n: int, max_tokens: int) -> list[str]:
     """``n`` validation texts cut to between ``max_tokens // 2`` and ``max_tokens`` tokens (a fixed cycle),
     so a batch holds prompts of different lengths and is left-padded."""
-    from dipaco.run import Run
-
-    val = Run(pipe.cfg).prepared().validation
+    val = validation_split(pipe)
     docs = [d for d in val["input_ids"] if len(d) >= max_tokens]
     if len(docs) < n:
         docs = (docs * (n // max(len(docs), 1) + 1))[:n]

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import datasets
@@ -43,8 +43,10 @@ from transformers import LlamaForCausalLM
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dipaco.checkpoint.spec import ExperimentSpec, ShardingRef, TokenizerRef  # noqa: E402
 from dipaco.checkpoint.state import TrainingState  # noqa: E402
 from dipaco.checkpoint.store import (
+    CONFIG,  # noqa: E402
     CheckpointManager,  # noqa: E402
     write_snapshot,  # noqa: E402
 )
@@ -54,13 +56,15 @@ from dipaco.data.packing import DocumentTokens, PackedShard  # noqa: E402
 from dipaco.model.bank import ModuleBank  # noqa: E402
 from dipaco.model.llama import build_model, llama_config  # noqa: E402
 from dipaco.model.topology import Topology, topology_from_config  # noqa: E402
+from dipaco.paths.factory import LoopSettings, PathLoops  # noqa: E402
 from dipaco.paths.inner import InnerLoop, InnerOptions, build_adamw  # noqa: E402
 from dipaco.paths.sampler import Sequences, ShardSampler  # noqa: E402
 from dipaco.precision import Precision, resolve_precision  # noqa: E402
 from dipaco.run import apply_overrides  # noqa: E402
 from dipaco.runtime import configure_backends  # noqa: E402
 from dipaco.sync import SyncContext, build_sync  # noqa: E402
-from dipaco.train.rounds import RoundScheduler  # noqa: E402
+from dipaco.train.experiment import BuiltExperiment  # noqa: E402
+from dipaco.train.rounds import RoundOptions, RoundScheduler  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class Size:
 
 
 SIZES = {
-    # the README demo's path until issue 34 shrank it (kept: docs/benchmarks.md's figures use it)
+    # the README demo's path until issue 34 shrank it (kept: the figures of docs/notes/2026-11-23-inner-loop-throughput.md use it)
     "demo": Size(layers=4, hidden=128, intermediate=384, heads=4, vocab=4096, seq_len=128, batch=16),
     # a GPT-2-small-class path: 134M parameters with a 32k vocabulary
     "125m": Size(layers=12, hidden=768, intermediate=2048, heads=12, vocab=32000, seq_len=1024, batch=16),
@@ -252,7 +256,7 @@ class Grid:
 
     def save_checkpoint(self, checkpoints: CheckpointManager, index: int, reports: list[dict]) -> None:
         """Checkpoint ``index`` in the trainer's format (bank, outer state, every path's inner loop)."""
-        snapshot = self.state.snapshot(index, reports, {}, to_yaml(self.cfg))
+        snapshot = self.state.snapshot(index, reports, {}, {CONFIG: to_yaml(self.cfg)})
         checkpoints.save(index, lambda d: write_snapshot(d, 0, snapshot, index), self.world)
 
 
@@ -274,16 +278,20 @@ def build_grid(size: Size, device: torch.device, precision: Precision, compile: 
     bank = ModuleBank(topology, build_model(llama, seed=0, device=device))
     steps = cfg.train.rounds * cfg.train.inner_steps
     gen = torch.Generator().manual_seed(1)
-    options = InnerOptions.from_config(cfg.train, cfg.model, device, "train")
-    loops = {p: InnerLoop(bank.compose(p, build_model(llama, device=device)),
-                          ShardSampler(torch.randint(0, size.vocab, (256, size.seq_len), generator=gen), size.batch, p),
-                          cfg.train.optim, steps, device, options) for p in range(topology.num_paths)}
+    shards = {p: torch.randint(0, size.vocab, (256, size.seq_len), generator=gen) for p in range(topology.num_paths)}
+    path_loops = PathLoops(shards, LoopSettings.from_config(cfg.train, cfg.model, steps, "train"), seed=0)
+    loops = {p: path_loops.build(p, bank.compose(p, build_model(llama, device=device)), device) for p in shards}
     weights = {p: 1.0 / topology.num_paths for p in loops}
     by_rank = [tuple(loops)]
+    spec = ExperimentSpec(name="bench_round", model=asdict(cfg.model), topology=topology.to_dict(),
+                          tokenizer=TokenizerRef("tokenizer", size.vocab, eos_token_id=0, pad_token_id=1),
+                          seq_len=size.seq_len, prefix_tokens=0, sharding=ShardingRef("iid", "", 0, None),
+                          precision={"train": precision.name})
+    experiment = BuiltExperiment(spec, to_yaml(cfg), Path("."), Path("."), cfg.train.rounds, cfg.train.inner_steps,
+                                 topology, world, by_rank, weights, bank, path_loops, loops)
     sync_ = build_sync(SyncContext(cfg.outer, cfg.dist, cfg.train.inner_steps, cfg.train.rounds, cfg.run.seed,
                                    topology, bank, weights, by_rank, world))
-    scheduler = RoundScheduler(sync_, loops, bank, topology, world, cfg.train.rounds, cfg.train.inner_steps,
-                               progress=False)
+    scheduler = RoundScheduler(experiment, sync_, RoundOptions(progress=False))
     state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held), loops, sync_, scheduler, 0, by_rank)
     return Grid(cfg, topology, world, bank, loops, scheduler, state)
 

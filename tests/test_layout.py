@@ -5,6 +5,7 @@ training: tests/dipaco/serve/test_serve_imports.py.)"""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,9 +86,106 @@ def test_only_the_composition_root_takes_the_whole_config():
     and to the schema's own comparison (dipaco/config.py: config_diff). A dataclass with a Config field
     counts: the trainer held one until it was given the config's text and the root's resume check."""
     found = config_signatures()
-    # Serving's root: Pipeline.from_run reads a trained experiment's stored config.yaml, whole, into this.
-    assert found.pop("dipaco/serve/pipeline.py") == ["LoadedExperiment.__init__"]
+    # Serving read a trained experiment's stored config.yaml, whole, into LoadedExperiment until issue 50: it
+    # reads the experiment spec now.
+    assert "dipaco/serve/pipeline.py" not in found
     outside = {f: sorted(names) for f, names in found.items() if f != "dipaco/config.py"}
     assert outside == {"dipaco/run.py": ["__init__", "apply_overrides", "build_trainer", "check_config"]}
     assert found.get("dipaco/config.py") == ["config_diff"]  # the schema's own comparison of two configs
     assert sum(map(len, found.values())) <= 5  # issue 32's bound, on the training side
+
+
+# --- issue 50: serving reads a spec, small signatures, an architecture page true to the code ------------------
+# What rebuilds an experiment from a config: the schema's whole Config and loaders, the root, and the
+# section consumers that turn a config into the model and topology a checkpoint was trained with.
+CONFIG_CONSUMERS = {"Config", "merge_config", "load_config", "apply_overrides", "topology_from_config",
+                    "path_llama_config", "to_yaml"}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module and name ``path`` imports (inside functions too), as ``module`` and ``module.name``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_serving_export_and_eval_read_the_spec_not_a_config():
+    readers = [*sorted((REPO / "dipaco" / "serve").glob("*.py")), *sorted((REPO / "dipaco" / "eval").glob("*.py"))]
+    assert len(readers) > 8
+    for path in readers:
+        imported = _imports(path)
+        consumers = {n for n in imported if n.rsplit(".", 1)[-1] in CONFIG_CONSUMERS}
+        assert not consumers, f"{path.relative_to(REPO)} imports {sorted(consumers)}"
+        assert "dipaco.run" not in imported and not any(n.startswith("dipaco.run.") for n in imported)
+        if path.parent.name == "serve":  # serving imports no config section at all
+            assert not any(n == "dipaco.config" or n.startswith("dipaco.config.") for n in imported), path
+    spec = _imports(REPO / "dipaco" / "checkpoint" / "spec.py")
+    assert not {n for n in spec if n.rsplit(".", 1)[-1] in CONFIG_CONSUMERS}
+
+
+MAX_PARAMETERS = 7
+FILE_TYPES = {"json", "jsonl", "yaml", "md", "pt", "safetensors", "npy", "arrow", "png"}
+
+
+def test_no_function_in_dipaco_takes_more_than_seven_parameters():
+    """Wiring by long positional lists was issue 50's finding: group parameters in small typed dataclasses."""
+    over = []
+    for path in sorted((REPO / "dipaco").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                named = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs] if a.arg not in ("self", "cls")]
+                count = len(named) + (args.vararg is not None) + (args.kwarg is not None)
+                if count > MAX_PARAMETERS:
+                    over.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({count})")
+    assert over == []
+
+
+def _defined_names() -> set[str]:
+    names: set[str] = set()
+    for root in ("dipaco", "routing"):
+        for path in (REPO / root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(node.name)
+    return names
+
+
+def test_architecture_names_only_what_exists():
+    """docs/architecture.md: every file, module, class and function it names in backticks exists, and every
+    module of the package diagram is a file of its sub-package."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    defined = _defined_names()
+    missing = []
+    for ref in re.findall(r"`([^`\n]+)`", text):
+        for token in re.findall(r"[A-Za-z_][\w./]*", ref):
+            if token.endswith(".py"):
+                candidates = [REPO / token, REPO / "dipaco" / token, *(REPO / "dipaco").glob(f"*/{token}")]
+                if not any(c.is_file() for c in candidates):
+                    missing.append(token)
+            elif re.fullmatch(r"(dipaco|routing)(\.\w+)+", token) and token.rsplit(".", 1)[-1] not in FILE_TYPES:
+                parts = token.split(".")
+                for cut in range(len(parts), 0, -1):  # the longest module prefix, then the names in it
+                    base = REPO.joinpath(*parts[:cut])
+                    if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+                        break
+                else:
+                    cut = 0
+                if cut == 0 or any(name not in defined for name in parts[cut:]):
+                    missing.append(token)
+            elif re.fullmatch(r"[A-Z][a-z]+[A-Z]\w*", token) and token not in defined:  # CamelCase: a class
+                missing.append(token)
+    diagram = text.split("```", 2)[1]
+    for line in diagram.splitlines():  # the package lines: "<package>/  module module (a note) ..."
+        match = re.match(r"\s*(\w+)/ {2,}(?! )(?!\w+/)(.*)", line)
+        if match and match.group(1) != "routing":
+            package = REPO / "dipaco" / match.group(1)
+            for word in re.findall(r"\w+", re.sub(r"\([^)]*\)", " ", match.group(2))):
+                if not (package / f"{word}.py").is_file():
+                    missing.append(f"{match.group(1)}/{word}")
+    assert missing == [], missing

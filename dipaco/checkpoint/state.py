@@ -45,7 +45,7 @@ class PathState(Protocol):
 class SyncState(Protocol):
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]: ...
 
-    def load_state(self, saved: Any) -> None: ...
+    def load_state_dict(self, saved: Any) -> None: ...
 
 
 class SchedulerState(Protocol):
@@ -68,7 +68,7 @@ class TrainingState:
     rank: int
     by_rank: Sequence[tuple[int, ...]]  # the paths of every rank
 
-    def snapshot(self, index: int, records: list | None, info: dict, config_yaml: str) -> Snapshot:
+    def snapshot(self, index: int, records: list | None, info: dict, texts: dict[str, str]) -> Snapshot:
         """This rank's share of checkpoint ``index``; rank 0 also keeps the metrics ``records`` of the
         work it completed and the ``info`` of its checkpoint event (a resumed run logs them if it came
         before they were) and the config."""
@@ -80,7 +80,7 @@ class TrainingState:
         paths: dict[int, tuple[Mapping[str, torch.Tensor], dict]] = {
             p: (dict(loop.model.named_parameters()), loop.state_dict()) for p, loop in self.paths.items()}
         return Snapshot(parts={BANK: bank, **self.sync.state_dict()}, state=state, paths=paths,
-                        config_yaml=config_yaml if self.rank == 0 else None)
+                        texts=texts if self.rank == 0 else {})
 
     @torch.no_grad()
     def restore(self, saved: SavedCheckpoint) -> dict:
@@ -103,7 +103,7 @@ class TrainingState:
             if state.get("format", 1) < 2:  # format 1 saved each path before the outer step
                 self.bank.load_path(p, loop.model)
         saved.same_placement = state.get("paths_by_rank") == [list(ps) for ps in self.by_rank]
-        self.sync.load_state(saved)
+        self.sync.load_state_dict(saved)
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])

@@ -327,7 +327,7 @@ class Snapshot:
     parts: dict[str, dict[str, torch.Tensor]]  # part -> named tensors: bank, outer and the sync's parts
     state: dict  # trainer_state.pt: the index, RNG, placement, the scheduler's state
     paths: dict[int, tuple[Mapping[str, torch.Tensor], dict]] = field(default_factory=dict)  # path -> (params, inner)
-    config_yaml: str | None = None  # the resolved config (the writer of rank 0)
+    texts: dict[str, str] = field(default_factory=dict)  # file name -> text: the config and spec (rank 0's writer)
 
 
 def write_snapshot(root: Path, rank: int, snapshot: Snapshot, index: int) -> list[Path]:
@@ -344,9 +344,9 @@ def write_snapshot(root: Path, rank: int, snapshot: Snapshot, index: int) -> lis
         written += [path_dir(root, path) / "model.safetensors", path_dir(root, path) / "inner.pt"]
     save_state(snapshot.state, own / TRAINER_STATE)
     written.append(own / TRAINER_STATE)
-    if snapshot.config_yaml is not None:
-        (root / CONFIG).write_text(snapshot.config_yaml)
-        written.append(root / CONFIG)
+    for name, text in snapshot.texts.items():
+        (root / name).write_text(text)
+        written.append(root / name)
     return written
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from dipaco.comm.accounting import CommStats
 from dipaco.comm.codecs import Codec, build_codec, num_chunks
-from dipaco.comm.reduce import Payload, Reduced, TransportWrapper
+from dipaco.comm.reduce import CodecReducer, Payload, PendingReduction, Reduced, TransportWrapper
 from dipaco.errors import CheckpointError
 
 CANDIDATES = ("fp4", "int4", "int8", "bf16")  # cheapest first
@@ -73,7 +73,7 @@ def choose(codecs: Sequence[Codec], values: torch.Tensor, tolerance: float, chun
 
 
 class _AdaptiveReduction:
-    def __init__(self, handles: list, owner: AdaptiveCodecs) -> None:
+    def __init__(self, handles: list[PendingReduction], owner: AdaptiveCodecs) -> None:
         self.handles, self.owner = handles, owner
         self.done: Reduced | None = None
 
@@ -92,10 +92,10 @@ class _AdaptiveReduction:
         return self.done
 
 
-class AdaptiveCodecs(TransportWrapper):
+class AdaptiveCodecs(TransportWrapper[CodecReducer]):
     """Wraps a transport (or :class:`~dipaco.comm.feedback.ErrorFeedback`); same ``start``/``reduce``."""
 
-    def __init__(self, transport, first: Codec, chunk: int, tolerance: float, sample_chunks: int = 0) -> None:
+    def __init__(self, transport: CodecReducer, first: Codec, chunk: int, tolerance: float, sample_chunks: int = 0) -> None:
         super().__init__(transport)
         self.first, self.tolerance = first, tolerance
         self.chunk, self.sample = chunk, sample_chunks

@@ -40,7 +40,7 @@ class _FeedbackReduction:
         return self.done
 
 
-class ErrorFeedback(TransportWrapper):
+class ErrorFeedback(TransportWrapper[Transport]):
     """Wraps a lossy :class:`Transport`; same ``start``/``reduce`` interface."""
 
     def __init__(self, transport: Transport, applied: Callable[[torch.Tensor], bool]) -> None:

@@ -32,6 +32,10 @@ completes them, so a caller can overlap communication with computation.
   sum (:class:`dipaco.comm.feedback.ErrorFeedback` carries it into the next sync).
 * **Replica check** (:meth:`Transport.check_identical`): holders all-gather a sha256-based checksum
   of each module's tensors and raise on any difference.
+
+A :class:`Transport` and the layers that wrap it (:class:`~dipaco.comm.feedback.ErrorFeedback`,
+:class:`~dipaco.comm.adaptive.AdaptiveCodecs`, both :class:`TransportWrapper`) share one interface,
+:class:`Reducer`; the layers that take a codec per call are :class:`CodecReducer`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import hashlib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,6 +72,45 @@ class Reduced:
     payloads: dict[int, Payload]
     stats: CommStats
     errors: dict[int, torch.Tensor] = field(default_factory=dict)  # with track_error: what this rank lost
+
+
+class PendingReduction(Protocol):
+    """A reduction in flight (a :class:`Reduction`, or a layer's around it)."""
+
+    def wait(self) -> Reduced:
+        """Finishes it (idempotent) and returns the sums."""
+        ...
+
+
+class Reducer(Protocol):
+    """What sums payloads over each module's holders: a :class:`Transport`, or a layer wrapping one."""
+
+    @property
+    def modules(self) -> tuple[int, ...]:
+        """The modules this rank communicates."""
+        ...
+
+    @property
+    def mine(self) -> list[tuple[CommGroup, object]]:
+        """This rank's groups and their process-group handles."""
+        ...
+
+    @property
+    def names(self) -> Mapping[int, str]: ...
+
+    def start(self, payloads: Mapping[int, Payload], *, only: Collection[int] | None = None) -> PendingReduction:
+        """Issues the collectives (see :meth:`Transport.start`)."""
+        ...
+
+    def check_identical(self, tensors: Mapping[int, tuple[torch.Tensor | None, ...]],
+                        stats: CommStats | None = None) -> None: ...
+
+
+class CodecReducer(Reducer, Protocol):
+    """A :class:`Reducer` whose codec a call may override (a :class:`Transport`, or error feedback over one)."""
+
+    def start(self, payloads: Mapping[int, Payload], *, codec: Codec | None = None,
+              only: Collection[int] | None = None) -> PendingReduction: ...
 
 
 class Reduction:
@@ -363,12 +407,15 @@ class Transport:
                     )
 
 
-class TransportWrapper:
+Inner = TypeVar("Inner", bound=CodecReducer)
+
+
+class TransportWrapper(Generic[Inner]):
     """A transport that adds behaviour around another one (a :class:`Transport` or another wrapper)
     and passes the rest through: the modules it reduces, this rank's share, their names, and the
     replica check. Subclasses define ``start`` / ``reduce``."""
 
-    def __init__(self, transport) -> None:
+    def __init__(self, transport: Inner) -> None:
         self.transport = transport
 
     @property
@@ -376,13 +423,14 @@ class TransportWrapper:
         return self.transport.modules
 
     @property
-    def mine(self):
+    def mine(self) -> list[tuple[CommGroup, object]]:
         return self.transport.mine
 
     @property
-    def names(self):
+    def names(self) -> Mapping[int, str]:
         return self.transport.names
 
-    def check_identical(self, tensors, stats=None) -> None:
+    def check_identical(self, tensors: Mapping[int, tuple[torch.Tensor | None, ...]],
+                        stats: CommStats | None = None) -> None:
         self.transport.check_identical(tensors, stats)
 

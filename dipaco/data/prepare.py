@@ -29,7 +29,7 @@ from dipaco.atomic import remove_tree, replacing
 from dipaco.config import Config, DataConfig, TokenizerConfig, config_diff, merge_config
 from dipaco.data.corpus import CorpusSpec, load_corpus_with_stats
 from dipaco.data.reading import SplitReader, drop_mapped_pages
-from dipaco.data.tokenizer import load_tokenizer, token_dtype, tokenize_to_disk, train_tokenizer
+from dipaco.data.tokenizer import TokenizeOptions, load_tokenizer, token_dtype, tokenize_to_disk, train_tokenizer
 from dipaco.errors import ConfigError, DataError, DipacoError
 from dipaco.metrics import echo
 from dipaco.run_dir import RunDir
@@ -122,9 +122,9 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
             tokenizing = time.perf_counter()
             tokenized = {
                 split: tokenize_to_disk(corpus[split], tokenizer, work / "tokens", split,
-                                        num_proc=tokenizer_processes(data.num_proc, len(corpus[split])),
-                                        keep_text=data.keep_text,
-                                        shard_docs=TOKENIZE_SHARD_DOCS, log=lambda line: echo(f"[prepare] {line}"))
+                                        log=lambda line: echo(f"[prepare] {line}"),
+                                        options=TokenizeOptions(tokenizer_processes(data.num_proc, len(corpus[split])),
+                                                                TOKENIZE_SHARD_DOCS, keep_text=data.keep_text))
                 for split in ("train", "validation")}
             info = _summary(tokenized, tokenizer, data, tokenizer_cfg, stats.n_skipped_empty)
             seconds = time.perf_counter() - tokenizing

@@ -22,6 +22,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -246,11 +247,18 @@ def tokenize_corpus(
         features=token_features(ds.features, len(tokenizer)), desc="Tokenizing").with_format(None)
 
 
-def tokenize_to_disk(
-    ds: datasets.Dataset, tokenizer: transformers.PreTrainedTokenizerBase, work_dir: Path, name: str,
-    num_proc: int = 1, shard_docs: int = 50_000, batch_size: int | None = None,
-    log: Callable[[str], None] | None = None, keep_text: bool = True,
-) -> list[Path]:
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """How :func:`tokenize_to_disk` splits and runs the work (see its docstring)."""
+
+    num_proc: int = 1
+    shard_docs: int = 50_000  # documents per Arrow file
+    batch_size: int | None = None  # documents encoded at a time (default WRITER_BATCH_ROWS)
+    keep_text: bool = True  # data.keep_text
+
+
+def tokenize_to_disk(ds: datasets.Dataset, tokenizer: transformers.PreTrainedTokenizerBase, work_dir: Path, name: str,
+                     options: TokenizeOptions | None = None, log: Callable[[str], None] | None = None) -> list[Path]:
     """``ds`` tokenized as :func:`tokenize_corpus` does, written shard by shard to Arrow files in
     ``work_dir``; returns the files, in row order. A shard whose file is there is not tokenized again:
     a killed run picks up at the first unfinished shard (datasets writes each file under a temporary
@@ -262,6 +270,8 @@ def tokenize_to_disk(
     Opening a file reads every batch's header, each a page fault that maps up to a folio of the file:
     1,000-row batches kept 385-570 MB of the 10M-document train split resident in `dipaco train`.
     ``keep_text=False`` leaves the ``text`` column out of the files (``data.keep_text``)."""
+    o = options or TokenizeOptions()
+    num_proc, shard_docs, batch_size, keep_text = o.num_proc, o.shard_docs, o.batch_size, o.keep_text
     work_dir.mkdir(parents=True, exist_ok=True)
     features = token_features(ds.features, len(tokenizer), keep_text)
     # a forked worker's share of the cores (HF's own threads are off in a forked worker: it runs on one)

@@ -30,10 +30,10 @@ from dipaco.eval.report import REPORT
 from dipaco.metrics import echo
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
-from dipaco.model.scoring import Scores, score_documents
+from dipaco.model.scoring import Scores, Scoring, score_documents
 from dipaco.model.topology import Topology
 from dipaco.paths.early_stopping import load_best_path
-from dipaco.precision import Precision, resolve_precision
+from dipaco.precision import resolve_precision
 from dipaco.route.shards import assign_paths
 from dipaco.run_dir import RunDir
 
@@ -98,14 +98,13 @@ def validation_split(section: EvalConfig, prepared: Prepared) -> datasets.Datase
     return val
 
 
-def score_rows(model: PreTrainedModel, tokens: DocumentTokens, rows: np.ndarray, seq_len: int, prefix_tokens: int,
-               batch_size: int, pad_id: int, precision: Precision, on_batch: Callable[[int], object]) -> Scores:
+def score_rows(model: PreTrainedModel, tokens: DocumentTokens, rows: np.ndarray, scoring: Scoring,
+               on_batch: Callable[[int], object]) -> Scores:
     """:func:`score_documents` of the documents ``rows``, read from the token files and scored
     ``EVAL_CHUNK_DOCS`` at a time (the same scores: each document is scored on its own)."""
     nll, counts = [np.zeros(0)], [np.zeros(0, dtype=np.int64)]
     for i in range(0, len(rows), EVAL_CHUNK_DOCS):
-        scores = score_documents(model, tokens.documents(rows[i : i + EVAL_CHUNK_DOCS]), seq_len, prefix_tokens,
-                                 batch_size, pad_id, precision, on_batch)
+        scores = score_documents(model, tokens.documents(rows[i : i + EVAL_CHUNK_DOCS]), scoring, on_batch)
         nll.append(scores.nll)
         counts.append(scores.tokens)
     return Scores(np.concatenate(nll), np.concatenate(counts))
@@ -134,15 +133,15 @@ def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None
     routes = assign_paths(val, topology.num_paths, job.sharding, job.seed, job.shard_column)
 
     model = build_model(job.llama, device=job.device)
-    precision = resolve_precision(job.eval.precision, job.device, "eval.precision")
+    scoring = Scoring(job.seq_len, job.prefix_tokens, job.eval.batch_size, prepared.tokenizer.pad_token_id,
+                      resolve_precision(job.eval.precision, job.device, "eval.precision"))
     per_path, nll_total, tok_total = [], 0.0, 0
     bar = tqdm(total=_windows(tokens, len(val), job.seq_len, job.prefix_tokens), desc=f"eval {job.name}",
                unit="window", disable=not job.progress, dynamic_ncols=True, leave=False)
     for p in range(topology.num_paths):
         members = np.flatnonzero(routes == p)
         bar.set_postfix(path=p)
-        scores = score_rows(load_eval_path(job, bank, p, model), tokens, members, job.seq_len, job.prefix_tokens,
-                            job.eval.batch_size, prepared.tokenizer.pad_token_id, precision, bar.update)
+        scores = score_rows(load_eval_path(job, bank, p, model), tokens, members, scoring, bar.update)
         per_path.append({"path": p, "modules": [topology.modules[m].name for m in topology.path_modules(p)],
                          **_summary(scores, members.size)})
         nll_total += float(scores.nll.sum())
@@ -166,18 +165,32 @@ def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None
     return report
 
 
-def evaluate_pretrained(section: EvalConfig, run_dir: Path, model: PreTrainedModel, prepared: Prepared, seq_len: int,
-                        prefix_tokens: int, steps: int, device: torch.device, progress: bool = True) -> dict:
+@dataclass(frozen=True)
+class PretrainedEval:
+    """The dense pretrained model's evaluation job (the initialisation every module starts from)."""
+
+    eval: EvalConfig
+    run_dir: Path
+    seq_len: int
+    prefix_tokens: int
+    steps: int  # pretrain.steps, for the report
+    device: torch.device
+    progress: bool = True
+
+
+def evaluate_pretrained(job: PretrainedEval, model: PreTrainedModel, prepared: Prepared) -> dict:
     """The dense pretrained ``model`` on all validation docs (the initialisation every module starts from)."""
+    section, run_dir, seq_len, prefix_tokens = job.eval, job.run_dir, job.seq_len, job.prefix_tokens
+    steps, device, progress = job.steps, job.device, job.progress
     check_eval(section)
     model = model.to(device)
     val = validation_split(section, prepared)
     tokens = DocumentTokens(val)
     with tqdm(total=_windows(tokens, len(val), seq_len, prefix_tokens), desc="eval pretrained", unit="window",
               disable=not progress, dynamic_ncols=True, leave=False) as bar:
-        scores = score_rows(model, tokens, np.arange(len(val)), seq_len, prefix_tokens, section.batch_size,
-                            prepared.tokenizer.pad_token_id,
-                            resolve_precision(section.precision, device, "eval.precision"), bar.update)
+        scoring = Scoring(seq_len, prefix_tokens, section.batch_size, prepared.tokenizer.pad_token_id,
+                          resolve_precision(section.precision, device, "eval.precision"))
+        scores = score_rows(model, tokens, np.arange(len(val)), scoring, bar.update)
     n = sum(p.numel() for p in model.parameters())
     report = {
         "experiment": "pretrained",

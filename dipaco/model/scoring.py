@@ -60,21 +60,25 @@ def window_nll(model: PreTrainedModel, windows: Sequence[EvalWindow], batch_size
         yield idx, batch, token_nll
 
 
-def score_documents(
-    model: PreTrainedModel,
-    docs: Sequence[Sequence[int] | np.ndarray],
-    seq_len: int,
-    prefix_tokens: int,
-    batch_size: int,
-    pad_id: int,
-    precision: Precision | None = None,
-    on_batch: Callable[[int], object] | None = None,
-) -> Scores:
+@dataclass(frozen=True)
+class Scoring:
+    """How documents are scored: the evaluation windows and their batches."""
+
+    seq_len: int
+    prefix_tokens: int  # the routing prefix: its tokens are context, never scored
+    batch_size: int
+    pad_id: int
+    precision: Precision | None = None
+
+
+def score_documents(model: PreTrainedModel, docs: Sequence[Sequence[int] | np.ndarray], scoring: Scoring,
+                    on_batch: Callable[[int], object] | None = None) -> Scores:
     """Summed NLL over each document's scored tokens (after the prefix) under ``model``; ``on_batch`` is
     called with the number of evaluation windows of each batch done (a progress bar's ``update``)."""
+    seq_len, prefix_tokens = scoring.seq_len, scoring.prefix_tokens
     nll = torch.zeros(len(docs), dtype=torch.float64)
     windows = eval_windows(docs, seq_len, prefix_tokens)
-    for idx, batch, token_nll in window_nll(model, windows, batch_size, pad_id, precision):
+    for idx, batch, token_nll in window_nll(model, windows, scoring.batch_size, scoring.pad_id, scoring.precision):
         nll.index_add_(0, batch.doc_index, token_nll.sum(dim=1).double().cpu())
         if on_batch is not None:
             on_batch(len(idx))

@@ -234,6 +234,16 @@ class Topology:
             "num_paths": self.num_paths,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Topology:
+        """The topology :meth:`to_dict` wrote (its derived keys are checked against the rebuilt one)."""
+        levels = [Level(int(lv["blocks"]), int(lv["modules"]), bool(lv["path_specific"])) for lv in data["levels"]]
+        topology = cls(levels, replicas=int(data["replicas"]), embedding=data["embedding"], head=data["head"])
+        if data.get("num_paths", topology.num_paths) != topology.num_paths:
+            raise ValueError(f"topology: num_paths {data['num_paths']} does not match its levels "
+                             f"({topology.num_paths} paths)")
+        return topology
+
 
 def check_topology(topo_cfg: TopologyConfig) -> None:
     """The ``topology`` keys a type cannot check; the rest is checked when the topology is built."""

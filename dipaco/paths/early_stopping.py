@@ -31,8 +31,7 @@ from dipaco.atomic import replacing, write_text
 from dipaco.data.hashing import holdout_mask
 from dipaco.errors import CheckpointError
 from dipaco.model.bank import ModuleBank
-from dipaco.model.scoring import score_documents
-from dipaco.precision import Precision
+from dipaco.model.scoring import Scoring, score_documents
 from dipaco.tensor_io import load_model_params, save_tensors
 
 
@@ -42,16 +41,14 @@ def early_stopping_holdout(ids: Iterable[str], fraction: float, seed: int) -> np
 
 
 class PathEarlyStopping:
-    def __init__(self, directory: Path, heldout_docs: Mapping[int, Sequence[Sequence[int] | np.ndarray]], seq_len: int,
-                 prefix_tokens: int, batch_size: int, pad_id: int, scratch_model: PreTrainedModel,
-                 precision: Precision | None = None) -> None:
+    def __init__(self, directory: Path, heldout_docs: Mapping[int, Sequence[Sequence[int] | np.ndarray]],
+                 scoring: Scoring, scratch_model: PreTrainedModel) -> None:
         """``heldout_docs`` maps path id -> token ids of its held-out documents; paths are composed
         into ``scratch_model`` for scoring."""
         self.dir = Path(directory)
         self.docs = heldout_docs
         self.model = scratch_model
-        self.seq_len, self.prefix_tokens, self.batch_size, self.pad_id = seq_len, prefix_tokens, batch_size, pad_id
-        self.precision = precision
+        self.scoring = scoring
         self.best: dict[int, dict] = {}
         for path in heldout_docs:
             record = self.dir / f"path_{path:03d}.json"
@@ -63,8 +60,7 @@ class PathEarlyStopping:
         ppl = {}
         model = self.model
         for path, docs in self.docs.items():
-            scores = score_documents(bank.compose(path, model), docs, self.seq_len, self.prefix_tokens, self.batch_size,
-                                     self.pad_id, self.precision)
+            scores = score_documents(bank.compose(path, model), docs, self.scoring)
             ppl[path] = scores.perplexity
             best = self.best.get(path)
             if np.isfinite(ppl[path]) and (best is None or ppl[path] < best["ppl"]):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from dipaco.config import ModelConfig, OptimConfig
+from dipaco.config import OptimConfig
 from dipaco.errors import ConfigError, check_range
 from dipaco.model.llama import enable_activation_checkpointing
 from dipaco.paths.lr_schedule import build_scheduler
@@ -73,22 +73,13 @@ class InnerStats:
 
 @dataclass(frozen=True)
 class InnerOptions:
-    """How an inner loop runs on its device (``train.*`` / ``pretrain.*`` and ``model.*`` keys)."""
+    """How an inner loop runs on its device (``train.*`` / ``pretrain.*`` and ``model.*`` keys, resolved for the
+    device by :meth:`dipaco.paths.factory.LoopSettings.options`)."""
 
     precision: Precision
     compile: bool = False
     activation_checkpointing: bool = False
     offload_inactive: bool = False
-
-    @staticmethod
-    def from_config(section, model: ModelConfig, device: torch.device, key: str) -> InnerOptions:
-        """From ``train`` or ``pretrain`` (``key`` names it in errors) and ``model``."""
-        return InnerOptions(
-            precision=resolve_precision(section.precision, device, f"{key}.precision"),
-            compile=section.compile,
-            activation_checkpointing=model.activation_checkpointing,
-            offload_inactive=getattr(section, "offload_inactive", False),
-        )
 
 
 def build_adamw(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

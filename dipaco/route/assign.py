@@ -1,4 +1,4 @@
-"""`dipaco route` and `dipaco reroute`: documents -> features -> paths, stored for training and serving.
+"""`dipaco route`: documents -> features -> paths, stored for training and serving.
 
 ``route`` featurizes every train and validation document (by default the DiPaCo way: the
 pretrained dense model's mean last hidden state over the first ``data.prefix_tokens`` tokens;
@@ -25,10 +25,9 @@ them when there are no more: the routing is then exactly the in-memory one), and
 is assigned under the capacity bounds of the full N by ``routing.chunked`` (bounds guaranteed,
 minimum total cost given the centroids when it reports ``optimal``).
 
-``reroute`` is DiPaCo's discriminative re-routing (section 2.4.2): every path of the current
-checkpoint scores a held-out slice of the training documents, a logistic regression learns
-features -> best path with its biases adjusted to the wanted shard sizes, and all documents are
-re-sharded with it. ``dipaco train --resume`` then continues from the checkpoint on the new shards.
+This module also writes the routing of ``dipaco reroute`` (:func:`write_routing`, :class:`Assignments`),
+DiPaCo's discriminative re-routing from a checkpoint, which lives in :mod:`dipaco.train.reroute`
+(it scores the paths of a trained checkpoint, so it belongs above the trainer).
 
 The k-means, balancing and classifier live in the trainer-independent ``routing`` package.
 """
@@ -273,15 +272,23 @@ def _check_texts(ds: datasets.Dataset, split: str, chunk: int = CHUNK_DOCS) -> N
         raise DataError(f"{split}: {rows.size} documents have no tokens and cannot be routed, e.g. {empty}")
 
 
-def write_routing(run: RunDir, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
-                  topk: np.ndarray | None, features: Mapping[str, Any] | Path, report: dict,
-                  before_swap: Callable[[str], None] | None = None) -> None:
+@dataclass(frozen=True)
+class Assignments:
+    """A router and the paths it gave every document."""
+
+    router: Router
+    paths: dict[str, np.ndarray]  # split -> each document's path
+    topk: np.ndarray | None = None  # (N, k) training documents' k best paths (route.topk > 1)
+
+
+def write_routing(run: RunDir, prepared: Prepared, assigned: Assignments, features: Mapping[str, Any] | Path,
+                  report: dict, before_swap: Callable[[str], None] | None = None) -> None:
     """Writes the routed splits, artifact, features and report next to the old ones, then swaps;
     ``before_swap(fingerprint)`` runs once the new routing is complete, before it replaces the old.
     ``features``: (N, D) arrays per split (tensors, or arrays on disk streamed to the file), or a
     features file to link."""
     with replacing(run.routing) as tmp:
-        fingerprint = _write_routing_dir(tmp, prepared, router, paths, topk, features, report)
+        fingerprint = _write_routing_dir(tmp, prepared, assigned, features, report)
         if before_swap is not None:
             before_swap(fingerprint)
 
@@ -304,8 +311,9 @@ def save_routing_columns(splits: Mapping[str, datasets.Dataset], path: Path) -> 
         datasets.DatasetDict(dict(splits)).save_to_disk(str(path))
 
 
-def _write_routing_dir(tmp: Path, prepared: Prepared, router: Router, paths: dict[str, np.ndarray],
-                       topk: np.ndarray | None, features: Mapping[str, Any] | Path, report: dict) -> str:
+def _write_routing_dir(tmp: Path, prepared: Prepared, assigned: Assignments, features: Mapping[str, Any] | Path,
+                       report: dict) -> str:
+    router, paths, topk = assigned.router, assigned.paths, assigned.topk
     # Only the routing columns: training joins them to the prepared splits row by row
     # (:func:`dipaco.route.shards.with_routing`), so routing never copies the corpus.
     splits = {}
@@ -538,10 +546,11 @@ def featurize_chunk(featurize: Featurize, reader: SplitReader, prepared: Prepare
     return np.asarray(featurize(texts), dtype=np.float32)
 
 
-def featurize_split(job: RouteJob, work: FeatureWork, split: str, ds: datasets.Dataset, prepared: Prepared,
-                    featurize: Featurize, skip: np.ndarray | None = None, dim: int | None = None) -> ChunkedArray:
+def featurize_split(job: RouteJob, work: FeatureWork, split: str, prepared: Prepared, featurize: Featurize,
+                    skip: np.ndarray | None = None, dim: int | None = None) -> ChunkedArray:
     """The split's features, chunk by chunk into the work folder; chunks already done are kept, and rows
     where ``skip`` is true (already written by the text model's fit) are left as they are."""
+    ds = prepared.train if split == "train" else prepared.validation
     n, chunk = len(ds), job.route.chunk_docs
     chunks = math.ceil(n / chunk)
     done = work.done(split)
@@ -646,8 +655,8 @@ def compute_features(job: RouteJob, work: FeatureWork, prepared: Prepared, sampl
              f"first {job.route.skip_tokens} skipped) from {RunDir(job.run_dir).pretrain} on {job.device}")
         featurize = _lm_featurizer(job, prepared)
         spec = {"kind": "lm_prefix", "prefix_tokens": job.prefix_tokens, **pooling_spec(job)}
-    features = {"train": featurize_split(job, work, "train", prepared.train, prepared, featurize, skip, dim),
-                "validation": featurize_split(job, work, "validation", prepared.validation, prepared, featurize,
+    features = {"train": featurize_split(job, work, "train", prepared, featurize, skip, dim),
+                "validation": featurize_split(job, work, "validation", prepared, featurize,
                                               dim=dim)}
     return features, text_model, spec
 
@@ -722,7 +731,7 @@ def route(job: RouteJob, prepared: Prepared, topology: Topology) -> dict:
         "featurize_s": featurize_s, "docs_per_s": (n + len(prepared.validation)) / seconds,
         **{k: v for k, v in router.meta.items() if "inertia" in k or k in ("arrangement", "fit_docs")},
     }, chunk)
-    write_routing(run, prepared, router, paths, topk, features, report)
+    write_routing(run, prepared, Assignments(router, paths, topk), features, report)
     work.remove()  # routing/ holds the features now
     print_report(report)
     echo(f"[route] wrote {run.routing} in {seconds:.1f}s; train with train.sharding=kmeans")

@@ -58,9 +58,9 @@ def export_path(loaded: LoadedExperiment, path: int, out: str | Path, model=None
             "run": str(loaded.run.root.resolve()),
             "topology": loaded.topology.describe(),
             "num_paths": loaded.topology.num_paths,
-            "sharding": loaded.cfg.train.sharding,
-            "prefix_tokens": loaded.cfg.data.prefix_tokens,
-            "seq_len": loaded.cfg.data.seq_len,
+            "sharding": loaded.spec.sharding.rule,
+            "prefix_tokens": loaded.spec.prefix_tokens,
+            "seq_len": loaded.spec.seq_len,
             "parameters": sum(p.numel() for p in model.parameters()),
         }
         (tmp / PATH_INFO).write_text(json_text.dumps(info, indent=2))

@@ -54,6 +54,7 @@ import logging
 import math
 import socket
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dipaco.errors import DipacoError
@@ -228,11 +229,40 @@ async def answer_unless_gone(batcher: PathBatcher, ticket: Ticket, receive):
     return None
 
 
-def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None,
-               max_body_bytes: int | None = None, body_timeout_s: float = 10.0, token: str | None = None,
-               max_batch: int = DEFAULT_MAX_BATCH, batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS,
-               decode_workers: int = DEFAULT_DECODE_WORKERS):
-    """The FastAPI application serving ``pipeline`` with these request caps.
+@dataclass(frozen=True)
+class AppOptions:
+    """The request caps and batching of the application (``dipaco serve``'s flags of the same names)."""
+
+    max_prompt_tokens: int | None = None
+    max_new_tokens_cap: int | None = None
+    max_body_bytes: int | None = None
+    body_timeout_s: float = 10.0
+    max_batch: int = DEFAULT_MAX_BATCH
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS
+    decode_workers: int = DEFAULT_DECODE_WORKERS
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `dipaco serve` loads and where it listens (the request caps: :class:`AppOptions`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    experiment: str | None = None
+    checkpoint: str | None = None
+    cache_size: int = DEFAULT_CACHE_SIZE
+    device: str = "cpu"
+    precision: str = "auto"
+    log_level: str = "info"
+    token: str | None = None
+    allow_unauthenticated: bool = False
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int | None = None
+    app: AppOptions = field(default_factory=AppOptions)
+
+
+def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str | None = None):
+    """The FastAPI application serving ``pipeline`` with these request caps (``options``).
 
     ``max_prompt_tokens`` and ``max_new_tokens_cap`` default to the experiment's ``data.seq_len``
     (and are lowered to it when above); ``max_body_bytes`` defaults to
@@ -251,7 +281,11 @@ def create_app(pipeline: Pipeline, max_prompt_tokens: int | None = None, max_new
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-    seq_len = pipeline.cfg.data.seq_len
+    options = options or AppOptions()
+    max_prompt_tokens, max_new_tokens_cap = options.max_prompt_tokens, options.max_new_tokens_cap
+    max_body_bytes, body_timeout_s = options.max_body_bytes, options.body_timeout_s
+    max_batch, batch_wait_ms, decode_workers = options.max_batch, options.batch_wait_ms, options.decode_workers
+    seq_len = pipeline.spec.seq_len
     max_prompt_tokens, max_new_tokens_cap, notes = resolve_caps(seq_len, max_prompt_tokens, max_new_tokens_cap)
     for note in notes:
         echo(f"[serve] {note}")
@@ -447,34 +481,28 @@ def _log_access_to_stderr(log_level: str) -> None:
     log.setLevel(log_level.upper())
 
 
-def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, experiment: str | None = None,
-          checkpoint: str | None = None, cache_size: int = DEFAULT_CACHE_SIZE,
-          max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None,
-          device: str = "cpu", log_level: str = "info", max_body_bytes: int | None = None,
-          precision: str = "auto", body_timeout_s: float = 10.0, token: str | None = None,
-          allow_unauthenticated: bool = False, max_batch: int = DEFAULT_MAX_BATCH,
-          batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-          max_connections: int | None = None, decode_workers: int = DEFAULT_DECODE_WORKERS) -> None:
+def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
     """Binds ``host:port`` and loads the run (a port in use, a bad run, or a non-loopback host without a
     token is one DipacoError), then serves until stopped."""
+    o = options or ServeOptions()
+    host, port, token, log_level, cache_size = o.host, o.port, o.token, o.log_level, o.cache_size
+    max_batch, batch_wait_ms, header_timeout_s = o.app.max_batch, o.app.batch_wait_ms, o.header_timeout_s
     _import_web()
 
-    check_exposure(host, token, allow_unauthenticated)  # before binding or loading anything
+    check_exposure(host, token, o.allow_unauthenticated)  # before binding or loading anything
     sock = listening_socket(host, port)  # before loading: a port in use fails at once
     try:
-        pipeline = Pipeline.from_run(run_dir, experiment=experiment, checkpoint=checkpoint, device=device, precision=precision,
-                                     cache_size=cache_size)
-        app = create_app(pipeline, max_prompt_tokens=max_prompt_tokens, max_new_tokens_cap=max_new_tokens_cap,
-                         max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, token=token,
-                         max_batch=max_batch, batch_wait_ms=batch_wait_ms, decode_workers=decode_workers)
-        config, guard = server_config(app, host, port, log_level, header_timeout_s, max_connections)
+        pipeline = Pipeline.from_run(run_dir, experiment=o.experiment, checkpoint=o.checkpoint, device=o.device,
+                                     precision=o.precision, cache_size=cache_size)
+        app = create_app(pipeline, o.app, token=token)
+        config, guard = server_config(app, host, port, log_level, header_timeout_s, o.max_connections)
         guard.guard_listener(sock)
         info = pipeline.describe()
         caps = app.state.caps
         echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}; "
              f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
              f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; batches of up to "
-             f"{max_batch} per path within {batch_wait_ms:g} ms, {decode_workers} decoding at once; "
+             f"{max_batch} per path within {batch_wait_ms:g} ms, {o.app.decode_workers} decoding at once; "
              f"{guard.max_connections} connections, headers within "
              f"{header_timeout_s:g} s; {'bearer token required' if token else 'no token'})")
         _log_access_to_stderr(log_level)

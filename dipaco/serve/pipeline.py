@@ -40,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +48,14 @@ import torch
 from transformers import LlamaForCausalLM
 
 from dipaco.checkpoint.experiment import read_bank
+from dipaco.checkpoint.spec import ExperimentSpec, read_spec
 from dipaco.checkpoint.store import CheckpointManager, resolve_checkpoint
-from dipaco.config import Config, merge_config
 from dipaco.data.tokenizer import load_tokenizer
 from dipaco.errors import DipacoError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
-from dipaco.model.pretrained import load_pretrained, path_llama_config
-from dipaco.model.topology import Topology, topology_from_config
+from dipaco.model.pretrained import load_pretrained
+from dipaco.model.topology import Topology
 from dipaco.precision import resolve_precision
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device
@@ -77,10 +77,10 @@ EVAL_REPORT = "eval.json"
 # --- the experiment of a run directory -------------------------------------------------------------
 @dataclass
 class LoadedExperiment:
-    """What inference and export need from a run: config, tokenizer and the checkpoint's bank."""
+    """What inference and export need from a run: the experiment's spec, tokenizer and the checkpoint's bank."""
 
     run: RunDir
-    cfg: Config
+    spec: ExperimentSpec
     name: str
     dir: Path
     checkpoint: Path
@@ -89,9 +89,7 @@ class LoadedExperiment:
     bank: ModuleBank
 
     def llama_config(self, use_cache: bool = True):
-        config = path_llama_config(self.cfg.model, self.tokenizer, self.cfg.data.seq_len)
-        config.use_cache = use_cache  # training turns the KV cache off; generation wants it
-        return config
+        return self.spec.llama_config(use_cache)  # training turns the KV cache off; generation wants it
 
     def module_names(self, path: int) -> list[str]:
         return [self.topology.modules[m].name for m in self.topology.path_modules(path)]
@@ -121,18 +119,18 @@ def resolve_experiment(run: RunDir, experiment: str | None) -> Path:
 
 def load_experiment(run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
                     device: str = "cpu") -> LoadedExperiment:
-    """Loads an experiment's stored config, the tokenizer and the newest (or given) checkpoint's bank."""
+    """Loads an experiment's spec (:mod:`dipaco.checkpoint.spec`), its tokenizer and the newest (or given)
+    checkpoint's bank."""
     run = RunDir(run_dir)
     exp_dir = resolve_experiment(run, experiment)
-    cfg = merge_config(exp_dir / "config.yaml")
-    # The stored run.dir may be relative to wherever training ran: the directory given here wins.
-    cfg = replace(cfg, run=replace(cfg.run, dir=str(run.root), device=device, progress=False))
     resolve_device(device)  # a clear error for an unavailable device, before loading anything
-    tokenizer = load_tokenizer(run.tokenizer)
     ckpt = resolve_checkpoint(CheckpointManager(exp_dir / "checkpoints"), checkpoint)
-    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
-    bank = read_bank(ckpt, topology, path_llama_config(cfg.model, tokenizer, cfg.data.seq_len))
-    return LoadedExperiment(run, cfg, exp_dir.name, exp_dir, ckpt, tokenizer, topology, bank)
+    spec = read_spec(exp_dir)
+    tokenizer = load_tokenizer(run.root / spec.tokenizer.dir)
+    spec.check_tokenizer(tokenizer)
+    topology = spec.build_topology()
+    bank = read_bank(ckpt, topology, spec.llama_config())
+    return LoadedExperiment(run, spec, exp_dir.name, exp_dir, ckpt, tokenizer, topology, bank)
 
 
 # --- the router ------------------------------------------------------------------------------------
@@ -141,7 +139,7 @@ def experiment_router(loaded: LoadedExperiment):
     from dipaco.route.artifact import load_router
     from dipaco.route.provenance import check_routing
 
-    if loaded.cfg.train.sharding != "kmeans":
+    if not loaded.spec.routed:
         return None
     check_routing(loaded.run.root, loaded.dir, routed=True)
     return load_router(loaded.run, loaded.topology.num_paths)
@@ -214,6 +212,36 @@ class Generation:
     batch_size: int = 1  # the rows decoded together with this one, itself included
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a request continues its prompt.
+
+    ``temperature`` 0 is greedy decoding; above 0 it samples (with ``top_k`` > 0 and ``top_p`` < 1
+    filtering), from ``seed`` when given. Generation stops at EOS or after ``max_new_tokens``;
+    ``min_new_tokens`` suppresses EOS until that many tokens exist (benchmarks use it)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    min_new_tokens: int = 0
+
+    def check(self) -> None:
+        """A value out of range is a DipacoError naming it."""
+        if self.max_new_tokens < 1:
+            raise DipacoError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise DipacoError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                              f"got {self.min_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise DipacoError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DipacoError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DipacoError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
 @dataclass
 class PlannedGeneration:
     """A request ready to decode: routed, its path chosen, its row built (its sampler seeded)."""
@@ -229,7 +257,7 @@ class Pipeline:
     def __init__(self, loaded: LoadedExperiment, router=None, featurizer_model=None,
                  device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto") -> None:
         self.loaded = loaded
-        self.cfg = loaded.cfg
+        self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.topology = loaded.topology
         self.bank = loaded.bank
@@ -244,8 +272,6 @@ class Pipeline:
         self._tokenizer_pool_lock = threading.Lock()  # held only to take or put back a copy
         self.max_token_chars = max_token_chars(self.tokenizer)
         self._router_lock = threading.Lock()
-        self._shards_lock = threading.Lock()
-        self._shards: dict | None = None
 
     @classmethod
     def from_run(cls, run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
@@ -280,8 +306,8 @@ class Pipeline:
             "num_paths": self.num_paths,
             "router": None if self.router is None else self.router.kind,
             "featurizer": None if self.router is None else self.router.featurizer.get("kind"),
-            "sharding": self.cfg.train.sharding,
-            "seq_len": self.cfg.data.seq_len,
+            "sharding": self.spec.sharding.rule,
+            "seq_len": self.spec.seq_len,
             "cache": self.cache.stats(),
         }
 
@@ -310,29 +336,11 @@ class Pipeline:
             return None
 
     def _shard_sizes(self) -> dict | None:
-        """Documents and tokens of each path's training shard, by the experiment's own sharding rule."""
-        with self._shards_lock:
-            if self._shards is None:
-                import numpy as np
-
-                from dipaco.data.prepare import load_prepared
-                from dipaco.route.shards import assign_paths, with_routing
-
-                try:
-                    prepared = load_prepared(self.cfg.run.dir, self.cfg.data, self.cfg.tokenizer)
-                    train = (with_routing(prepared, self.cfg.run.dir) if self.cfg.train.sharding == "kmeans"
-                             else prepared).train
-                    paths = assign_paths(train, self.num_paths, self.cfg.train.sharding, self.cfg.run.seed,
-                                         self.cfg.train.shard_column)
-                except DipacoError:
-                    self._shards = {}
-                else:
-                    tokens = np.asarray(train["num_tokens"], dtype=np.int64)
-                    self._shards = {
-                        "docs": np.bincount(paths, minlength=self.num_paths).tolist(),
-                        "tokens": np.bincount(paths, weights=tokens, minlength=self.num_paths).astype(np.int64).tolist(),
-                    }
-            return self._shards or None
+        """Documents and tokens of each path's training shard, as training recorded them in the spec."""
+        sharding = self.spec.sharding
+        if len(sharding.docs) != self.num_paths or len(sharding.tokens) != self.num_paths:
+            return None
+        return {"docs": list(sharding.docs), "tokens": list(sharding.tokens)}
 
     # --- text <-> tokens -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -388,7 +396,7 @@ class Pipeline:
             return None
         if self.router.featurizer.get("kind") == "lm_prefix":
             return int(self.router.featurizer.get("prefix_tokens", 32))
-        return self.cfg.data.prefix_tokens or None
+        return self.spec.prefix_tokens or None
 
     # --- routing -------------------------------------------------------------------------------
     def route(self, text: str) -> tuple[int, list[float]]:
@@ -401,14 +409,14 @@ class Pipeline:
     def _route(self, text: str, ids: list[int]) -> tuple[int, list[float]]:
         if self.router is None:
             raise DipacoError(
-                f"experiment {self.experiment} was trained with train.sharding={self.cfg.train.sharding}: "
+                f"experiment {self.experiment} was trained with train.sharding={self.spec.sharding.rule}: "
                 f"it has no router, so name a path (0..{self.num_paths - 1})"
             )
         if not ids:
             raise DipacoError("cannot route an empty text: it has no tokens")
         # Like `dipaco route`, the featurizer reads only the routing context: the first prefix_tokens tokens.
         lm_prefix = self.router.featurizer.get("kind") == "lm_prefix"
-        context = None if lm_prefix else self.decode(ids[: self.cfg.data.prefix_tokens or len(ids)])
+        context = None if lm_prefix else self.decode(ids[: self.spec.prefix_tokens or len(ids)])
         with self._router_lock:
             if lm_prefix:
                 features = self._lm_prefix_features(ids)
@@ -442,13 +450,15 @@ class Pipeline:
         return pool_prefix_states(states, mask, layers, int(spec.get("skip_tokens", 0))).cpu()
 
     # --- generation ----------------------------------------------------------------------------
-    def plan(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None, path: int | None = None, min_new_tokens: int = 0,
-             ids: list[int] | None = None) -> PlannedGeneration:
+    def plan(self, prompt: str, path: int | None = None, ids: list[int] | None = None,
+             **sampling: Any) -> PlannedGeneration:
         """Checks the arguments, tokenizes ``prompt`` (unless its ``ids`` are given), routes it (unless
-        ``path`` is given) and builds its decoding row; nothing runs the model but the router."""
+        ``path`` is given) and builds its decoding row; nothing runs the model but the router.
+        ``sampling``: the fields of :class:`Sampling` (an unknown one is a TypeError)."""
         start = time.perf_counter()
-        _check_generation_args(max_new_tokens, temperature, top_p, top_k, min_new_tokens)
+        how = Sampling(**sampling)
+        how.check()
+        seed = how.seed
         if ids is None:
             ids = self.encode(prompt)
         if not ids:
@@ -461,12 +471,12 @@ class Pipeline:
         else:
             self.loaded.check_path(path)
         processors = None
-        if temperature > 0:
+        if how.temperature > 0:
             seed = secrets.randbits(63) if seed is None else int(seed)
-            processors = sampling_processors(temperature, top_p, top_k, seed, self.device)
+            processors = sampling_processors(how.temperature, how.top_p, how.top_k, seed, self.device)
         else:
             seed = None
-        row = DecodeRow(list(ids), max_new_tokens, processors, min_new_tokens=min_new_tokens)
+        row = DecodeRow(list(ids), how.max_new_tokens, processors, min_new_tokens=how.min_new_tokens)
         return PlannedGeneration(path, scores, seed, row, start)
 
     def run_batch(self, path: int, rows: Sequence[DecodeRow], admit: Admit | None = None,
@@ -486,18 +496,12 @@ class Pipeline:
                           latency_ms=(time.perf_counter() - planned.start) * 1000.0,
                           finish_reason=row.finish_reason or "length", seed=planned.seed, batch_size=row.batch_size)
 
-    def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, path: int | None = None,
-                 min_new_tokens: int = 0) -> Generation:
-        """Routes ``prompt`` (unless ``path`` is given), composes that path and continues the prompt.
-
-        ``temperature`` 0 is greedy decoding; above 0 it samples (with ``top_k`` > 0 and ``top_p`` < 1
-        filtering), from ``seed`` when given. Generation stops at EOS or after ``max_new_tokens``;
-        ``min_new_tokens`` suppresses EOS until that many tokens exist (benchmarks use it). A batch of
-        one row of :func:`dipaco.serve.decode.decode_batch`, the loop the server batches.
+    def generate(self, prompt: str, path: int | None = None, **sampling: Any) -> Generation:
+        """Routes ``prompt`` (unless ``path`` is given), composes that path and continues the prompt as
+        ``sampling`` (the fields of :class:`Sampling`) says. A batch of one row of
+        :func:`dipaco.serve.decode.decode_batch`, the loop the server batches.
         """
-        planned = self.plan(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, path=path, min_new_tokens=min_new_tokens)
+        planned = self.plan(prompt, path=path, **sampling)
         self.run_batch(planned.path, [planned.row])
         return self.finish(planned)
 
@@ -510,17 +514,3 @@ def max_token_chars(tokenizer) -> int:
     Callers bound the characters they tokenize with it.
     """
     return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
-
-
-def _check_generation_args(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                           min_new_tokens: int) -> None:
-    if max_new_tokens < 1:
-        raise DipacoError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not 0 <= min_new_tokens <= max_new_tokens:
-        raise DipacoError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}")
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise DipacoError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise DipacoError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise DipacoError(f"top_k must be >= 0 (0 = off), got {top_k}")

@@ -8,7 +8,7 @@ arrivals, with plain gradient steps in between. DiPaCo (Douillard et al., arXiv 
 section 2.3 and its infrastructure section) runs one such outer executor per module, fed by the
 paths through that module.
 
-The outer step is the lock-step one: the same :class:`~dipaco.sync.nesterov.ModuleNesterov` (torch
+The outer step is the lock-step one: the same :class:`~dipaco.sync.nesterov.NesterovKernel` (torch
 SGD with Nesterov momentum, each module at its own lr) on the same outer gradient
 (:func:`~dipaco.sync.deltas.outer_gradient`, ``outer.rescale`` on the gradient). Delayed Nesterov is
 a schedule around it. For module m with N arrivals per momentum step (``outer.nesterov_delay``;
@@ -57,11 +57,13 @@ import torch
 from dipaco.comm.reduce import Payload
 from dipaco.config import OuterConfig
 from dipaco.errors import CheckpointError, ConfigError
+from dipaco.sync.base import OUTER_MOMENTUM_PART
 from dipaco.sync.deltas import outer_gradient
-from dipaco.sync.nesterov import ModuleNesterov
+from dipaco.sync.nesterov import NesterovKernel
 
-# The parts of an executor's state, by module name (each a checkpoint part).
-PARAMS, MOMENTUM, BUFFER, ANCHOR = "bank", "outer", "async_outer", "async_anchor"
+# The parts of an executor's state, by module name (each a checkpoint part): the modules as tasks pull
+# them, the outer momentum (the part every sync has), the weighted changes pending, the anchors.
+PARAMS, MOMENTUM, BUFFER, ANCHOR = "bank", OUTER_MOMENTUM_PART, "async_outer", "async_anchor"
 
 
 def check_async(outer: OuterConfig) -> None:
@@ -84,23 +86,6 @@ class Update:
     momentum_step: bool  # whether this arrival completed a group of N and moved the momentum
 
 
-class _Anchors:
-    """The modules at their last momentum step, as :class:`ModuleNesterov` steps them."""
-
-    topology = None
-
-    def __init__(self, params: Mapping[int, torch.Tensor]) -> None:
-        self.params = {m: torch.nn.Parameter(p.detach().to(torch.float32).clone(), requires_grad=False)
-                       for m, p in params.items()}
-        self.held = tuple(sorted(self.params))
-
-    def holds(self, module_id: int) -> bool:
-        return module_id in self.params
-
-    def module_name(self, module_id: int) -> str:
-        return str(module_id)
-
-
 class AsyncNesterov:
     name = "async_nesterov"
 
@@ -110,22 +95,24 @@ class AsyncNesterov:
         """``params``: module id -> flat fp32 parameters (copied); ``path_weights``: module id -> the
         outer weight w_p of every path through it; ``lr``: one outer lr, or module id -> its own;
         ``delay``: module id -> N (arrivals per momentum step); ``rescale``: ``outer.rescale``."""
-        self.anchors = _Anchors(params)
-        self.lr = {m: float(lr[m] if isinstance(lr, Mapping) else lr) for m in self.anchors.params}
-        self.kernel = ModuleNesterov(self.anchors, OuterConfig(momentum=momentum), lrs=self.lr)
+        # the modules at their last momentum step, which the kernel steps
+        self.anchors = {m: torch.nn.Parameter(p.detach().to(torch.float32).clone(), requires_grad=False)
+                        for m, p in params.items()}
+        self.lr = {m: float(lr[m] if isinstance(lr, Mapping) else lr) for m in self.anchors}
+        self.kernel = NesterovKernel({m: self.anchors[m] for m in sorted(self.anchors)}, self.lr, momentum)
         self.path_weights = {m: dict(ws) for m, ws in path_weights.items()}
-        self.delay = {m: int(delay[m]) for m in self.anchors.params}
+        self.delay = {m: int(delay[m]) for m in self.anchors}
         bad = {m: n for m, n in self.delay.items() if n < 1}
         if bad:
             raise ValueError(f"nesterov delay must be >= 1, got {bad}")
         self.rescale = rescale
-        self.meta = {m: self._meta(m) for m in self.anchors.params}
-        self.buffer = {m: torch.zeros_like(p) for m, p in self.anchors.params.items()}
-        self.theta = {m: p.detach().clone() for m, p in self.anchors.params.items()}
-        self.pending = {m: 0 for m in self.anchors.params}  # arrivals in the buffer
+        self.meta = {m: self._meta(m) for m in self.anchors}
+        self.buffer = {m: torch.zeros_like(p) for m, p in self.anchors.items()}
+        self.theta = {m: p.detach().clone() for m, p in self.anchors.items()}
+        self.pending = {m: 0 for m in self.anchors}  # arrivals in the buffer
         self.log: list[Update] = []
         self._applied: set[tuple[str, int]] = set()
-        self._versions = {m: 0 for m in self.anchors.params}
+        self._versions = {m: 0 for m in self.anchors}
 
     def _meta(self, module: int) -> torch.Tensor:
         """[normalizer, paths through the module]: the payload meta the lock-step sync sums for a round.
@@ -148,7 +135,7 @@ class AsyncNesterov:
     def momentum(self) -> dict[int, torch.Tensor]:
         """Each module's Nesterov buffer (zeros before its first momentum step)."""
         out = {}
-        for m, p in self.anchors.params.items():
+        for m, p in self.anchors.items():
             buf = self.kernel.momentum(m)
             out[m] = torch.zeros_like(p) if buf is None else buf
         return out
@@ -175,7 +162,7 @@ class AsyncNesterov:
         inner steps. Returns the logged update, or None when this task was already applied here."""
         if (task, module) in self._applied:
             return None
-        anchor = self.anchors.params[module]
+        anchor = self.anchors[module]
         if delta.shape != anchor.shape:
             raise ValueError(f"delta for module {module}: shape {tuple(delta.shape)}, expected {tuple(anchor.shape)}")
         version = self._versions[module]
@@ -206,7 +193,7 @@ class AsyncNesterov:
         return {PARAMS: {names[m]: p for m, p in self.theta.items()},
                 MOMENTUM: {names[m]: v for m, v in momentum.items()},
                 BUFFER: {names[m]: v for m, v in self.buffer.items()},
-                ANCHOR: {names[m]: p.detach() for m, p in self.anchors.params.items()}}
+                ANCHOR: {names[m]: p.detach() for m, p in self.anchors.items()}}
 
     def counters(self) -> dict:
         """What is not a tensor: arrivals pending in each buffer, and the update log."""
@@ -215,16 +202,16 @@ class AsyncNesterov:
     @torch.no_grad()
     def load(self, tensors: Mapping[str, Mapping[str, torch.Tensor]], counters: Mapping, names: Mapping[int, str]) -> None:
         """Restores what :meth:`tensors` and :meth:`counters` saved."""
-        saved = {part: _named(tensors, part, names, self.anchors.params) for part in (PARAMS, MOMENTUM, BUFFER, ANCHOR)}
-        for m, anchor in self.anchors.params.items():
+        saved = {part: _named(tensors, part, names, self.anchors) for part in (PARAMS, MOMENTUM, BUFFER, ANCHOR)}
+        for m, anchor in self.anchors.items():
             anchor.copy_(saved[ANCHOR][m])
             self.theta[m] = saved[PARAMS][m].clone()
             self.buffer[m].copy_(saved[BUFFER][m])
-        self.kernel.load_state_dict({self.anchors.module_name(m): v for m, v in saved[MOMENTUM].items()})
-        self.pending = {m: int(counters["pending"][m]) for m in self.anchors.params}
+        self.kernel.load_state_dict(saved[MOMENTUM], names)
+        self.pending = {m: int(counters["pending"][m]) for m in self.anchors}
         self.log = [Update(**u) for u in counters["log"]]
         self._applied = {(u.task, u.module) for u in self.log}
-        self._versions = {m: 0 for m in self.anchors.params}
+        self._versions = {m: 0 for m in self.anchors}
         for u in self.log:
             self._versions[u.module] += 1
 

@@ -3,9 +3,10 @@
 The round scheduler (:mod:`dipaco.train.rounds`) advances this rank's paths in *segments*: every path
 runs the inner steps up to the next offset of :meth:`OuterSync.sync_points`, then the scheduler calls
 :meth:`OuterSync.at` with every path of the rank. An algorithm owns everything else: its schedule,
-its outer optimizer states, its communication (a :class:`~dipaco.comm.reduce.Transport`, possibly
-wrapped in :class:`~dipaco.comm.feedback.ErrorFeedback`), what it writes back into the path models,
-and its checkpointable state.
+its outer optimizer states, its communication (DiLoCo's: :class:`~dipaco.sync.transport.OuterTransport`
+over a :class:`~dipaco.comm.reduce.Transport`, possibly wrapped in error feedback and adaptive
+codecs), what it writes back into the path models, and its checkpointable state
+(:meth:`OuterSync.state_dict` / :meth:`OuterSync.load_state_dict`).
 
 A new algorithm is one class in one file of this package, plus one line in
 :data:`dipaco.sync.SYNCS`; ``outer.sync=<name>`` selects it.
@@ -26,6 +27,8 @@ from dipaco.comm.world import World
 from dipaco.config import DistConfig, OuterConfig
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
+
+OUTER_MOMENTUM_PART = "outer"  # the checkpoint part of the outer optimizer's momentum, by module name
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,10 @@ class OuterSync(ABC):
 
     @abstractmethod
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """This rank's share of the checkpointable state: part name -> tensors by name. ``outer`` (the
-        outer optimizer's momentum, by module name) is the part every sync has."""
+        """This rank's share of the checkpointable state: part name -> tensors by name.
+        :data:`OUTER_MOMENTUM_PART` (the outer optimizer's momentum, by module name) is the part every
+        sync has."""
 
     @abstractmethod
-    def load_state(self, saved: SavedState) -> None:
+    def load_state_dict(self, saved: SavedState) -> None:
         """Restores the state from a checkpoint written by :meth:`state_dict` (on any number of ranks)."""

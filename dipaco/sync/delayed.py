@@ -38,7 +38,7 @@ t, measured from where it started the round (s_p - theta_p),
 A single path with ``outer.lr=1, outer.momentum=0`` then trains exactly as if alone, while the bank
 lags one round behind it. Each path's d_p is checkpointed (per rank, by path).
 
-It is a :class:`~dipaco.sync.diloco.Schedule` of :class:`~dipaco.sync.diloco.DiLoCo`: one fragment,
+It is a :class:`~dipaco.sync.schedule.Schedule` of :class:`~dipaco.sync.diloco.DiLoCo`: one fragment,
 a delay of d rounds, paths restarting from the bank after every sync. This file builds that schedule,
 the outer step it takes, and checks the ``outer.delayed`` keys.
 """
@@ -51,10 +51,13 @@ from dataclasses import replace
 from dipaco.config import DelayedConfig, OuterConfig
 from dipaco.errors import ConfigError, check_range
 from dipaco.sync.base import SyncContext
-from dipaco.sync.diloco import DiLoCo, Exchange, Schedule
+from dipaco.sync.diloco import DiLoCo
+from dipaco.sync.nesterov import OuterStep
+from dipaco.sync.schedule import Schedule
+from dipaco.sync.transport import Exchange
 
 # The outer momentum of a delayed run when outer.delayed.momentum is null: measured, not derived (the
-# eager variant at H = 96, 6 rounds, docs/benchmarks.md): momentum 0.9 lost 76% perplexity to DiLoCo,
+# eager variant at H = 96, 6 rounds, docs/notes/2026-11-23-streaming-delay-codecs.md): momentum 0.9 lost 76% perplexity to DiLoCo,
 # 0.8 lost 26%, 0.7 lost 5.5%, 0.5 was 1.1% better, 0 lost 30%.
 DELAYED_MOMENTUM = 0.5
 IN_FLIGHT = "delayed"  # the checkpoint part of the outer gradients in flight (and delayed_own: eager's own changes)
@@ -73,7 +76,7 @@ def check_delayed(delayed: DelayedConfig) -> None:
                           f"exactly one exchange is in flight), got delay={delayed.delay}")
 
 
-def delayed_outer_step(outer: OuterConfig) -> OuterConfig:
+def delayed_outer_step(outer: OuterConfig) -> OuterStep:
     """The outer optimizer settings of the delayed sync.
 
     ``outer.delayed.lr`` and ``outer.delayed.momentum`` where set. Otherwise the lr is ``outer.lr``
@@ -85,20 +88,21 @@ def delayed_outer_step(outer: OuterConfig) -> OuterConfig:
         momentum = outer.delayed.momentum
     else:
         momentum = min(outer.momentum, DELAYED_MOMENTUM) if outer.delayed.delay > 0 else outer.momentum
-    return replace(outer, lr=lr, momentum=momentum)
+    return OuterStep(lr, momentum, outer.nesterov, outer.embedding_head_lr_scale)
 
 
 class DelayedDiLoCo(DiLoCo):
     name = "delayed"
+    in_flight_part = IN_FLIGHT
 
     def __init__(self, ctx: SyncContext, two_phase_from: int = 3) -> None:
         delayed = ctx.outer.delayed
         check_delayed(delayed)
-        schedule = Schedule(leaves=(ctx.inner_steps,), delay=delayed.delay * ctx.inner_steps, restart=True,
-                            eager=delayed.eager, in_flight_part=IN_FLIGHT)
+        diloco = Schedule.diloco(ctx.inner_steps, ctx.rounds, len(ctx.topology.modules))  # whole modules
+        schedule = replace(diloco, delay=delayed.delay * ctx.inner_steps, restart=True, eager=delayed.eager)
         super().__init__(ctx, schedule, outer_step=delayed_outer_step(ctx.outer), two_phase_from=two_phase_from)
 
     @property
     def in_flight(self) -> list[Exchange]:
         """The outer gradients in flight, oldest first."""
-        return self.exchanges
+        return self.transport.exchanges

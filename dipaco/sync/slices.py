@@ -24,8 +24,10 @@ module's).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from dipaco.errors import ConfigError
 from dipaco.model.bank import ModuleBank
@@ -91,3 +93,43 @@ def spans_by_module(slices: Iterable[Slice]) -> dict[int, list[tuple[int, int]]]
         else:
             ranges.append((s.start, s.stop))
     return out
+
+
+def ids_by_module(slices: Sequence[Slice]) -> dict[int, tuple[int, ...]]:
+    """Module id -> the ids (indices in ``slices``) of its slices, in order."""
+    out: dict[int, tuple[int, ...]] = {}
+    for i, piece in enumerate(slices):
+        out[piece.module] = out.get(piece.module, ()) + (i,)
+    return out
+
+
+def check_cover(slices: Sequence[Slice], bank: ModuleBank) -> dict[int, tuple[int, ...]]:
+    """:func:`ids_by_module`, checked: every module's slices have consecutive ids and cover it end to end."""
+    of_module = ids_by_module(slices)
+    for m in bank.topology.modules:
+        ids, at = of_module.get(m.id, ()), 0
+        for i in ids:
+            at = slices[i].stop if slices[i].start == at else -1
+        if not ids or at != bank.numel(m.part) or list(ids) != list(range(ids[0], ids[0] + len(ids))):
+            raise ValueError(f"the slices of module {m.name} do not cover it in order")
+    return of_module
+
+
+def module_vectors(slices: Sequence[Slice], values: Mapping[int, torch.Tensor], numel: Mapping[int, int],
+                   device: torch.device) -> tuple[dict[int, torch.Tensor], dict[int, list[tuple[int, int]]]]:
+    """Slice vectors (slice id -> tensor) put together per module: module id -> a vector of the module's
+    ``numel`` (a whole module's own vector when its one slice covers it, else zeros outside the slices
+    given), and, for the modules that only some slices cover, the ranges they cover."""
+    vectors: dict[int, torch.Tensor] = {}
+    partial: dict[int, list[tuple[int, int]]] = {}
+    for m, ranges in spans_by_module(slices[i] for i in values).items():
+        pieces, size = sorted(i for i in values if slices[i].module == m), numel[m]
+        if ranges != [(0, size)]:
+            partial[m] = ranges
+        if len(pieces) == 1 and slices[pieces[0]].numel == size:
+            vectors[m] = values[pieces[0]]  # a whole module: its vector as it is
+            continue
+        vectors[m] = torch.zeros(size, device=device)
+        for i in pieces:
+            vectors[m][slices[i].start:slices[i].stop] = values[i]
+    return vectors, partial

@@ -55,7 +55,7 @@ Guarantees:
 * a fragment in flight at a checkpoint is finished and saved with its landing point, so a resumed
   run continues bit-exactly (CPU), fragments in flight included.
 
-It is a :class:`~dipaco.sync.diloco.Schedule` of :class:`~dipaco.sync.diloco.DiLoCo`: fragments at
+It is a :class:`~dipaco.sync.schedule.Schedule` of :class:`~dipaco.sync.diloco.DiLoCo`: fragments at
 staggered offsets, a delay of tau inner steps, mixing alpha. This file builds that schedule and checks
 the ``outer.streaming`` keys.
 """
@@ -68,8 +68,10 @@ from dipaco.config import StreamingConfig
 from dipaco.errors import ConfigError, check_range
 from dipaco.model.bank import ModuleBank
 from dipaco.sync.base import SyncContext
-from dipaco.sync.diloco import DiLoCo, Exchange, Schedule
+from dipaco.sync.diloco import DiLoCo
+from dipaco.sync.schedule import Schedule
 from dipaco.sync.slices import Slice, block_slices, whole_modules
+from dipaco.sync.transport import Exchange
 
 IN_FLIGHT = "streaming"  # the checkpoint part of the fragment in flight
 
@@ -138,6 +140,7 @@ def assign_fragments(sizes: list[int], fragments: int, pattern: str) -> list[int
 
 class StreamingDiLoCo(DiLoCo):
     name = "streaming"
+    in_flight_part = IN_FLIGHT
 
     def __init__(self, ctx: SyncContext, two_phase_from: int = 3) -> None:
         cfg = ctx.outer.streaming
@@ -160,11 +163,10 @@ class StreamingDiLoCo(DiLoCo):
                               f"({len(units)} units into {count} fragments)")
         h = ctx.inner_steps
         leaves = tuple(h if k == 0 else k * h // count for k in range(count))
-        schedule = Schedule(leaves=leaves, fragments=fragments, delay=cfg.overlap_steps, alpha=cfg.mix_alpha,
-                            in_flight_part=IN_FLIGHT)
+        schedule = Schedule(h, ctx.rounds, fragments, leaves, delay=cfg.overlap_steps, alpha=cfg.mix_alpha)
         super().__init__(ctx, schedule, slices=slices, two_phase_from=two_phase_from)
 
     @property
     def in_flight(self) -> Exchange | None:
         """The fragment in flight (at most one: each lands before the next one leaves)."""
-        return self.exchanges[0] if self.exchanges else None
+        return self.transport.exchanges[0] if self.transport.exchanges else None

@@ -21,8 +21,8 @@ from dipaco.errors import ConfigError
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.model.llama import build_model
 from dipaco.model.pretrained import path_llama_config
-from dipaco.paths.inner import InnerLoop, InnerOptions, check_optim
-from dipaco.paths.sampler import ShardSampler
+from dipaco.paths.factory import DENSE, LoopSettings, PathLoops
+from dipaco.paths.inner import check_optim
 from dipaco.route.shards import build_shards
 from dipaco.run_dir import RunDir
 from dipaco.runtime import resolve_device, seed_everything
@@ -45,9 +45,9 @@ def pretrain(run: RunConfig, section: PretrainConfig, model_cfg: ModelConfig, pr
     sequences = build_shards(prepared.train, everything, 1, seq_len, prepared.tokenizer.eos_token_id)[0]
     model = build_model(path_llama_config(model_cfg, prepared.tokenizer, seq_len), seed=run.seed, device=device)
     steps = section.steps
-    options = InnerOptions.from_config(section, model_cfg, device, "pretrain")
-    loop = InnerLoop(model, ShardSampler(sequences, section.optim.batch_size, run.seed), section.optim, steps, device,
-                     options)
+    settings = LoopSettings.from_config(section, model_cfg, steps, "pretrain")
+    loop = PathLoops({DENSE: sequences}, settings, run.seed).build(DENSE, model, device)
+    options = loop.options
     n_params = sum(p.numel() for p in model.parameters())
     echo(f"[pretrain] dense model {n_params:,} params, {sequences.shape[0]} sequences of {seq_len}, {steps} steps, "
          f"{options.precision.name} on {device}{', compiled' if options.compile else ''}")

@@ -29,13 +29,14 @@ from dipaco.data.reading import SplitReader
 from dipaco.errors import ConfigError, DataError
 from dipaco.metrics import echo
 from dipaco.model.llama import build_model
-from dipaco.model.scoring import score_documents
+from dipaco.model.scoring import Scoring, score_documents
 from dipaco.model.topology import Topology
 from dipaco.precision import Precision
 from dipaco.route.artifact import load_router
 from dipaco.route.assign import (
     CHUNK_DOCS,
     FEATURES,
+    Assignments,
     column_numbers,
     print_report,
     routing_summary,
@@ -100,9 +101,9 @@ def reroute(job: RerouteJob, load_prepared: Callable[[], Prepared], checkpoint: 
     docs = DocumentTokens(prepared.train).documents(rows, dtype=np.int32)
     model = build_model(job.llama, device=job.device)
     loglik = torch.empty(len(docs), topology.num_paths, dtype=torch.float64)
+    scoring = Scoring(job.seq_len, job.prefix_tokens, job.batch_size, prepared.tokenizer.pad_token_id, job.precision)
     for p in range(topology.num_paths):
-        scores = score_documents(bank.compose(p, model), docs, job.seq_len, job.prefix_tokens,
-                                 job.batch_size, prepared.tokenizer.pad_token_id, job.precision)
+        scores = score_documents(bank.compose(p, model), docs, scoring)
         loglik[:, p] = -torch.from_numpy(scores.nll)
     del docs
     scored = torch.from_numpy(scores.tokens > 0)  # documents within the prefix carry no signal
@@ -127,7 +128,7 @@ def reroute(job: RerouteJob, load_prepared: Callable[[], Prepared], checkpoint: 
     })
     # The new fingerprint is noted as this experiment's own before the swap, so a stop in between leaves
     # the experiment resumable; once written, it is what the experiment trains on and the others are refused it.
-    write_routing(run, prepared, router, paths, topk, features_file, report,
+    write_routing(run, prepared, Assignments(router, paths, topk), features_file, report,
                   before_swap=lambda fingerprint: record_routing(job.run_dir, exp_dir, True, rerouting=fingerprint))
     record_routing(job.run_dir, exp_dir, True)
     print_report(report)

@@ -19,20 +19,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from dipaco.comm.accounting import ddp_bytes
-from dipaco.comm.world import World
 from dipaco.metrics import MetricsLogger, echo
-from dipaco.model.bank import ModuleBank
-from dipaco.model.topology import Topology
 from dipaco.paths.early_stopping import PathEarlyStopping
-from dipaco.paths.inner import InnerLoop, InnerStats
+from dipaco.paths.inner import InnerStats
 from dipaco.sync.base import OuterSync, SyncReport
 from dipaco.sync.deltas import path_agreement
+from dipaco.train.experiment import BuiltExperiment
 from dipaco.train.trainer import Progress
+
+
+@dataclass(frozen=True)
+class RoundOptions:
+    """What the round scheduler reports, and how."""
+
+    log_every: int = 10  # train.log_every: inner steps between loss records
+    progress: bool = True  # run.progress: a progress bar on rank 0
+    comm_dtype: str = "fp32"  # dist.comm_dtype: named in the communication figures
+    report_dropped: bool = False  # outer.drop_prob > 0: log the dropped paths
+    diagnostics: bool = False  # train.diagnostics: the paths' agreement per level
 
 
 class RoundScheduler:
@@ -40,14 +50,14 @@ class RoundScheduler:
 
     driver = "torchrun"
 
-    def __init__(self, sync: OuterSync, loops: Mapping[int, InnerLoop], bank: ModuleBank, topology: Topology,
-                 world: World, rounds: int, inner_steps: int, log_every: int = 10, progress: bool = True,
-                 early_stopping: PathEarlyStopping | None = None, comm_dtype: str = "fp32",
-                 report_dropped: bool = False, diagnostics: bool = False) -> None:
-        self.sync, self.loops, self.bank, self.topology, self.world = sync, loops, bank, topology, world
-        self.rounds, self.inner_steps, self.log_every, self.progress = rounds, inner_steps, log_every, progress
-        self.early_stopping, self.comm_dtype, self.report_dropped = early_stopping, comm_dtype, report_dropped
-        self.diagnostics = diagnostics
+    def __init__(self, experiment: BuiltExperiment, sync: OuterSync, options: RoundOptions,
+                 early_stopping: PathEarlyStopping | None = None) -> None:
+        self.sync, self.loops, self.bank = sync, experiment.loops, experiment.bank
+        self.topology, self.world = experiment.topology, experiment.world
+        self.rounds, self.inner_steps = experiment.rounds, experiment.inner_steps
+        self.log_every, self.progress, self.comm_dtype = options.log_every, options.progress, options.comm_dtype
+        self.report_dropped, self.diagnostics = options.report_dropped, options.diagnostics
+        self.early_stopping = early_stopping
 
     def describe(self) -> str:
         return f"{self.rounds} rounds x {self.inner_steps} inner steps"

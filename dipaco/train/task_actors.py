@@ -8,18 +8,18 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import LlamaConfig
 
-from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint, Snapshot, resolve_checkpoint, write_snapshot
-from dipaco.config import ModelConfig, TrainConfig
+from dipaco.checkpoint.store import CONFIG, CheckpointManager, SavedCheckpoint, Snapshot, resolve_checkpoint, write_snapshot
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
 from dipaco.model.topology import Topology
-from dipaco.paths.inner import InnerLoop, InnerOptions
-from dipaco.paths.sampler import Sequences, ShardSampler
+from dipaco.paths.factory import PathLoops
 from dipaco.runtime import seed_everything
 from dipaco.sync.async_nesterov import ANCHOR, BUFFER, MOMENTUM, PARAMS, AsyncNesterov
 
@@ -30,14 +30,13 @@ EXECUTORS_DIR = "executors"  # <experiment>/executors/run_<ms>/executor_NNN: eac
 class PathWorker:
     """Runs path tasks: compose the path, ``steps`` AdamW steps, hand back its AdamW state and deltas."""
 
-    def __init__(self, worker: int, speed: float, seed: int, train: TrainConfig, model: ModelConfig, llama_config,
-                 topology: Topology, shards: dict[int, Sequences], total_steps: int) -> None:
+    def __init__(self, worker: int, speed: float, path_loops: PathLoops, llama_config: LlamaConfig,
+                 topology: Topology) -> None:
         torch.set_num_threads(1)  # several workers share the machine's cores
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray sets the visible GPU
-        seed_everything(seed, self.device)
-        self.worker, self.speed, self.seed, self.train, self.topology = worker, speed, seed, train, topology
-        self.options = InnerOptions.from_config(train, model, self.device, "train")
-        self.shards, self.total_steps, self.llama_config = shards, total_steps, llama_config
+        seed_everything(path_loops.seed, self.device)
+        self.worker, self.speed, self.path_loops, self.topology = worker, speed, path_loops, topology
+        self.llama_config = llama_config
         self.models: dict[int, Any] = {}
         self.bank = ModuleBank(topology, build_model(llama_config, seed=0, device=self.device))
 
@@ -52,8 +51,7 @@ class PathWorker:
             for m, value in zip(module_ids, modules):
                 self.bank.params[m].copy_(value)
         self.bank.load_path(path, model)
-        sampler = ShardSampler(self.shards[path], self.train.optim.batch_size, seed=self.seed * 7919 + path)
-        loop = InnerLoop(model, sampler, self.train.optim, self.total_steps, self.device, self.options)
+        loop = self.path_loops.build(path, model, self.device)
         if inner_state is not None:
             loop.load_state_dict(inner_state)
         start = time.perf_counter()
@@ -79,6 +77,27 @@ def _to_cpu(state: Any) -> Any:
     return state
 
 
+@dataclass(frozen=True)
+class ExecutorModules:
+    """The modules of one executor and their outer step, by global module id."""
+
+    names: dict[int, str]
+    path_weights: dict[int, dict[int, float]]  # module -> the weight of each path through it
+    lr: float | dict[int, float]  # the outer lr (per module: embedding and head may be scaled)
+    momentum: float
+    delay: dict[int, int]  # arrivals per momentum step (delayed Nesterov's N)
+    rescale: str = "none"  # outer.rescale
+
+
+@dataclass(frozen=True)
+class ExecutorCheckpoints:
+    """Where an executor checkpoints itself, and how often."""
+
+    root: str
+    every: int  # ray.executor_checkpoint_every: applied updates between checkpoints
+    config_yaml: str  # the run's resolved config, written into each checkpoint
+
+
 class ModuleExecutor:
     """The outer executor of a group of modules: their :class:`AsyncNesterov` and update log.
 
@@ -87,13 +106,15 @@ class ModuleExecutor:
     starts it from a run checkpoint instead of ``init``.
     """
 
-    def __init__(self, names: dict[int, str], init: dict[int, torch.Tensor], path_weights: dict[int, dict[int, float]],
-                 lr: float | dict[int, float], momentum: float, delay: dict[int, int], root: str, every: int,
-                 config_yaml: str, saved: tuple[dict, dict] | None = None, rescale: str = "none") -> None:
+    def __init__(self, modules: ExecutorModules, checkpoints: ExecutorCheckpoints, init: dict[int, torch.Tensor],
+                 saved: tuple[dict, dict] | None = None) -> None:
+        """``init``: each module's starting parameters (and ``saved``) are arguments of their own: Ray resolves
+        the object references it is given there, not inside a dataclass."""
         torch.set_num_threads(1)
-        self.names, self.every, self.config_yaml = dict(names), every, config_yaml
-        self.sync = AsyncNesterov(init, path_weights, lr, momentum, delay, rescale)
-        self.checkpoints = CheckpointManager(root, keep=2)
+        self.names, self.every, self.config_yaml = dict(modules.names), checkpoints.every, checkpoints.config_yaml
+        self.sync = AsyncNesterov(init, modules.path_weights, modules.lr, modules.momentum, modules.delay,
+                                  modules.rescale)
+        self.checkpoints = CheckpointManager(checkpoints.root, keep=2)
         self.restored_from = None
         if self.checkpoints.latest() is not None:
             ckpt = SavedCheckpoint(resolve_checkpoint(self.checkpoints))
@@ -134,7 +155,7 @@ class ModuleExecutor:
 
     def _checkpoint(self) -> None:
         n = len(self.sync.log)
-        snapshot = Snapshot(parts=self.sync.tensors(self.names), config_yaml=self.config_yaml,
+        snapshot = Snapshot(parts=self.sync.tensors(self.names), texts={CONFIG: self.config_yaml},
                             state={"round": n, "counters": self.sync.counters(), "modules": self.names})
         self.checkpoints.save(n, lambda d: write_snapshot(d, 0, snapshot, n))
 
@@ -150,7 +171,7 @@ class ExecutorState:
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return self.parts
 
-    def load_state(self, saved: Any) -> None:
+    def load_state_dict(self, saved: Any) -> None:
         self.parts = {part: saved.replicated(part, self.names) for part in SYNC_PARTS}
 
 

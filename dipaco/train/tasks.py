@@ -28,21 +28,26 @@ from __future__ import annotations
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from dipaco.config import ModelConfig, OuterConfig, RayConfig, TrainConfig
+from dipaco.config import OuterConfig, RayConfig
 from dipaco.errors import ConfigError, DistributedError
 from dipaco.metrics import MetricsLogger, echo
-from dipaco.model.bank import ModuleBank
-from dipaco.model.topology import Topology
-from dipaco.paths.inner import InnerLoop
 from dipaco.sync.async_nesterov import PARAMS, default_delay, staleness_summary
 from dipaco.sync.nesterov import module_outer_lr
-from dipaco.train.task_actors import EXECUTORS_DIR, SYNC_PARTS, ExecutorState, ModuleExecutor, PathWorker
+from dipaco.train.experiment import BuiltExperiment
+from dipaco.train.task_actors import (
+    EXECUTORS_DIR,
+    SYNC_PARTS,
+    ExecutorCheckpoints,
+    ExecutorModules,
+    ExecutorState,
+    ModuleExecutor,
+    PathWorker,
+)
 from dipaco.train.task_queue import Task, TaskQueue, check_staleness_bound, executor_groups, worker_speeds
 from dipaco.train.trainer import Progress
 
@@ -62,14 +67,14 @@ class TaskScheduler:
 
     driver = "ray"
 
-    def __init__(self, ray: RayConfig, outer: OuterConfig, train: TrainConfig, model: ModelConfig, seed: int,
-                 topology: Topology, bank: ModuleBank, loops: Mapping[int, InnerLoop], weights: Mapping[int, float],
-                 exp_dir: Path, config_yaml: str, timeout_s: float,
-                 on_start: Callable[[TaskScheduler], None] | None = None) -> None:
+    def __init__(self, experiment: BuiltExperiment, ray: RayConfig, outer: OuterConfig, timeout_s: float,
+                 dynamic_steps: bool = False, on_start: Callable[[TaskScheduler], None] | None = None) -> None:
+        """``dynamic_steps``: train.dynamic_local_steps; ``timeout_s``: dist.timeout_s, for an actor Ray restarts."""
+        topology = experiment.topology
         check_staleness_bound(ray.max_staleness, topology)
-        self.ray_cfg, self.outer, self.train, self.model, self.seed = ray, outer, train, model, seed
-        self.topology, self.bank, self.loops, self.weights = topology, bank, loops, weights
-        self.exp_dir, self.config_yaml, self.timeout_s, self.on_start = exp_dir, config_yaml, timeout_s, on_start
+        self.experiment, self.ray_cfg, self.outer, self.timeout_s, self.on_start = experiment, ray, outer, timeout_s, on_start
+        self.topology, self.bank, self.loops, self.weights = topology, experiment.bank, experiment.loops, experiment.weights
+        self.dynamic_steps = dynamic_steps
         self.names = {m.id: m.name for m in topology.modules}
         self.sync = ExecutorState(list(self.names.values()))
         self.speeds = worker_speeds(ray, topology.num_paths)
@@ -88,9 +93,10 @@ class TaskScheduler:
     def run(self, start: int, until_round: int) -> Iterator[Progress]:
         """The tasks of ``until_round`` rounds' worth of inner steps, from the queue state restored; yields
         every ``ray.checkpoint_every`` completed tasks and at the end."""
-        per_round = self.train.inner_steps * self.topology.num_paths
-        self.queue = TaskQueue(self.topology, self.train.inner_steps, until_round * per_round, self.ray_cfg.schedule,
-                               self.ray_cfg.max_staleness, self.train.dynamic_local_steps, self.queue_state)
+        inner_steps = self.experiment.inner_steps
+        per_round = inner_steps * self.topology.num_paths
+        self.queue = TaskQueue(self.topology, inner_steps, until_round * per_round, self.ray_cfg.schedule,
+                               self.ray_cfg.max_staleness, self.dynamic_steps, self.queue_state)
         self.ray = ray = _ray()
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
@@ -109,23 +115,25 @@ class TaskScheduler:
         if resources.get("GPU", 0) > 0:  # the workers train on the node's GPUs, as lock-step ranks do
             share["num_gpus"] = min(1.0, resources["GPU"] / len(self.speeds))
         worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=0)
-        self.shards_ref = ray.put({p: loop.sampler.sequences for p, loop in self.loops.items()})
+        self.loops_ref = ray.put(self.experiment.path_loops)  # every shard, once in the object store
         llama = next(iter(self.loops.values())).model.config
-        total_steps = self.train.rounds * self.train.inner_steps
-        self.workers = [worker_cls.remote(w, s, self.seed, self.train, self.model, llama, topo, self.shards_ref, total_steps)
-                        for w, s in enumerate(self.speeds)]
+        self.workers = [worker_cls.remote(w, s, self.loops_ref, llama, topo) for w, s in enumerate(self.speeds)]
         executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=0)
-        root = self.exp_dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
+        root = self.experiment.dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
         self.held_refs: list = []  # the objects Ray may hand a restarted actor again
         for g, group in enumerate(self.groups):
             through = {m: topo.paths_through(m) for m in group}
-            self.actors.append(executor_cls.remote(
-                {m: self.names[m] for m in group}, self._hold({m: self.bank.params[m].detach().clone() for m in group}),
-                {m: {p: self.weights[p] for p in through[m]} for m in group},
-                {m: module_outer_lr(self.outer, topo, m) for m in group}, self.outer.momentum,
-                {m: default_delay(len(through[m]), self.outer.nesterov_delay) for m in group},
-                str(root / f"executor_{g:03d}"), self.ray_cfg.executor_checkpoint_every, self.config_yaml,
-                None if self.counters is None else self._hold(self._saved(group)), self.outer.rescale))
+            modules = ExecutorModules(
+                names={m: self.names[m] for m in group},
+                path_weights={m: {p: self.weights[p] for p in through[m]} for m in group},
+                lr={m: module_outer_lr(self.outer, topo, m) for m in group}, momentum=self.outer.momentum,
+                delay={m: default_delay(len(through[m]), self.outer.nesterov_delay) for m in group},
+                rescale=self.outer.rescale)
+            checkpoints = ExecutorCheckpoints(str(root / f"executor_{g:03d}"), self.ray_cfg.executor_checkpoint_every,
+                                              self.experiment.config_yaml)
+            init = self._hold({m: self.bank.params[m].detach().clone() for m in group})
+            saved = None if self.counters is None else self._hold(self._saved(group))
+            self.actors.append(executor_cls.remote(modules, checkpoints, init, saved))
         self.executors = {m: self.actors[g] for g, group in enumerate(self.groups) for m in group}
         ray.get([actor.pid.remote() for actor in (*self.workers, *self.actors)])  # started: the clock starts now
         for old in root.parent.glob("run_*"):  # an earlier run's executors: its checkpoint is the truth now

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dipaco.atomic import write_text
+from dipaco.checkpoint.spec import SPEC
 from dipaco.checkpoint.state import TrainingState
-from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint, resolve_checkpoint, write_snapshot
+from dipaco.checkpoint.store import CONFIG, CheckpointManager, SavedCheckpoint, resolve_checkpoint, write_snapshot
 from dipaco.comm.world import World
 from dipaco.config import TrainConfig
 from dipaco.errors import ConfigError, DistributedError
@@ -32,6 +33,7 @@ from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
 from dipaco.paths.inner import InnerLoop, check_optim
 from dipaco.route.provenance import check_routing, record_routing
+from dipaco.train.experiment import BuiltExperiment
 
 
 def check_train(train: TrainConfig) -> None:
@@ -87,27 +89,45 @@ class Scheduler(Protocol):
 
 @dataclass
 class Trainer:
-    """One experiment as one rank trains it."""
+    """One experiment as one rank trains it: the built record, its scheduler and checkpoints."""
 
-    config_yaml: str  # the resolved config: written into the experiment and into every checkpoint
-    check_resume: Callable[[Path], None]  # from the composition root: refuses a checkpoint whose config differs
-    run_dir: Path
-    dir: Path  # <run.dir>/train/<name>
-    rounds: int  # train.rounds: the length of the run, which the LR schedule spans
-    routed: bool  # trains on routed shards (train.sharding=kmeans), whose routing is recorded and checked
-    topology: Topology
-    bank: ModuleBank  # the modules this rank's paths go through (all of them in a single process)
-    loops: dict[int, InnerLoop]  # this rank's path id -> its inner loop (model, AdamW, schedule, data cursor)
-    weights: dict[int, float]  # every path's outer weight w_p
-    by_rank: list[tuple[int, ...]]  # the paths of every rank
-    world: World  # this rank and the job's collectives (one rank in a single process)
+    experiment: BuiltExperiment
     scheduler: Scheduler
     state: TrainingState
     checkpoints: CheckpointManager
+    check_resume: Callable[[Path], None]  # from the composition root: refuses a checkpoint whose config differs
 
     @property
     def sync(self) -> Any:
         return self.scheduler.sync
+
+    @property
+    def bank(self) -> ModuleBank:
+        return self.experiment.bank
+
+    @property
+    def loops(self) -> dict[int, InnerLoop]:
+        return self.experiment.loops
+
+    @property
+    def dir(self) -> Path:
+        return self.experiment.dir
+
+    @property
+    def world(self) -> World:
+        return self.experiment.world
+
+    @property
+    def rounds(self) -> int:
+        return self.experiment.rounds
+
+    @property
+    def topology(self) -> Topology:
+        return self.experiment.topology
+
+    @property
+    def weights(self) -> dict[int, float]:
+        return self.experiment.weights
 
     def train(self, resume: bool = False, resume_from: str | None = None, until_round: int | None = None) -> Trainer:
         """Trains up to ``until_round`` (default: every round), from scratch or from a checkpoint."""
@@ -116,14 +136,17 @@ class Trainer:
             options = next(iter(self.loops.values())).options
             speed = f"{options.precision.name} on {world.device}" + (", compiled" if options.compile else "")
             ranks = "" if world.size == 1 else "; " + ", ".join(f"rank {r}: paths {list(ps)}"
-                                                               for r, ps in enumerate(self.by_rank))
-            echo(f"[train] {self.dir.name}: {self.topology.describe()}; {self.scheduler.describe()}; {speed}{ranks}")
+                                                               for r, ps in enumerate(self.experiment.by_rank))
+            echo(f"[train] {self.dir.name}: {self.experiment.topology.describe()}; {self.scheduler.describe()}; "
+                 f"{speed}{ranks}")
         start, resumed = self._start(resume, resume_from)
         if world.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            write_text(self.dir / "config.yaml", self.config_yaml)  # replaced whole: a full disk keeps the old one
-            record_routing(self.run_dir, self.dir, self.routed)
-        stop = self.rounds if until_round is None else min(until_round, self.rounds)
+            write_text(self.dir / CONFIG, self.experiment.config_yaml)  # replaced whole: a full disk keeps the old one
+            self.experiment.spec.write(self.dir)
+            record_routing(self.experiment.run_dir, self.dir, self.experiment.routed)
+        rounds = self.experiment.rounds
+        stop = rounds if until_round is None else min(until_round, rounds)
         metrics = MetricsLogger(self.dir) if world.rank == 0 else None
         try:
             if metrics is not None and resumed is not None:
@@ -150,7 +173,7 @@ class Trainer:
             if resume or resume_from or (restarted and latest is not None):
                 if restarted and world.rank == 0 and latest is not None:
                     echo(f"[train] restart {world.env.restart_count} of the worker group: continuing from {latest.name}")
-                check_routing(self.run_dir, self.dir, self.routed)
+                check_routing(self.experiment.run_dir, self.dir, self.experiment.routed)
                 start, resumed = self.restore(resume_from)
             elif latest is not None:
                 raise ConfigError(f"{self.dir} already has checkpoints; pass --resume to continue it, "
@@ -178,7 +201,8 @@ class Trainer:
         return int(state["round"]), ckpt
 
     def _write(self, directory: Path, progress: Progress) -> list[Path]:
-        snapshot = self.state.snapshot(progress.index, progress.reports, progress.info, self.config_yaml)
+        texts = {CONFIG: self.experiment.config_yaml, SPEC: self.experiment.spec.to_json()}
+        snapshot = self.state.snapshot(progress.index, progress.reports, progress.info, texts)
         return write_snapshot(directory, self.world.rank, snapshot, progress.index)
 
     def _log(self, metrics: MetricsLogger, index: int, reports: list, info: dict, ckpt: Path) -> None:

@@ -357,7 +357,7 @@ def test_one_and_two_ranks_train_the_same_bank(two_ranks):
     single = Run(replace(cfg, train=replace(cfg.train, name="single", rounds=3, inner_steps=8))).train()
     a, b = final_bank(cfg, "single"), final_bank(cfg, "two")
     assert a.keys() == b.keys()
-    for k in a:  # equal up to the order of the fp32 additions (see README)
+    for k in a:  # equal up to the order of the fp32 additions (docs/guide.md: Multi-worker training)
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
     assert single.sync.transport.mine == [] and "rank 0: paths" in out
 

@@ -48,7 +48,7 @@ def test_two_ranks_stream_the_same_bank_as_one_process(copied):
                                num_fragments=2, overlap_steps=1, mix_alpha=0.5)))).train()
     a, b = final_bank(cfg, "stream1"), final_bank(cfg, "stream2")
     assert a.keys() == b.keys()
-    for k in a:  # equal up to the order of the fp32 additions, as DiLoCo (README)
+    for k in a:  # equal up to the order of the fp32 additions, as DiLoCo (docs/guide.md)
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
     assert single.sync.fragments == [(0, 2, 4), (1, 3, 5)]  # strided over the 6 modules
     comm = read_metrics(Path(cfg.run.dir) / "train" / "stream2" / "metrics.jsonl", "comm")

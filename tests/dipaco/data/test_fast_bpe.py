@@ -10,7 +10,15 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 import dipaco.data.tokenizer as tokenizer_module
 from dipaco.data.fast_bpe import byte_level_alphabet, tiktoken_bpe
-from dipaco.data.tokenizer import EOS_TOKEN, PAD_TOKEN, batch_encoder, tokenize_corpus, tokenize_to_disk, train_tokenizer
+from dipaco.data.tokenizer import (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    TokenizeOptions,
+    batch_encoder,
+    tokenize_corpus,
+    tokenize_to_disk,
+    train_tokenizer,
+)
 
 SCRIPTS = [
     "abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "éèêàçôüößñ", "абвгдежзийклмнопрстуфхцчшщыэюя",
@@ -129,8 +137,8 @@ def test_forked_tokenizer_processes_write_the_same_shards(tokenizer, tmp_path):
     ds = datasets.Dataset.from_dict({"id": [str(i) for i in range(60)],
                                      "text": [mixed_text(60, seed) for seed in range(4000, 4060)]})
     lines: list[str] = []
-    one = tokenize_to_disk(ds, tokenizer, tmp_path / "one", "train", num_proc=1, shard_docs=25, log=lines.append)
-    two = tokenize_to_disk(ds, tokenizer, tmp_path / "two", "train", num_proc=2, shard_docs=25)
+    one = tokenize_to_disk(ds, tokenizer, tmp_path / "one", "train", TokenizeOptions(num_proc=1, shard_docs=25), log=lines.append)
+    two = tokenize_to_disk(ds, tokenizer, tmp_path / "two", "train", TokenizeOptions(num_proc=2, shard_docs=25))
     assert lines[0] == "tokenizing train with tiktoken's BPE engine (the same ids as the HF tokenizer)"
     read = [datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files]) for files in (one, two)]
     assert len(two) > len(one) == 3  # a file per process and shard

@@ -10,6 +10,7 @@ import dipaco.data.tokenizer as tokenizer_module
 from dipaco.data.tokenizer import (
     EOS_TOKEN,
     PAD_TOKEN,
+    TokenizeOptions,
     decode_batch,
     load_tokenizer,
     tokenize_corpus,
@@ -135,7 +136,7 @@ def test_tokenized_shards_are_written_in_record_batches_of_writer_batch_rows(tok
     tok = load_tokenizer(tokenizer_dir)
     ds = datasets.Dataset.from_dict({"id": [str(i) for i in range(2500)], "text": ["a b c"] * 2500})
     monkeypatch.setattr(tokenizer_module, "WRITER_BATCH_ROWS", 2000)
-    files = tokenize_to_disk(ds, tok, tmp_path / "tokens", "train", shard_docs=2500)
+    files = tokenize_to_disk(ds, tok, tmp_path / "tokens", "train", TokenizeOptions(shard_docs=2500))
     with pa.memory_map(str(files[0])) as source:
         assert [b.num_rows for b in pa.ipc.open_stream(source)] == [2000, 500]
 
@@ -146,7 +147,7 @@ def test_tokenize_to_disk_returns_its_files_and_keeps_none_mapped(tokenizer_dir,
     tok = load_tokenizer(tokenizer_dir)
     ds = datasets.Dataset.from_dict({"id": [str(i) for i in range(25)], "text": texts(25)})
     monkeypatch.setattr(tokenizer_module, "WRITER_BATCH_ROWS", 4)  # rows per record batch: few headers to map
-    files = tokenize_to_disk(ds, tok, tmp_path / "tokens", "train", shard_docs=10)
+    files = tokenize_to_disk(ds, tok, tmp_path / "tokens", "train", TokenizeOptions(shard_docs=10))
     with pa.memory_map(str(files[0])) as source:
         assert [b.num_rows for b in pa.ipc.open_stream(source)] == [4, 4, 2]
     assert [f.name for f in files] == ["train-00000.arrow", "train-00001.arrow", "train-00002.arrow"]

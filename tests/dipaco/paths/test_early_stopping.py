@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.metrics import read_metrics
 from dipaco.model.bank import ModuleBank
+from dipaco.model.scoring import Scoring
 from dipaco.model.topology import Topology
 from dipaco.paths.early_stopping import PathEarlyStopping, early_stopping_holdout, load_best_path
 from dipaco.run import Run
@@ -24,7 +25,8 @@ def test_keeps_best_parameters_and_ignores_a_worse_round(tmp_path):
     topo = Topology.grid(2, [2, 1])
     bank = ModuleBank(topo, tiny())
     docs = {p: [[(i * 3 + p) % 20 for i in range(12)] for _ in range(3)] for p in range(2)}
-    stopper = PathEarlyStopping(tmp_path, docs, seq_len=16, prefix_tokens=2, batch_size=4, pad_id=0, scratch_model=tiny())
+    stopper = PathEarlyStopping(tmp_path, docs, Scoring(seq_len=16, prefix_tokens=2, batch_size=4, pad_id=0),
+                                scratch_model=tiny())
     first = stopper.update(bank, round_index=1)
     saved = {p: load_best_path(tmp_path, p, tiny()).state_dict() for p in range(2)}
     with torch.no_grad():
@@ -38,7 +40,7 @@ def test_keeps_best_parameters_and_ignores_a_worse_round(tmp_path):
         again = load_best_path(tmp_path, p, tiny()).state_dict()
         assert all(torch.equal(again[k], saved[p][k]) for k in saved[p])
     # A restarted run reads the record and still compares against round 1.
-    assert PathEarlyStopping(tmp_path, docs, 16, 2, 4, 0, tiny()).best == state
+    assert PathEarlyStopping(tmp_path, docs, Scoring(16, 2, 4, 0), tiny()).best == state
 
 
 def test_holdout_mask_is_stable_and_near_the_fraction():

@@ -9,7 +9,7 @@ import pytest
 from test_serve import PROMPTS, call, needs_web, running
 
 from dipaco.serve.connections import AdmissionSocket, ConnectionGuard
-from dipaco.serve.http import create_app
+from dipaco.serve.http import AppOptions, create_app
 from dipaco.serve.pipeline import Pipeline
 
 
@@ -60,7 +60,7 @@ def test_connections_whose_headers_are_late_are_closed(pipe):
 def test_a_request_answered_before_its_body_may_finish_sending_it(pipe):
     """A 413 from the headers alone, the body still arriving slowly: the client is not cut off mid-send
     by the header deadline (uvicorn reads and discards the rest so the answer can be read)."""
-    with running(create_app(pipe, max_body_bytes=1000), header_timeout_s=0.3) as port:
+    with running(create_app(pipe, AppOptions(max_body_bytes=1000)), header_timeout_s=0.3) as port:
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n")
         for _ in range(8):  # 0.8 s of body, longer than the header deadline, a chunk every 0.1 s

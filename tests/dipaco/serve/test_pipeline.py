@@ -116,6 +116,8 @@ def test_experiment_choice_and_runs_without_a_router(served_run, tmp_path):
     shutil.copytree(src, iid)
     cfg_text = (iid / "config.yaml").read_text()
     (iid / "config.yaml").write_text(cfg_text.replace("sharding: kmeans", "sharding: iid"))
+    spec_text = (iid / "experiment.json").read_text()  # what serving reads since issue 50: the experiment spec
+    (iid / "experiment.json").write_text(spec_text.replace('"rule": "kmeans"', '"rule": "iid"'))
     with pytest.raises(DipacoError, match=f"--experiment: {served_run.train.name}, iid_copy"):
         Pipeline.from_run(run)
     with pytest.raises(DipacoError, match="no experiment 'nope'.*iid_copy"):
@@ -180,15 +182,16 @@ def test_text_router_reads_only_the_routing_prefix(served_run, tmp_path, featuri
 
 
 def test_a_damaged_experiment_record_is_one_error_line(served_run, tmp_path, capsys):
-    """Issue 34: a truncated train/<name>/config.yaml, or garbage in routing.json, ended in a traceback."""
+    """Issue 34: a truncated train/<name>/config.yaml, or garbage in routing.json, ended in a traceback.
+    Since issue 50 serving reads the experiment spec (experiment.json), not config.yaml."""
     run = copy_run(served_run, tmp_path)
     exp_dir = RunDir(run).experiment(served_run.train.name)
-    config = exp_dir / "config.yaml"
+    config = exp_dir / "experiment.json"
     config.write_text(config.read_text()[:200] + "\n  - [\n")
     assert main(["generate", "--run", str(run), "hello"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "config.yaml: not valid YAML" in err and err.count("\n") == 1
-    shutil.copy(Path(served_run.run.dir) / "train" / served_run.train.name / "config.yaml", config)
+    assert err.startswith("error: ") and "experiment.json: not a valid experiment spec" in err and err.count("\n") == 1
+    shutil.copy(Path(served_run.run.dir) / "train" / served_run.train.name / "experiment.json", config)
     (exp_dir / "routing.json").write_text("{garbage")
     assert main(["generate", "--run", str(run), "hello"]) == 2
     err = capsys.readouterr().err

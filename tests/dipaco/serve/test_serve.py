@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dipaco.cli import main
-from dipaco.serve.http import create_app  # imports FastAPI only when called
+from dipaco.serve.http import AppOptions, create_app  # imports FastAPI only when called
 from dipaco.serve.pipeline import Pipeline
 
 
@@ -73,7 +73,8 @@ def pipe(served_run):
 def server(pipe):
     """The app with this module's caps; yields (port, pipeline)."""
     needs_web()
-    with running(create_app(pipe, max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens_cap=MAX_NEW_TOKENS_CAP)) as port:
+    caps = AppOptions(max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens_cap=MAX_NEW_TOKENS_CAP)
+    with running(create_app(pipe, caps)) as port:
         yield port, pipe
 
 
@@ -195,7 +196,7 @@ def test_a_port_in_use_or_out_of_range_is_one_error_line(served_run, capsys):
 def test_a_stalled_request_body_is_closed_with_408(pipe):
     """Issue 34: bodies that stopped arriving held their connections forever."""
     needs_web()
-    with running(create_app(pipe, body_timeout_s=0.5)) as port:
+    with running(create_app(pipe, AppOptions(body_timeout_s=0.5))) as port:
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         try:
             sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -359,7 +360,7 @@ def test_a_large_request_does_not_stall_small_ones(server):
 
 
 def test_caps_default_to_the_models_seq_len(pipe):
-    seq_len = pipe.cfg.data.seq_len
+    seq_len = pipe.spec.seq_len
     with running(create_app(pipe)) as port:
         caps = health(port)
         assert (caps["max_prompt_tokens"], caps["max_new_tokens_cap"]) == (seq_len, seq_len)
@@ -370,7 +371,7 @@ def test_caps_default_to_the_models_seq_len(pipe):
         status, reply = call(port, "POST", "/v1/generate", {"prompt": prompt, "path": 0})  # default 32 new tokens: too many
         assert status == 200 and reply["prompt_tokens"] == n_prompt
         assert reply["completion_tokens"] <= seq_len - n_prompt
-    with running(create_app(pipe, max_prompt_tokens=10 * seq_len, max_new_tokens_cap=10 * seq_len)) as port:
+    with running(create_app(pipe, AppOptions(max_prompt_tokens=10 * seq_len, max_new_tokens_cap=10 * seq_len))) as port:
         caps = health(port)
         assert (caps["max_prompt_tokens"], caps["max_new_tokens_cap"]) == (seq_len, seq_len)
 
@@ -408,7 +409,7 @@ def test_a_client_that_leaves_mid_batch_is_dropped_without_harming_the_others(pi
         return step(*args, **kwargs)
 
     monkeypatch.setattr(decode, "_last_logits", slow_step)
-    app = create_app(pipe, max_batch=8, batch_wait_ms=300)
+    app = create_app(pipe, AppOptions(max_batch=8, batch_wait_ms=300))
     with running(app) as port:
         leaver = socket.create_connection(("127.0.0.1", port), timeout=10)
         body = json.dumps({"prompt": PROMPTS[0], "max_new_tokens": 24, "path": 0}).encode()

@@ -6,7 +6,7 @@ import logging
 import pytest
 from test_serve import PROMPTS, call, needs_web, running
 
-from dipaco.serve.http import create_app
+from dipaco.serve.http import AppOptions, create_app
 from dipaco.serve.metrics import ACCESS_LOGGER, printable
 from dipaco.serve.pipeline import Pipeline
 
@@ -35,7 +35,7 @@ def value(samples: dict, name: str, **labels) -> float:
 def served(served_run):
     needs_web()
     pipe = Pipeline.from_run(served_run.run.dir)
-    with running(create_app(pipe, max_batch=8, batch_wait_ms=50)) as port:
+    with running(create_app(pipe, AppOptions(max_batch=8, batch_wait_ms=50))) as port:
         yield port, pipe
 
 

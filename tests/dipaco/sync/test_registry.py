@@ -11,6 +11,7 @@ from dipaco.errors import ConfigError
 from dipaco.run import Run, load_config
 from dipaco.sync import SYNCS, OuterSync, build_sync
 from dipaco.sync.diloco import DiLoCo
+from dipaco.sync.schedule import Schedule
 
 
 class TwiceARound(OuterSync):
@@ -19,8 +20,10 @@ class TwiceARound(OuterSync):
     name = "twice_a_round"
 
     def __init__(self, ctx) -> None:
-        self.diloco = DiLoCo(ctx)
         self.inner_steps = ctx.inner_steps
+        # every module leaves (and lands) at both sync points
+        self.diloco = DiLoCo(ctx, Schedule.diloco(ctx.inner_steps, ctx.rounds, len(ctx.topology.modules),
+                                                  at=self.sync_points()))
         self.calls: list[tuple[int, int, list[int]]] = []
 
     def sync_points(self) -> tuple[int, ...]:
@@ -33,8 +36,8 @@ class TwiceARound(OuterSync):
     def state_dict(self):
         return self.diloco.state_dict()
 
-    def load_state(self, saved) -> None:
-        self.diloco.load_state(saved)
+    def load_state_dict(self, saved) -> None:
+        self.diloco.load_state_dict(saved)
 
 
 @pytest.mark.slow

@@ -255,8 +255,8 @@ def _run_case(name: str, world: World, by_rank) -> dict:
     sync = make_sync(topo, _tiny_run_model(), by_rank=by_rank, world=world, held=held, outer=outer,
                      rounds=2, dist=DistConfig(**dist), **stream)
     models, reports = drive(sync, _tiny_run_model, rounds=2, paths=mine)
-    residuals = sorted(sync.feedback.state_dict()) if sync.feedback is not None else []
-    codecs = sorted(sync.adaptive.state_dict()) if sync.adaptive is not None else []
+    residuals = sorted(sync.transport.feedback.state_dict()) if sync.transport.feedback is not None else []
+    codecs = sorted(sync.transport.adaptive.state_dict()) if sync.transport.adaptive is not None else []
     return {"bank": {m: sync.bank.params[m].clone() for m in held}, "bytes": [r.stats.bytes_sent for r in reports],
             "residuals": residuals, "codecs": codecs, "slices": [s.name for s in sync.slices]}
 
@@ -287,7 +287,7 @@ def test_two_ranks_sync_block_fragments_as_one_process(two_ranks):
         single = _run_case(name, World(), [(0, 1, 2, 3)])
         for rank in range(2):
             for m, value in two_ranks[rank][name]["bank"].items():
-                # equal up to the order of the fp32 additions (README: Exactness)
+                # equal up to the order of the fp32 additions (docs/guide.md: Multi-worker training)
                 torch.testing.assert_close(value, single["bank"][m], rtol=0, atol=1e-6)
     # fp4, error-fed, adaptive slices: every holder gets the same bits; residuals are per slice
     a, b = two_ranks[0]["blocks_fp4"], two_ranks[1]["blocks_fp4"]

@@ -19,7 +19,17 @@ from dipaco.run import Run, apply_overrides
 
 ray = pytest.importorskip("ray", reason='the Ray driver needs Ray: pip install -e ".[ray]" (dev includes it)')
 
-from dipaco.train.task_actors import ModuleExecutor, count_applied, executor_log_files  # noqa: E402
+from dipaco.train.task_actors import (  # noqa: E402
+    ExecutorCheckpoints,
+    ExecutorModules,
+    ModuleExecutor,
+    count_applied,
+    executor_log_files,
+)
+
+
+def executor(root: str, every: int, config_yaml: str, init: dict, **modules) -> ModuleExecutor:
+    return ModuleExecutor(ExecutorModules(**modules), ExecutorCheckpoints(root, every, config_yaml), init)
 
 ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", "run.progress=false", "ray.executors=2"]
 
@@ -174,11 +184,11 @@ def test_executor_restores_its_checkpoint(tmp_path):
     """Constructed again (as Ray does after a crash), an executor continues from its newest checkpoint."""
     args = dict(names={0: "level0.0"}, init={0: torch.zeros(3)}, path_weights={0: {0: 2.0, 1: 1.0}}, lr=0.7,
                 momentum=0.9, delay={0: 2}, root=str(tmp_path / "executor_000"), every=1, config_yaml="{}\n")
-    first = ModuleExecutor(**args)
+    first = executor(**args)
     first.push("p000-t0000", 0, 0, 0, torch.tensor([0.1, 0.2, 0.3]))
     first.push("p001-t0000", 1, 0, 0, torch.tensor([0.3, -0.2, 0.0]))
     first.push("p000-t0001", 0, 0, 2, torch.tensor([0.0, 0.1, 0.1]))
-    again = ModuleExecutor(**args)
+    again = executor(**args)
     assert again.restored_from == "round_000003" and again.status()["updates"] == 3
     tensors, counters = again.state()
     want, _ = first.state()
@@ -193,11 +203,11 @@ def test_a_restarted_executor_takes_a_task_that_started_after_its_lost_updates(t
     pulled the lost version can arrive before the driver's resend of it (found by the kill test)."""
     args = dict(names={0: "level0.0"}, init={0: torch.zeros(3)}, path_weights={0: {0: 1.0, 1: 1.0}}, lr=0.7,
                 momentum=0.9, delay={0: 2}, root=str(tmp_path / "executor_000"), every=2, config_yaml="{}\n")
-    first = ModuleExecutor(**args)
+    first = executor(**args)
     first.push("p000-t0000", 0, 0, 0, torch.tensor([0.1, 0.2, 0.3]))
     first.push("p001-t0000", 1, 0, 0, torch.tensor([0.3, -0.2, 0.0]))  # checkpointed at version 2
     first.push("p000-t0001", 0, 0, 2, torch.tensor([0.0, 0.1, 0.1]))  # version 3: lost with the actor
-    again = ModuleExecutor(**args)
+    again = executor(**args)
     assert again.restored_from == "round_000002" and again.sync.version(0) == 2
     update = again.push("p001-t0001", 1, 0, 3, torch.tensor([0.1, 0.0, 0.0]))  # pulled version 3
     assert update is not None and update["staleness"] == 0
