@@ -190,6 +190,8 @@ class TrainConfig:
     shard_column: str = "path"  # integer path column, for sharding=column
     optim: OptimConfig = field(default_factory=OptimConfig)
     keep_checkpoints: int = 2
+    checkpoint_every: int = 1  # checkpoint every N rounds (Ray: N of its ray.checkpoint_every points); the last always
+    checkpoint_background: bool = True  # write checkpoints in a background thread while the next round trains
     log_every: int = 10  # inner steps between progress-bar loss updates
     early_stopping_holdout: float = 0.0  # >0: hold out this fraction of train docs; keep each path's best params
     precision: PrecisionName = "auto"  # autocast of the forward pass; fp32 master weights
@@ -411,7 +413,8 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 # Keys a resumed run may change without changing what it computes. ``run.dir`` only says where the
 # run lives: the same run spelled relatively instead of absolutely, or moved, resumes.
 RESUME_MUTABLE = (
-    "run.dir", "run.progress", "run.device", "train.keep_checkpoints", "train.log_every", "eval.",
+    "run.dir", "run.progress", "run.device", "train.keep_checkpoints", "train.checkpoint_every",
+    "train.checkpoint_background", "train.log_every", "eval.",
     "route.",  # re-routing between rounds is the point of `dipaco reroute`
     "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
     "train.compile", "train.offload_inactive", "model.activation_checkpointing",  # how fast, not what

@@ -65,7 +65,7 @@ from dipaco.train.resharding import EMPlan, check_em, train_em
 from dipaco.train.rounds import RoundOptions, RoundScheduler
 from dipaco.train.task_queue import check_ray
 from dipaco.train.tasks import TaskScheduler
-from dipaco.train.trainer import Trainer, check_train
+from dipaco.train.trainer import CheckpointPolicy, Trainer, check_train
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -371,9 +371,9 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     bank = experiment.bank
     state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held if writers[m] == world.rank),
                           experiment.loops, scheduler.sync, scheduler, world.rank, experiment.by_rank)
-    return Trainer(experiment, scheduler, state, CheckpointManager(experiment.dir / "checkpoints",
-                                                                   keep=cfg.train.keep_checkpoints),
-                   check_resume=run.check_resume)
+    checkpoints = CheckpointManager(experiment.dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+    policy = CheckpointPolicy(every=cfg.train.checkpoint_every, background=cfg.train.checkpoint_background)
+    return Trainer(experiment, scheduler, state, checkpoints, check_resume=run.check_resume, policy=policy)
 
 
 @dataclass(frozen=True)

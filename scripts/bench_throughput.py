@@ -50,6 +50,7 @@ from dipaco.checkpoint.store import (
     CheckpointManager,  # noqa: E402
     write_snapshot,  # noqa: E402
 )
+from dipaco.checkpoint.writer import BackgroundWriter  # noqa: E402
 from dipaco.comm.world import World  # noqa: E402
 from dipaco.config import Config, ModelConfig, OptimConfig, to_yaml  # noqa: E402
 from dipaco.data.packing import DocumentTokens, PackedShard  # noqa: E402
@@ -100,6 +101,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (compilation happens here)")
     p.add_argument("--round", action="store_true", help="also time whole rounds of a 2x2 grid (4 paths)")
     p.add_argument("--round-inner-steps", type=int, default=100)
+    p.add_argument("--sync-checkpoint", action="store_true",
+                   help="--round: write each checkpoint synchronously (train.checkpoint_background=false)")
     p.add_argument("--round-size", default=None, help="size for --round (default: the last of --sizes)")
     p.add_argument("--data", choices=("disk", "memory"), default="disk",
                    help="ours reads its rows from memory-mapped prepared data as `dipaco train` does (disk), or "
@@ -254,10 +257,16 @@ class Grid:
     scheduler: RoundScheduler
     state: TrainingState
 
-    def save_checkpoint(self, checkpoints: CheckpointManager, index: int, reports: list[dict]) -> None:
-        """Checkpoint ``index`` in the trainer's format (bank, outer state, every path's inner loop)."""
+    def save_checkpoint(self, checkpoints: CheckpointManager, index: int, reports: list[dict],
+                        writer: BackgroundWriter | None = None) -> None:
+        """Checkpoint ``index`` in the trainer's format (bank, outer state, every path's inner loop); with a
+        ``writer``, as the trainer does by default: wait for the write in flight, copy, write in the background."""
         snapshot = self.state.snapshot(index, reports, {}, {CONFIG: to_yaml(self.cfg)})
-        checkpoints.save(index, lambda d: write_snapshot(d, 0, snapshot, index), self.world)
+        if writer is None:
+            checkpoints.save(index, lambda d: write_snapshot(d, 0, snapshot, index), self.world)
+            return
+        writer.wait()
+        writer.submit(index, snapshot, lambda copy: lambda d: write_snapshot(d, 0, copy, index))
 
 
 def build_grid(size: Size, device: torch.device, precision: Precision, compile: bool, inner_steps: int,
@@ -302,17 +311,20 @@ def bench_round(size: Size, args, device: torch.device, precision: Precision) ->
     cfg = grid.cfg
     with tempfile.TemporaryDirectory() as tmp:
         checkpoints = CheckpointManager(Path(tmp) / "checkpoints", keep=1)
+        writer = None if args.sync_checkpoint else BackgroundWriter(checkpoints)
         rounds = []
         for r in range(cfg.train.rounds):
             start = time.perf_counter()
             report = grid.scheduler.run_round(r)
             sync(device)
-            ckpt_s = timed(device, lambda: grid.save_checkpoint(checkpoints, r + 1, [report]))
+            ckpt_s = timed(device, lambda: grid.save_checkpoint(checkpoints, r + 1, [report], writer))
             total = time.perf_counter() - start
             inner = sum(rec["tokens"] / rec["tokens_per_s"] for rec in report["paths"])
             outer = report["comm"]["outer_seconds"]
             rounds.append({"round": r + 1, "seconds": total, "inner_s": inner, "outer_s": outer, "checkpoint_s": ckpt_s,
                            "not_inner_share": 1 - inner / total})
+        if writer is not None:
+            writer.wait()  # the last write: after the last round, outside its timing
     steady = rounds[1:]  # round 1 includes compilation and allocator warm-up
     share = statistics.median(r["not_inner_share"] for r in steady)
     print(f"[round] 2x2 grid, 4 paths x {cfg.train.inner_steps} inner steps: "
@@ -320,7 +332,7 @@ def bench_round(size: Size, args, device: torch.device, precision: Precision) ->
                       f"ckpt {r['checkpoint_s']:.2f})" for r in rounds))
     print(f"  not inner steps: {share:.2%} of a round (median of rounds 2..; target <= 5%)")
     return {"inner_steps": cfg.train.inner_steps, "paths": grid.topology.num_paths, "rounds": rounds,
-            "not_inner_share_median": share}
+            "not_inner_share_median": share, "checkpoint": "synchronous" if writer is None else "background"}
 
 
 def main() -> None:

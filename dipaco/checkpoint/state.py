@@ -68,15 +68,18 @@ class TrainingState:
     rank: int
     by_rank: Sequence[tuple[int, ...]]  # the paths of every rank
 
-    def snapshot(self, index: int, records: list | None, info: dict, texts: dict[str, str]) -> Snapshot:
+    def snapshot(self, index: int, records: list | None, info: dict, texts: dict[str, str],
+                 earlier: Sequence[tuple[int, list | None, dict]] = ()) -> Snapshot:
         """This rank's share of checkpoint ``index``; rank 0 also keeps the metrics ``records`` of the
         work it completed and the ``info`` of its checkpoint event (a resumed run logs them if it came
-        before they were) and the config."""
+        before they were), those of the ``earlier`` points the checkpoint covers (train.checkpoint_every
+        > 1), and the ``texts`` (config, spec)."""
         bank = {k: v for k, v in self.bank.state_dict().items() if k.split("/", 1)[0] in self.writes}
         state = {"round": index, "rng": rng_state(), "format": CHECKPOINT_FORMAT, "world_size": len(self.by_rank),
                  "paths_by_rank": [list(ps) for ps in self.by_rank], "driver": self.scheduler.driver,
                  "scheduler": self.scheduler.state_dict(),
-                 **({"reports": records, "checkpoint_info": info} if self.rank == 0 else {})}
+                 **({"reports": records, "checkpoint_info": info} if self.rank == 0 else {}),
+                 **({"earlier": [list(e) for e in earlier]} if self.rank == 0 and earlier else {})}
         paths: dict[int, tuple[Mapping[str, torch.Tensor], dict]] = {
             p: (dict(loop.model.named_parameters()), loop.state_dict()) for p, loop in self.paths.items()}
         return Snapshot(parts={BANK: bank, **self.sync.state_dict()}, state=state, paths=paths,

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
+from dipaco.atomic import remove_tree
 from dipaco.errors import CheckpointError
 from dipaco.tensor_io import load_state, load_tensors, save_state, save_tensors
 
@@ -163,7 +164,7 @@ class CheckpointManager:
             (tmp / MANIFEST).write_text(json.dumps(merged, indent=1, sort_keys=True))
             _fsync(tmp / MANIFEST)
             if final.exists():  # re-running a round after a restart replaces its old checkpoint
-                shutil.rmtree(final)
+                remove_tree(final)
             os.replace(tmp, final)
             self._prune()
 
@@ -180,8 +181,8 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         for old in self.checkpoints()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in self.root.glob(".round_*.tmp-*"):
+            remove_tree(old)  # renamed away first: a kill never leaves a round_* directory without its manifest
+        for stale in [*self.root.glob(".round_*.tmp-*"), *self.root.glob(".round_*.removing.*")]:
             shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -125,6 +125,8 @@ class World:
     timeout_s: float = 1800.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     token: str = field(default_factory=lambda: str(os.getpid()))  # rank 0's pid: names shared temp dirs
+    group: Any = None  # the process group of the collectives (None: the default group)
+    writer_group: Any = None  # a gloo group of its own for the background checkpoint writers (several ranks)
 
     @property
     def rank(self) -> int:
@@ -154,15 +156,24 @@ class World:
         if self.size == 1:
             return
         with self.collective(f"barrier ({what})"):
-            dist.all_reduce(torch.zeros(1, device=self.comm_device))
+            device = torch.device("cpu") if self.group is not None else self.comm_device
+            dist.all_reduce(torch.zeros(1, device=device), group=self.group)
 
     def all_gather_object(self, obj: Any, what: str) -> list[Any]:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
         with self.collective(f"all-gather ({what})"):
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def writers(self) -> World:
+        """The same ranks over the writer group: what a background checkpoint writer coordinates with, while
+        the training collectives go on in the default group from another thread."""
+        if self.size == 1:
+            return self
+        return World(env=self.env, backend="gloo", timeout_s=self.timeout_s, device=torch.device("cpu"),
+                     token=self.token, group=self.writer_group)
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raises on every rank when ``what`` failed on any rank: the rank's own error, or the first one."""
@@ -214,6 +225,7 @@ def init_world(cfg: DistConfig, env: DistEnv, device: torch.device) -> World:
         dist.init_process_group(
             backend, store=_attempt_store(env, timeout), timeout=timeout, rank=env.rank, world_size=env.world_size
         )
+        world.writer_group = dist.new_group(backend="gloo", timeout=timeout)
     return world
 
 

@@ -25,6 +25,7 @@ from dipaco.atomic import write_text
 from dipaco.checkpoint.spec import SPEC
 from dipaco.checkpoint.state import TrainingState
 from dipaco.checkpoint.store import CONFIG, CheckpointManager, SavedCheckpoint, resolve_checkpoint, write_snapshot
+from dipaco.checkpoint.writer import BackgroundWriter
 from dipaco.comm.world import World
 from dipaco.config import TrainConfig
 from dipaco.errors import ConfigError, DistributedError
@@ -38,7 +39,7 @@ from dipaco.train.experiment import BuiltExperiment
 
 def check_train(train: TrainConfig) -> None:
     """The ``train`` section's own keys (its optimizer: :func:`dipaco.paths.inner.check_optim`)."""
-    for key in ("rounds", "inner_steps", "keep_checkpoints", "log_every"):
+    for key in ("rounds", "inner_steps", "keep_checkpoints", "checkpoint_every", "log_every"):
         if getattr(train, key) <= 0:
             raise ConfigError(f"train.{key}: must be > 0, got {getattr(train, key)}")
     if not 0.0 <= train.early_stopping_holdout < 1.0:
@@ -87,6 +88,14 @@ class Scheduler(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When checkpoints are written, and how (``train.checkpoint_every``, ``train.checkpoint_background``)."""
+
+    every: int = 1  # every N of the scheduler's checkpoint points; the last one always
+    background: bool = True  # a background writer (dipaco.checkpoint.writer); False: the round waits for the write
+
+
 @dataclass
 class Trainer:
     """One experiment as one rank trains it: the built record, its scheduler and checkpoints."""
@@ -96,6 +105,8 @@ class Trainer:
     state: TrainingState
     checkpoints: CheckpointManager
     check_resume: Callable[[Path], None]  # from the composition root: refuses a checkpoint whose config differs
+    policy: CheckpointPolicy = field(default_factory=lambda: CheckpointPolicy())
+    _in_flight: list[Progress] = field(default_factory=list, init=False, repr=False)  # what the write in flight covers
 
     @property
     def sync(self) -> Any:
@@ -148,20 +159,61 @@ class Trainer:
         rounds = self.experiment.rounds
         stop = rounds if until_round is None else min(until_round, rounds)
         metrics = MetricsLogger(self.dir) if world.rank == 0 else None
+        writer = None
+        if self.policy.background and (world.size == 1 or world.writer_group is not None):
+            writer = BackgroundWriter(self.checkpoints, world.writers())
+        due: list[Progress] = []  # completed work not yet in a checkpoint
         try:
             if metrics is not None and resumed is not None:
                 self._log_unlogged(metrics, resumed)
-            for progress in self.scheduler.run(start, stop):
-                ckpt = self.checkpoints.save(progress.index, lambda d: self._write(d, progress), world)
-                if metrics is not None:  # logged once the work is checkpointed: a restarted round is not logged twice
-                    self._log(metrics, progress.index, progress.reports, progress.info, ckpt)
+            for count, progress in enumerate(self.scheduler.run(start, stop), start=1):
+                due.append(progress)
+                if count % self.policy.every == 0:
+                    self._checkpoint(due, writer, metrics)
+                    due = []
+            if due:  # the last point: nothing has changed since the scheduler yielded it
+                self._checkpoint(due, writer, metrics)
+            self._landed(writer, metrics)
             if metrics is not None:
                 self.scheduler.summary(metrics)
         finally:
-            self.scheduler.close()
-            if metrics is not None:
-                metrics.close()
+            try:
+                self._landed(writer, metrics)  # stopped by a signal or an error: the write in flight still lands
+            finally:
+                self.scheduler.close()
+                if metrics is not None:
+                    metrics.close()
         return self
+
+    def _checkpoint(self, due: list[Progress], writer: BackgroundWriter | None, metrics: MetricsLogger | None) -> None:
+        """Checkpoints the state of ``due[-1]``, which covers the work of every ``due``; logs that work once
+        the checkpoint is in place (the background writer: when it lands, at the next checkpoint or the end)."""
+        last = due[-1]
+        texts = {CONFIG: self.experiment.config_yaml, SPEC: self.experiment.spec.to_json()}
+        earlier = [(p.index, p.reports, p.info) for p in due[:-1]]
+        snapshot = self.state.snapshot(last.index, last.reports, last.info, texts, earlier)
+        rank = self.world.rank
+        if writer is None:
+            ckpt = self.checkpoints.save(last.index, lambda d: write_snapshot(d, rank, snapshot, last.index), self.world)
+            self._log(metrics, due, ckpt)
+            return
+        self._landed(writer, metrics)
+        writer.submit(last.index, snapshot, lambda copy: lambda d: write_snapshot(d, rank, copy, last.index))
+        self._in_flight = list(due)
+
+    def _landed(self, writer: BackgroundWriter | None, metrics: MetricsLogger | None) -> None:
+        """Waits for the write in flight, then logs the work it covers."""
+        if writer is None or not writer.in_flight:
+            return
+        landed = writer.wait()
+        assert landed is not None
+        due, self._in_flight = self._in_flight, []
+        self._log(metrics, due, landed[1])
+
+    def _log(self, metrics: MetricsLogger | None, due: list[Progress], ckpt: Path) -> None:
+        if metrics is not None:  # logged once the work is checkpointed: a restarted round is not logged twice
+            for progress in due:
+                self.scheduler.log(metrics, progress.index, progress.reports, progress.info, ckpt.name)
 
     def _start(self, resume: bool, resume_from: str | None) -> tuple[int, Path | None]:
         """The index to start from and the checkpoint it comes from (None: a fresh start); every rank agrees."""
@@ -200,21 +252,13 @@ class Trainer:
             echo(f"[train] resumed from {ckpt} (round {state['round']})")
         return int(state["round"]), ckpt
 
-    def _write(self, directory: Path, progress: Progress) -> list[Path]:
-        texts = {CONFIG: self.experiment.config_yaml, SPEC: self.experiment.spec.to_json()}
-        snapshot = self.state.snapshot(progress.index, progress.reports, progress.info, texts)
-        return write_snapshot(directory, self.world.rank, snapshot, progress.index)
-
-    def _log(self, metrics: MetricsLogger, index: int, reports: list, info: dict, ckpt: Path) -> None:
-        self.scheduler.log(metrics, index, reports, info, ckpt.name)
-
     def _log_unlogged(self, metrics: MetricsLogger, ckpt: Path) -> None:
         """A checkpoint's work is logged after it is in place, so a worker killed in between leaves it
-        unlogged; the resumed run logs it from the reports the checkpoint kept."""
+        unlogged; the resumed run logs it from the reports the checkpoint kept (of every point it covers)."""
         state = SavedCheckpoint(ckpt).state()
-        index, reports = int(state["round"]), state.get("reports")
         logged = self.dir / "metrics.jsonl"
         records = read_metrics(logged) if logged.is_file() else []
-        if index > 0 and not self.scheduler.logged(records, index) and reports is not None:
-            self._log(metrics, index, reports, state.get("checkpoint_info", {}), ckpt)
-
+        covered = [*state.get("earlier", []), (int(state["round"]), state.get("reports"), state.get("checkpoint_info", {}))]
+        for index, reports, info in covered:
+            if index > 0 and not self.scheduler.logged(records, index) and reports is not None:
+                self.scheduler.log(metrics, index, reports, info, ckpt.name)

@@ -1,0 +1,127 @@
+"""How long a round blocks on its checkpoint: the background writer against the synchronous one (issue 48).
+
+    python scripts/bench_checkpoint.py --out docs/bench_checkpoint.json
+    python scripts/bench_checkpoint.py --smoke          # a small state, for CI
+
+The state is what `dipaco train` checkpoints for one path of the 125M class (hidden 768, 12 layers,
+vocab 32,000, 134M parameters): the path's parameters, its AdamW moments and step, the bank's copy of
+its modules and their outer momentum, the trainer state; 3.25 GB, written with the trainer's own
+``write_snapshot`` and ``CheckpointManager.save`` (temporary directory, sha256 manifest, fsync, rename).
+In one process, alternating, ``--repeats`` times each:
+
+* synchronous: the round waits for ``save`` (``train.checkpoint_background=false``);
+* background: the round waits for the copy into the reused host buffers (``BackgroundWriter.submit``);
+  the write then runs in its thread and is waited for outside the timing, as training would cover it.
+  The first submit allocates the buffers and is reported apart.
+
+Both checkpoints of every repeat are compared file by file (the manifests hold every file's sha256).
+The target: the background writer blocks for at most 10% of the synchronous write's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dipaco.checkpoint.store import MANIFEST, CheckpointManager, Snapshot, write_snapshot  # noqa: E402
+from dipaco.checkpoint.writer import BackgroundWriter  # noqa: E402
+from dipaco.json_text import dumps  # noqa: E402
+from dipaco.model.llama import build_model  # noqa: E402
+from dipaco.paths.inner import build_adamw  # noqa: E402
+
+TARGET = 0.10
+
+
+def path_state(hidden: int, layers: int, vocab: int) -> tuple[Snapshot, int]:
+    """A trainer-shaped snapshot of one path after one AdamW step, and its size in bytes."""
+    from transformers import LlamaConfig
+
+    from dipaco.config import OptimConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), max_position_embeddings=128, use_cache=False)
+    model = build_model(config, seed=0)
+    optimizer = build_adamw(model, OptimConfig())
+    ids = torch.randint(0, vocab, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    params = dict(model.named_parameters())
+    bank = {f"level/{k}": v.detach().clone() for k, v in params.items()}
+    outer = {k: torch.zeros_like(v) for k, v in bank.items()}
+    snapshot = Snapshot(parts={"bank": bank, "outer": outer},
+                        state={"round": 1, "rng": {"torch": torch.get_rng_state()}, "scheduler": {}},
+                        paths={0: (params, {"optimizer": optimizer.state_dict(), "step": 1})},
+                        texts={"config.yaml": "bench: checkpoint\n"})
+    tensors = [*bank.values(), *outer.values(), *params.values(),
+               *(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))]
+    return snapshot, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run(args: argparse.Namespace) -> dict:
+    snapshot, nbytes = path_state(args.hidden, args.layers, args.vocab)
+    print(f"[bench_checkpoint] state {nbytes / 1e9:.2f} GB; {args.repeats} repeats each", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
+        sync = CheckpointManager(Path(tmp) / "sync", keep=1)
+        writer = BackgroundWriter(CheckpointManager(Path(tmp) / "background", keep=1))
+        for repeat in range(args.repeats + 1):  # repeat 0: the buffers are allocated
+            index = repeat + 1
+            start = time.perf_counter()
+            want = sync.save(index, lambda d: write_snapshot(d, 0, snapshot, index))
+            sync_s = time.perf_counter() - start
+            start = time.perf_counter()
+            writer.submit(index, snapshot, lambda copy, i=index: lambda d: write_snapshot(d, 0, copy, i))
+            blocked_s = time.perf_counter() - start
+            start = time.perf_counter()
+            landed = writer.wait()
+            write_s = blocked_s + time.perf_counter() - start
+            assert landed is not None
+            same = (want / MANIFEST).read_text() == (landed[1] / MANIFEST).read_text()
+            rows.append({"repeat": repeat, "sync_s": sync_s, "blocked_s": blocked_s, "background_write_s": write_s,
+                         "identical_files": same})
+            print(f"  repeat {repeat}{' (allocates the buffers)' if repeat == 0 else ''}: synchronous {sync_s:.2f} s, "
+                  f"background blocks {blocked_s:.3f} s (write {write_s:.2f} s), identical files: {same}", flush=True)
+    steady = rows[1:]
+    sync_med = statistics.median(r["sync_s"] for r in steady)
+    blocked_med = statistics.median(r["blocked_s"] for r in steady)
+    ratio = blocked_med / sync_med
+    return {"state_bytes": nbytes, "rows": rows, "sync_median_s": sync_med, "blocked_median_s": blocked_med,
+            "first_submit_s": rows[0]["blocked_s"], "ratio": ratio, "target": TARGET,
+            "met": ratio <= TARGET and all(r["identical_files"] for r in rows),
+            "device": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+            "command": " ".join(["python", "scripts/bench_checkpoint.py", *sys.argv[1:]])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work-dir", default=None, help="where the checkpoints are written (default: the temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="a 4-layer d=64 path, one repeat")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.vocab, args.repeats = 64, 2, 512, 1
+    result = run(args)
+    print(f"[bench_checkpoint] synchronous {result['sync_median_s']:.2f} s, background blocks "
+          f"{result['blocked_median_s']:.3f} s: ratio {result['ratio']:.3f} (target <= {TARGET}); "
+          f"{'met' if result['met'] else 'MISSED'}")
+    if args.out:
+        args.out.write_text(dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""train.checkpoint_background and train.checkpoint_every (issue 48): the same checkpoints, fewer of them,
+every round's records logged exactly once."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tiny import TINY
+
+from dipaco.checkpoint.store import CheckpointManager
+from dipaco.cli import main
+from dipaco.metrics import read_metrics
+from dipaco.run import Run, apply_overrides
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "scripts"))
+from compare_checkpoints import checkpoint_tensors  # noqa: E402
+
+
+def outer_rounds(exp_dir: Path) -> list[int]:
+    return [r["round"] for r in read_metrics(exp_dir / "metrics.jsonl", "outer")]
+
+
+def test_background_checkpoints_equal_the_synchronous_ones(run_cfg):
+    cfg = apply_overrides(run_cfg, ["train.rounds=3"])
+    sync = Run(apply_overrides(cfg, ["train.name=sync", "train.checkpoint_background=false"])).train()
+    background = Run(apply_overrides(cfg, ["train.name=background"])).train()
+    for a, b in zip(sync.checkpoints.checkpoints(), background.checkpoints.checkpoints(), strict=True):
+        ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+        assert a.name == b.name and set(ta) == set(tb)
+        assert all(torch.equal(ta[k], tb[k]) for k in ta), a.name
+    assert outer_rounds(sync.dir) == outer_rounds(background.dir) == [1, 2, 3]
+
+
+def test_checkpoint_every_two_rounds_writes_the_last_and_logs_every_round_once(run_cfg):
+    cfg = apply_overrides(run_cfg, ["train.rounds=3", "train.checkpoint_every=2", "train.keep_checkpoints=5"])
+    exp = Run(cfg).train()
+    assert [p.name for p in exp.checkpoints.checkpoints()] == ["round_000002", "round_000003"]
+    assert outer_rounds(exp.dir) == [1, 2, 3]
+    straight = Run(apply_overrides(cfg, ["train.name=straight", "train.checkpoint_every=1"])).train()
+    a = checkpoint_tensors(CheckpointManager(exp.dir / "checkpoints").latest())
+    b = checkpoint_tensors(CheckpointManager(straight.dir / "checkpoints").latest())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rounds_a_checkpoint_covers_are_logged_on_resume_when_a_kill_came_before_their_log(run_cfg):
+    """A kill between a checkpoint and its log: the resumed run logs every round the checkpoint covers."""
+    cfg = apply_overrides(run_cfg, ["train.rounds=3", "train.checkpoint_every=2"])
+    exp = Run(cfg).train(until_round=2)
+    assert outer_rounds(exp.dir) == [1, 2]
+    (exp.dir / "metrics.jsonl").write_text("")  # as if killed after round_000002 landed, before its records
+    resumed = Run(cfg).train(resume=True)
+    assert outer_rounds(resumed.dir) == [1, 2, 3]
+
+
+def test_sigkill_at_random_moments_of_the_background_writes_then_resume_ends_bit_exactly(run_cfg):
+    """`dipaco train` SIGKILLed at a random moment once its first checkpoint is in place (background writes
+    of later rounds in flight or not), then `--resume`: the last checkpoint equals an uninterrupted run's."""
+    rounds = ["train.rounds=6", "train.inner_steps=10"]
+    straight = Run(apply_overrides(run_cfg, [*rounds, "train.name=straight"])).train()
+    want = checkpoint_tensors(CheckpointManager(straight.dir / "checkpoints").latest())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")]),
+           "OMP_NUM_THREADS": "1"}
+    rng = random.Random(0)
+    for attempt in range(2):
+        args = [*TINY, f"run.dir={run_cfg.run.dir}", f"data.corpus={run_cfg.data.corpus}", *rounds,
+                f"train.name=killed{attempt}"]
+        first = Path(run_cfg.run.dir) / "train" / f"killed{attempt}" / "checkpoints" / "round_000001"
+        proc = subprocess.Popen([sys.executable, "-m", "dipaco", "train", *args], env=env, cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.time() + 120
+            while not first.exists() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 1.0))
+        finally:
+            proc.kill()
+            proc.wait()
+        assert first.exists() or CheckpointManager(first.parent).latest() is not None
+        assert main(["train", *args, "--resume"]) in (0, None)
+        got = checkpoint_tensors(CheckpointManager(first.parent).latest())
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), attempt
