@@ -48,7 +48,7 @@ def _cmd_prepare(run: Run, args: argparse.Namespace) -> None:
 
 
 def _cmd_pretrain(run: Run, args: argparse.Namespace) -> None:
-    run.pretrain()
+    run.pretrain(resume=args.resume)
 
 
 def _cmd_train(run: Run, args: argparse.Namespace) -> None:
@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "prepare", "load the corpus, split it, train the tokenizer and tokenize")
     p.set_defaults(func=_cmd_prepare)
     p = _command(sub, "pretrain", "train the dense path-sized model that initialises every module")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a pretraining that a signal stopped (its step checkpoint in RUN/pretrain.work)")
     p.set_defaults(func=_cmd_pretrain)
 
     p = _command(sub, "route", "featurize documents, fit (balanced/product) k-means, write routed shards")
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line, no traceback; 128 + the signal, as shells report it
         if "tqdm" in sys.modules:
             _close_progress_bars()
-        hint = "; continue with --resume" if command == "train" else ""
+        hint = "; continue with --resume" if command in ("train", "pretrain") else ""
         terminated = isinstance(exc, getattr(sys.modules.get("dipaco.runtime"), "Terminated", ()))
         what = "terminated (SIGTERM)" if terminated else "interrupted"
         print(f"{what}: dipaco{f' {command}' if command else ''} stopped{hint}", file=sys.stderr)

@@ -132,6 +132,7 @@ class PretrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionName = "auto"  # autocast of the forward pass; fp32 master weights
     compile: bool = False  # torch.compile the model's forward and backward
+    checkpoint_every: int = 0  # steps between step checkpoints in pretrain.work/ (0: only when a signal stops it)
 
 
 @dataclass
@@ -414,7 +415,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 # run lives: the same run spelled relatively instead of absolutely, or moved, resumes.
 RESUME_MUTABLE = (
     "run.dir", "run.progress", "run.device", "train.keep_checkpoints", "train.checkpoint_every",
-    "train.checkpoint_background", "train.log_every", "eval.",
+    "train.checkpoint_background", "train.log_every", "pretrain.checkpoint_every", "eval.",
     "route.",  # re-routing between rounds is the point of `dipaco reroute`
     "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
     "train.compile", "train.offload_inactive", "model.activation_checkpointing",  # how fast, not what

@@ -59,7 +59,7 @@ from dipaco.run_dir import RunDir
 from dipaco.runtime import check_run, resolve_device, seed_everything
 from dipaco.sync import ASYNC_SYNCS, SyncContext, build_sync, check_outer
 from dipaco.train.experiment import BuiltExperiment
-from dipaco.train.pretrain import check_pretrain, pretrain
+from dipaco.train.pretrain import RESUME_KEYS, PretrainJob, check_pretrain, pretrain, stopped_config
 from dipaco.train.reroute import RerouteJob, reroute
 from dipaco.train.resharding import EMPlan, check_em, train_em
 from dipaco.train.rounds import RoundOptions, RoundScheduler
@@ -157,10 +157,17 @@ class Run:
         cfg = self.cfg
         return prepare(cfg.run.dir, cfg.data, cfg.tokenizer, to_yaml(cfg), progress=cfg.run.progress)
 
-    def pretrain(self) -> None:
+    def pretrain(self, resume: bool = False) -> None:
+        """``resume``: continue a pretraining a signal stopped (its step checkpoint in pretrain.work), whose
+        config must match this one in every key that changes what pretraining computes."""
         cfg = self.cfg
-        pretrain(cfg.run, cfg.pretrain, cfg.model, self.prepared(routed=False), cfg.data.seq_len, cfg.train.log_every,
-                 to_yaml(cfg))
+        saved = stopped_config(cfg.run.dir)
+        if resume and saved is not None:
+            diff = [d for d in config_diff(merge_config(saved), cfg) if d.startswith(RESUME_KEYS)]
+            if diff:
+                raise ConfigError(f"cannot resume the pretraining in {saved.parent}: the config changed ({'; '.join(diff)})")
+        job = PretrainJob(cfg.run, cfg.pretrain, cfg.model, cfg.data.seq_len, cfg.train.log_every, to_yaml(cfg), resume)
+        pretrain(job, self.prepared(routed=False))
 
     def route(self) -> dict:
         cfg = self.cfg

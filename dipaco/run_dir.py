@@ -5,6 +5,7 @@
       tokenizer/      HF fast tokenizer
       prepare.work/   a running or killed `dipaco prepare`'s finished steps (removed when it succeeds)
       pretrain/       the dense path-sized model (save_pretrained) that initialises every module
+      pretrain.work/  a stopped `dipaco pretrain`'s step checkpoint (`--resume` continues it)
       routing/        router artifact and routed splits (`dipaco route`)
       train/<name>/   one experiment: config.yaml, metrics.jsonl, checkpoints/, eval.json
 """
@@ -33,6 +34,11 @@ class RunDir:
     @property
     def pretrain(self) -> Path:
         return self.root / "pretrain"
+
+    @property
+    def pretrain_work(self) -> Path:
+        """A stopped (or periodically checkpointed) `dipaco pretrain`'s step checkpoint, until it completes."""
+        return self.root / "pretrain.work"
 
     @property
     def routing(self) -> Path:

@@ -99,12 +99,29 @@ class Terminated(KeyboardInterrupt):
 
 
 _interrupted: type[KeyboardInterrupt] | None = None  # set by the handlers of sigint_stops_training
+_finish_the_step = False  # inside finish_the_step(): the first signal waits for the step in progress
 
 
 def _on_signal(signum, frame) -> None:
     global _interrupted
+    first = _interrupted is None
     _interrupted = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    if first and _finish_the_step:
+        return  # raised by raise_if_interrupted() before the next step: the step in progress completes
     raise _interrupted
+
+
+@contextmanager
+def finish_the_step() -> Iterator[None]:
+    """Inside this block the first SIGINT or SIGTERM does not interrupt the step in progress: it is raised
+    by :func:`raise_if_interrupted` (called before every inner step) once that step is done, so the job can
+    write a checkpoint of a whole number of steps. A second signal raises at once, as outside the block."""
+    global _finish_the_step
+    before, _finish_the_step = _finish_the_step, True
+    try:
+        yield
+    finally:
+        _finish_the_step = before
 
 
 @contextmanager

@@ -9,12 +9,13 @@ loads it back).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from dipaco.atomic import replacing
+from dipaco.atomic import remove_tree, replacing
 from dipaco.config import ModelConfig, PretrainConfig, RunConfig
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError
@@ -22,47 +23,121 @@ from dipaco.metrics import MetricsLogger, echo
 from dipaco.model.llama import build_model
 from dipaco.model.pretrained import path_llama_config
 from dipaco.paths.factory import DENSE, LoopSettings, PathLoops
-from dipaco.paths.inner import check_optim
+from dipaco.paths.inner import InnerLoop, InnerStats, check_optim
 from dipaco.route.shards import build_shards
 from dipaco.run_dir import RunDir
-from dipaco.runtime import resolve_device, seed_everything
+from dipaco.runtime import finish_the_step, resolve_device, rng_state, seed_everything, set_rng_state
+from dipaco.tensor_io import copy_params, load_state, load_tensors, save_state, save_tensors
 
 
 def check_pretrain(section: PretrainConfig) -> None:
     if section.steps < 0:
         raise ConfigError(f"pretrain.steps: must be >= 0, got {section.steps}")
+    if section.checkpoint_every < 0:
+        raise ConfigError(f"pretrain.checkpoint_every: must be >= 0 (0: only when a signal stops it), "
+                          f"got {section.checkpoint_every}")
     check_optim("pretrain.optim", section.optim)
 
 
-def pretrain(run: RunConfig, section: PretrainConfig, model_cfg: ModelConfig, prepared: Prepared, seq_len: int,
-             log_every: int, config_yaml: str) -> None:
-    """Trains the dense model on every training document and writes it to ``<run.dir>/pretrain``."""
+STOPPED = "stopped"  # pretrain.work/stopped: the step checkpoint of a stopped pretraining
+RESUME_KEYS = ("pretrain.", "model.", "data.", "tokenizer.", "run.seed", "run.deterministic", "train.log_every")
+
+
+@dataclass(frozen=True)
+class PretrainJob:
+    """What `dipaco pretrain` reads: its section, the model's, and the few values of others it needs."""
+
+    run: RunConfig
+    section: PretrainConfig
+    model: ModelConfig
+    seq_len: int
+    log_every: int  # train.log_every: inner steps per loss window
+    config_yaml: str  # the resolved config, kept with the weights and with a step checkpoint
+    resume: bool = False  # continue the stopped pretraining in pretrain.work
+
+
+def stopped_config(run_dir: str | Path) -> Path | None:
+    """The config of a stopped pretraining (its step checkpoint's), or None when there is none."""
+    path = RunDir(run_dir).pretrain_work / STOPPED / "config.yaml"
+    return path if path.is_file() else None
+
+
+def pretrain(job: PretrainJob, prepared: Prepared) -> None:
+    """Trains the dense model on every training document and writes it to ``<run.dir>/pretrain``.
+
+    A SIGINT or SIGTERM lets the step in progress finish, writes a step checkpoint to ``pretrain.work``
+    (the weights, AdamW, the LR schedule, the data cursor, the RNG) and stops; ``--resume`` continues it
+    bit-exactly. ``pretrain.checkpoint_every`` writes that checkpoint every N steps as well, for a kill no
+    signal announces."""
+    section, run = job.section, job.run
     check_pretrain(section)
     device = resolve_device(run.device)
     seed_everything(run.seed, device, run.deterministic)
     run_dir = RunDir(run.dir)
     everything = np.zeros(len(prepared.train), dtype=np.int64)  # one shard: all training docs
-    sequences = build_shards(prepared.train, everything, 1, seq_len, prepared.tokenizer.eos_token_id)[0]
-    model = build_model(path_llama_config(model_cfg, prepared.tokenizer, seq_len), seed=run.seed, device=device)
+    sequences = build_shards(prepared.train, everything, 1, job.seq_len, prepared.tokenizer.eos_token_id)[0]
+    model = build_model(path_llama_config(job.model, prepared.tokenizer, job.seq_len), seed=run.seed, device=device)
     steps = section.steps
-    settings = LoopSettings.from_config(section, model_cfg, steps, "pretrain")
+    settings = LoopSettings.from_config(section, job.model, steps, "pretrain")
     loop = PathLoops({DENSE: sequences}, settings, run.seed).build(DENSE, model, device)
     options = loop.options
     n_params = sum(p.numel() for p in model.parameters())
-    echo(f"[pretrain] dense model {n_params:,} params, {sequences.shape[0]} sequences of {seq_len}, {steps} steps, "
+    echo(f"[pretrain] dense model {n_params:,} params, {sequences.shape[0]} sequences of {job.seq_len}, {steps} steps, "
          f"{options.precision.name} on {device}{', compiled' if options.compile else ''}")
+    _restore(job, run_dir.pretrain_work, loop)
 
     start = time.perf_counter()
+    parts = []
+    with finish_the_step(), tqdm(total=steps, initial=loop.step, desc="pretrain", disable=not run.progress,
+                                 dynamic_ncols=True) as bar:
+        try:
+            while loop.step < steps:
+                chunk = min(section.checkpoint_every or steps, steps - loop.step)
+                parts.append(loop.run(chunk, progress=bar, log_every=job.log_every))
+                if loop.step < steps:
+                    _save(run_dir.pretrain_work, loop, job.config_yaml)
+        except KeyboardInterrupt:
+            _save(run_dir.pretrain_work, loop, job.config_yaml)
+            echo(f"[pretrain] stopped after step {loop.step} of {steps}: the step checkpoint is in "
+                 f"{run_dir.pretrain_work}; continue with `dipaco pretrain --resume`")
+            raise
+    stats = InnerStats.combine(parts) if parts else loop.run(0, log_every=job.log_every)
     with replacing(run_dir.pretrain) as tmp:
         metrics = MetricsLogger(tmp)
-        with tqdm(total=steps, desc="pretrain", disable=not run.progress, dynamic_ncols=True) as bar:
-            stats = loop.run(steps, progress=bar, log_every=log_every)
         metrics.log("pretrain", step=steps, loss=stats.loss, tokens=stats.tokens, tokens_per_s=stats.tokens_per_s,
-                    lr=stats.lr, inner_loss=list(stats.loss_curve), inner_loss_steps=list(stats.loss_curve_steps))
+                    lr=stats.lr, inner_loss=list(stats.loss_curve), inner_loss_steps=list(stats.loss_curve_steps),
+                    resumed_at_step=steps - stats.steps)
         metrics.close()
         model.save_pretrained(tmp)  # safetensors by default
         prepared.tokenizer.save_pretrained(tmp)
-        Path(tmp / "run_config.yaml").write_text(config_yaml)
-    echo(f"[pretrain] mean loss over the {steps} steps {stats.loss:.3f}, {stats.tokens_per_s:,.0f} tok/s, "
+        Path(tmp / "run_config.yaml").write_text(job.config_yaml)
+    remove_tree(run_dir.pretrain_work)
+    echo(f"[pretrain] mean loss over the {stats.steps} steps {stats.loss:.3f}, {stats.tokens_per_s:,.0f} tok/s, "
          f"{time.perf_counter() - start:.0f}s -> "
          f"{run_dir.pretrain}")
+
+
+def _save(work: Path, loop: InnerLoop, config_yaml: str) -> None:
+    """The step checkpoint: written beside the old one and swapped in whole (a kill leaves one or the other)."""
+    work.mkdir(parents=True, exist_ok=True)
+    with replacing(work / STOPPED) as tmp:
+        tmp.mkdir()
+        save_tensors(dict(loop.model.named_parameters()), tmp / "model.safetensors")
+        save_state(loop.state_dict(), tmp / "inner.pt")
+        save_state({"rng": rng_state()}, tmp / "state.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+
+
+def _restore(job: PretrainJob, work: Path, loop: InnerLoop) -> None:
+    saved = work / STOPPED
+    if not saved.is_dir():
+        if job.resume:
+            raise ConfigError(f"no stopped pretraining to resume in {work}; run `dipaco pretrain` without --resume")
+        return
+    if not job.resume:
+        raise ConfigError(f"{work} holds a pretraining stopped part-way: continue it with `dipaco pretrain --resume`, "
+                          f"or delete {work} to start over")
+    copy_params(loop.model, load_tensors(saved / "model.safetensors", loop.device), saved / "model.safetensors")
+    loop.load_state_dict(load_state(saved / "inner.pt"))
+    set_rng_state(load_state(saved / "state.pt")["rng"])
+    echo(f"[pretrain] resuming from step {loop.step} of {job.section.steps} ({saved})")
