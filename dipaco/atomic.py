@@ -32,6 +32,7 @@ def replacing(final: str | Path) -> Iterator[Path]:
     untouched."""
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
+    recover(final)
     _remove(tmp)
     try:
         yield tmp
@@ -50,6 +51,17 @@ def replacing(final: str | Path) -> Iterator[Path]:
         _remove(old)
     else:
         os.replace(tmp, final)
+
+
+def recover(final: str | Path) -> Path:
+    """``final`` as the last complete :func:`replacing` left it: a directory is swapped in two renames (the old
+    one aside, the new one in), so a kill between them leaves only ``.NAME.old``; it is put back. Readers of a
+    directory that is replaced whole call this first."""
+    final = Path(final)
+    old = final.with_name(f".{final.name}.old")
+    if not final.exists() and old.is_dir() and not old.is_symlink():
+        old.rename(final)
+    return final
 
 
 def remove_tree(path: str | Path) -> None:

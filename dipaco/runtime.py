@@ -152,6 +152,11 @@ def sigint_stops_training() -> Iterator[None]:
         _interrupted = None
 
 
+def interrupted() -> type[KeyboardInterrupt] | None:
+    """The KeyboardInterrupt class of a signal that arrived under :func:`sigint_stops_training` (None: none)."""
+    return _interrupted
+
+
 def raise_if_interrupted() -> None:
     """Raises KeyboardInterrupt (:class:`Terminated` for SIGTERM) when a signal arrived under
     :func:`sigint_stops_training`."""

@@ -24,7 +24,7 @@ from dipaco.model.llama import enable_activation_checkpointing
 from dipaco.paths.lr_schedule import build_scheduler
 from dipaco.paths.sampler import ShardSampler
 from dipaco.precision import Precision, resolve_precision
-from dipaco.runtime import raise_if_interrupted
+from dipaco.runtime import interrupted
 
 
 def check_optim(key: str, optim: OptimConfig) -> None:
@@ -80,6 +80,17 @@ class InnerOptions:
     compile: bool = False
     activation_checkpointing: bool = False
     offload_inactive: bool = False
+
+
+class Stopped:
+    """The interrupt of a loop stopped by a signal between two steps: the signal's KeyboardInterrupt class
+    (:class:`dipaco.runtime.Terminated` for SIGTERM), carrying the stats of the steps it did (``.stats``)."""
+
+    @staticmethod
+    def of(kind: type[KeyboardInterrupt], stats: InnerStats) -> KeyboardInterrupt:
+        exc = kind()
+        exc.stats = stats  # type: ignore[attr-defined]
+        return exc
 
 
 def build_adamw(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -214,8 +225,12 @@ class InnerLoop:
         recent = torch.zeros((), device=self.device)
         windows: list[torch.Tensor] = []
         window_ends: list[int] = []
+        stopped: type[KeyboardInterrupt] | None = None
         for i in range(steps):
-            raise_if_interrupted()
+            stopped = interrupted()
+            if stopped is not None:  # a signal: stop before this step, with the stats of the steps done
+                steps = i
+                break
             loss = self.train_step()
             total += loss
             recent += loss
@@ -231,7 +246,7 @@ class InnerLoop:
         curve = tuple(torch.stack(windows).tolist()) if windows else ()
         seconds = time.perf_counter() - start
         swap += self._swap(to_home=False)
-        return InnerStats(
+        stats = InnerStats(
             steps=steps,
             loss=mean_loss,
             tokens=steps * self.sampler.tokens_per_batch,
@@ -241,6 +256,9 @@ class InnerLoop:
             loss_curve=curve,
             loss_curve_steps=tuple(window_ends),
         )
+        if stopped is not None:
+            raise Stopped.of(stopped, stats)
+        return stats
 
     def state_dict(self) -> dict:
         return {

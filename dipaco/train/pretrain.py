@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from dipaco.atomic import remove_tree, replacing
+from dipaco.atomic import recover, remove_tree, replacing
 from dipaco.config import ModelConfig, PretrainConfig, RunConfig
 from dipaco.data.prepare import Prepared
 from dipaco.errors import ConfigError
@@ -58,7 +58,7 @@ class PretrainJob:
 
 def stopped_config(run_dir: str | Path) -> Path | None:
     """The config of a stopped pretraining (its step checkpoint's), or None when there is none."""
-    path = RunDir(run_dir).pretrain_work / STOPPED / "config.yaml"
+    path = recover(RunDir(run_dir).pretrain_work / STOPPED) / "config.yaml"
     return path if path.is_file() else None
 
 
@@ -129,7 +129,7 @@ def _save(work: Path, loop: InnerLoop, config_yaml: str) -> None:
 
 
 def _restore(job: PretrainJob, work: Path, loop: InnerLoop) -> None:
-    saved = work / STOPPED
+    saved = recover(work / STOPPED)  # a kill between the two renames of a swap left the previous one aside
     if not saved.is_dir():
         if job.resume:
             raise ConfigError(f"no stopped pretraining to resume in {work}; run `dipaco pretrain` without --resume")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
@@ -58,6 +58,8 @@ class RoundScheduler:
         self.log_every, self.progress, self.comm_dtype = options.log_every, options.progress, options.comm_dtype
         self.report_dropped, self.diagnostics = options.report_dropped, options.diagnostics
         self.early_stopping = early_stopping
+        self.resume_at: dict | None = None  # a step checkpoint's place in its round (load_state_dict)
+        self.stopped_at: dict | None = None  # where a signal stopped the round in progress (state_dict)
 
     def describe(self) -> str:
         return f"{self.rounds} rounds x {self.inner_steps} inner steps"
@@ -68,19 +70,43 @@ class RoundScheduler:
             yield Progress(r + 1, self.world.all_gather_object(self.run_round(r), f"round {r + 1} report"))
 
     def run_round(self, round_index: int) -> dict:
-        """This rank's paths, advanced in segments up to each sync point of the round; returns what rank 0 logs."""
+        """This rank's paths, advanced in segments up to each sync point of the round; returns what rank 0 logs.
+
+        A path's place in the round is its step count (``loop.step``): each segment runs every path up to
+        the point's step, so a round resumed from a step checkpoint (``resume_at``) runs only what is left.
+        A signal between two steps stops the round there (``stopped_at``: the syncs done and the stats of
+        the steps each path did) and the KeyboardInterrupt goes on to the trainer, which checkpoints it."""
         start = time.perf_counter()
         bar = tqdm(total=self.inner_steps * len(self.loops), desc=f"round {round_index + 1}/{self.rounds}",
                    disable=not self.progress or self.world.rank != 0, dynamic_ncols=True, leave=False)
+        resume = self.resume_at if self.resume_at is not None and self.resume_at["round"] == round_index else None
+        self.resume_at = None
         segments: dict[int, list[InnerStats]] = {p: [] for p in self.loops}
+        syncs_done = 0
+        if resume is not None:
+            syncs_done = resume["syncs_done"]
+            for p, parts in resume["segments"].items():
+                segments[int(p)] = [InnerStats(**{**part, "loss_curve": tuple(part["loss_curve"]),
+                                                 "loss_curve_steps": tuple(part["loss_curve_steps"])})
+                                    for part in parts]
         syncs: list[SyncReport] = []
         agreement: dict[str, dict] = {}
-        done = 0
-        for point in self.sync.sync_points():
+        for k, point in enumerate(self.sync.sync_points()):
+            if k < syncs_done:
+                continue
+            target = round_index * self.inner_steps + point
             for p, loop in self.loops.items():
                 bar.set_description(f"round {round_index + 1}/{self.rounds} path {p}")
-                segments[p].append(loop.run(point - done, progress=bar, log_every=self.log_every))
-            done = point
+                try:
+                    if loop.step < target:
+                        segments[p].append(loop.run(target - loop.step, progress=bar, log_every=self.log_every))
+                except KeyboardInterrupt as exc:
+                    if hasattr(exc, "stats"):  # stopped between two steps: the round so far is kept
+                        segments[p].append(exc.stats)
+                        self.stopped_at = {"round": round_index, "syncs_done": k,
+                                           "segments": {q: [asdict(s) for s in parts] for q, parts in segments.items()}}
+                    bar.close()
+                    raise
             models = {p: loop.model for p, loop in self.loops.items()}
             if self.diagnostics and point == self.inner_steps:  # the round's whole change, before the outer step
                 agreement = self._agreement(models)
@@ -182,10 +208,11 @@ class RoundScheduler:
         """Nothing beyond the rounds' records."""
 
     def state_dict(self) -> dict:
-        return {}
+        """Nothing between rounds; inside a round a signal stopped, where it stopped (a step checkpoint)."""
+        return {} if self.stopped_at is None else {"stopped_at": self.stopped_at}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        self.resume_at = state.get("stopped_at")
 
     def close(self) -> None:
         pass

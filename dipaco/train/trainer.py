@@ -17,11 +17,12 @@ on rank 0). A run stopped between the checkpoint and its log logs it when it res
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from dipaco.atomic import write_text
+from dipaco.atomic import remove_tree, write_text
 from dipaco.checkpoint.spec import SPEC
 from dipaco.checkpoint.state import TrainingState
 from dipaco.checkpoint.store import CONFIG, CheckpointManager, SavedCheckpoint, resolve_checkpoint, write_snapshot
@@ -34,6 +35,7 @@ from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
 from dipaco.paths.inner import InnerLoop, check_optim
 from dipaco.route.provenance import check_routing, record_routing
+from dipaco.runtime import finish_the_step
 from dipaco.train.experiment import BuiltExperiment
 
 
@@ -86,6 +88,9 @@ class Scheduler(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
     def close(self) -> None: ...
+
+
+STEP_CHECKPOINT = "step_checkpoint"  # <experiment>/step_checkpoint/: a signal's checkpoint of the round in progress
 
 
 @dataclass(frozen=True)
@@ -163,14 +168,22 @@ class Trainer:
         if self.policy.background and (world.size == 1 or world.writer_group is not None):
             writer = BackgroundWriter(self.checkpoints, world.writers())
         due: list[Progress] = []  # completed work not yet in a checkpoint
+        # One process under the lock-step scheduler stops between two inner steps and checkpoints that step.
+        stops_at_a_step = world.size == 1 and hasattr(self.scheduler, "stopped_at")
         try:
             if metrics is not None and resumed is not None:
                 self._log_unlogged(metrics, resumed)
-            for count, progress in enumerate(self.scheduler.run(start, stop), start=1):
-                due.append(progress)
-                if count % self.policy.every == 0:
-                    self._checkpoint(due, writer, metrics)
-                    due = []
+            with finish_the_step() if stops_at_a_step else nullcontext():
+                try:
+                    for count, progress in enumerate(self.scheduler.run(start, stop), start=1):
+                        due.append(progress)
+                        if count % self.policy.every == 0:
+                            self._checkpoint(due, writer, metrics)
+                            due = []
+                except KeyboardInterrupt:
+                    self._landed(writer, metrics)  # the round in flight is older than the step
+                    self._stopped(due)
+                    raise
             if due:  # the last point: nothing has changed since the scheduler yielded it
                 self._checkpoint(due, writer, metrics)
             self._landed(writer, metrics)
@@ -214,6 +227,26 @@ class Trainer:
         if metrics is not None:  # logged once the work is checkpointed: a restarted round is not logged twice
             for progress in due:
                 self.scheduler.log(metrics, progress.index, progress.reports, progress.info, ckpt.name)
+        if self.world.rank == 0:
+            remove_tree(self.step_checkpoints.root)  # a newer round is in place: the step it stopped at is past
+
+    @property
+    def step_checkpoints(self) -> CheckpointManager:
+        """Where a signal's step checkpoint goes: the round in progress, stopped between two inner steps."""
+        return CheckpointManager(self.dir / STEP_CHECKPOINT, keep=1)
+
+    def _stopped(self, due: list[Progress]) -> None:
+        """A signal stopped the round in progress between two steps (the lock-step scheduler, one process):
+        the whole state goes into a step checkpoint, with the completed rounds no round checkpoint holds yet."""
+        stopped = getattr(self.scheduler, "stopped_at", None)
+        if stopped is None or self.world.size > 1:
+            return
+        index = int(stopped["round"])  # the rounds completed
+        texts = {CONFIG: self.experiment.config_yaml, SPEC: self.experiment.spec.to_json()}
+        snapshot = self.state.snapshot(index, None, {}, texts, [(p.index, p.reports, p.info) for p in due])
+        ckpt = self.step_checkpoints.save(index, lambda d: write_snapshot(d, 0, snapshot, index))
+        steps = ", ".join(f"path {p} step {loop.step}" for p, loop in self.loops.items())
+        echo(f"[train] stopped in round {index + 1} ({steps}): the step checkpoint is {ckpt}; continue with --resume")
 
     def _start(self, resume: bool, resume_from: str | None) -> tuple[int, Path | None]:
         """The index to start from and the checkpoint it comes from (None: a fresh start); every rank agrees."""
@@ -221,7 +254,7 @@ class Trainer:
         start, resumed, error = 0, None, None
         restarted = world.env.restart_count > 0 and not (resume or resume_from)
         try:
-            latest = self.checkpoints.latest()
+            latest = self.checkpoints.latest() or self.step_checkpoints.latest()
             if resume or resume_from or (restarted and latest is not None):
                 if restarted and world.rank == 0 and latest is not None:
                     echo(f"[train] restart {world.env.restart_count} of the worker group: continuing from {latest.name}")
@@ -244,7 +277,10 @@ class Trainer:
 
         Each rank verifies and reads the module states and its own paths only."""
         own = tuple(f"paths/path_{p:03d}/" for p in self.loops)
-        ckpt = resolve_checkpoint(self.checkpoints, resume_from,
+        manager, step, latest = self.checkpoints, self.step_checkpoints.latest(), self.checkpoints.latest()
+        if resume_from is None and step is not None and (latest is None or step.name >= latest.name):
+            manager = self.step_checkpoints  # stopped in the round after the newest round checkpoint
+        ckpt = resolve_checkpoint(manager, resume_from,
                                   select=lambda rel: not rel.startswith("paths/") or rel.startswith(own))
         self.check_resume(ckpt)
         state = self.state.restore(SavedCheckpoint(ckpt, self.world.rank, self.bank.device))

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 import dipaco.atomic as atomic
-from dipaco.atomic import remove_tree, replacing, write_text
+from dipaco.atomic import recover, remove_tree, replacing, write_text
 
 
 def test_a_directory_is_swapped_only_when_complete(tmp_path):
@@ -55,3 +55,31 @@ def test_a_killed_removal_leaves_the_directory_gone_not_half(tmp_path, monkeypat
     remove_tree(work)  # the next removal (of the same name) deletes what the killed one left
     assert list(tmp_path.iterdir()) == []
     remove_tree(work)  # nothing there: nothing to do
+
+
+def test_a_kill_between_the_two_renames_of_a_swap_keeps_the_old_directory(tmp_path, monkeypatch):
+    """Found by pretrain's kill test: a swap renames the old directory aside, then the new one in; a kill in
+    between left neither at the final path, and a resume found nothing to resume."""
+    final = tmp_path / "stopped"
+    with replacing(final) as tmp:
+        tmp.mkdir()
+        (tmp / "step").write_text("10")
+    real = Path.rename
+
+    def killed_before_the_new_one_is_in(self, target):
+        if Path(target) == final:
+            raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed_before_the_new_one_is_in)
+    with pytest.raises(KeyboardInterrupt):
+        with replacing(final) as tmp:
+            tmp.mkdir()
+            (tmp / "step").write_text("20")
+    monkeypatch.setattr(Path, "rename", real)
+    assert not final.exists()  # the kill's moment
+    assert (recover(final) / "step").read_text() == "10"  # the previous complete one
+    with replacing(final) as tmp:  # and the next swap works
+        tmp.mkdir()
+        (tmp / "step").write_text("30")
+    assert (final / "step").read_text() == "30" and sorted(p.name for p in tmp_path.iterdir()) == ["stopped"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from tiny import TINY
 
@@ -86,3 +88,38 @@ def test_sigkill_at_random_moments_of_the_background_writes_then_resume_ends_bit
         assert main(["train", *args, "--resume"]) in (0, None)
         got = checkpoint_tensors(CheckpointManager(first.parent).latest())
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), attempt
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_mid_round_loses_a_step_not_the_round(run_cfg, signum):
+    """One process, lock-step: the signal lets the inner step in progress finish, a step checkpoint of the
+    round in progress is written, and `--resume` ends bit-exactly as an uninterrupted run, every round
+    logged once with all its steps."""
+    rounds = ["train.rounds=3", "train.inner_steps=40"]
+    straight = Run(apply_overrides(run_cfg, [*rounds, "train.name=straight"])).train()
+    want = checkpoint_tensors(CheckpointManager(straight.dir / "checkpoints").latest())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")]),
+           "OMP_NUM_THREADS": "1"}
+    args = [*TINY, f"run.dir={run_cfg.run.dir}", f"data.corpus={run_cfg.data.corpus}", *rounds, "train.name=stopped"]
+    proc = subprocess.Popen([sys.executable, "-m", "dipaco", "train", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("[train]")
+        time.sleep(1.5)  # in round 1 or 2, mid-way
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert "[train] stopped in round" in out and "Traceback" not in err, (out, err)
+    exp_dir = Path(run_cfg.run.dir) / "train" / "stopped"
+    assert CheckpointManager(exp_dir / "step_checkpoint").latest() is not None
+    assert main(["train", *args]) == 2  # without --resume: refused, nothing lost
+    assert main(["train", *args, "--resume"]) in (0, None)
+    got = checkpoint_tensors(CheckpointManager(exp_dir / "checkpoints").latest())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert not (exp_dir / "step_checkpoint").exists()
+    assert outer_rounds(exp_dir) == [1, 2, 3]
+    tokens = [(r["round"], r["path"], r["tokens"]) for r in read_metrics(exp_dir / "metrics.jsonl", "path")]
+    assert tokens == [(r["round"], r["path"], r["tokens"]) for r in read_metrics(straight.dir / "metrics.jsonl", "path")]
