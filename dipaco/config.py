@@ -288,6 +288,7 @@ class EvalConfig:
     max_docs: Optional[int] = None  # evaluate on the first N validation docs only
     early_stopping: bool = False  # evaluate each path's best (early-stopped) parameters
     precision: PrecisionName = "auto"
+    every: int = 0  # during `dipaco train`: each path's validation perplexity every N rounds (0: off)
 
 
 @dataclass

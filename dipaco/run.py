@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from transformers import LlamaForCausalLM, PreTrainedModel
 
 from dipaco.checkpoint.spec import SPEC, ExperimentSpec, ShardingRef, TokenizerRef, read_spec, spec_file
@@ -33,7 +34,14 @@ from dipaco.data.corpus import numpy_column
 from dipaco.data.packing import DocumentTokens, PackedShard
 from dipaco.data.prepare import Prepared, check_data, check_tokenizer, load_prepared, prepare
 from dipaco.errors import ConfigError, DataError
-from dipaco.eval.evaluate import EvalJob, PretrainedEval, check_eval, evaluate_experiment, evaluate_pretrained
+from dipaco.eval.evaluate import (
+    EvalJob,
+    PretrainedEval,
+    check_eval,
+    evaluate_experiment,
+    evaluate_pretrained,
+    validation_split,
+)
 from dipaco.eval.report import comparison_table
 from dipaco.eval.reroute_eval import reroute_evaluate
 from dipaco.metrics import echo
@@ -44,6 +52,7 @@ from dipaco.model.scoring import Scoring
 from dipaco.model.topology import Topology, check_topology, topology_from_config
 from dipaco.paths.early_stopping import PathEarlyStopping, early_stopping_holdout
 from dipaco.paths.factory import LoopSettings, PathLoops
+from dipaco.paths.validation import PathValidation
 from dipaco.precision import resolve_precision
 from dipaco.route.assign import RouteJob, check_route, route
 from dipaco.route.shards import (
@@ -93,7 +102,7 @@ def check_config(cfg: Config) -> None:
     check_pretrain(cfg.pretrain)
     check_train(cfg.train)
     check_dist(cfg.dist)
-    check_ray(cfg.ray, cfg.train, cfg.outer, cfg.dist, list(ASYNC_SYNCS))
+    check_ray(cfg.ray, cfg.train, cfg.outer, cfg.dist, list(ASYNC_SYNCS), cfg.eval.every)
     check_route(cfg.route, cfg.data.prefix_tokens)
     check_eval(cfg.eval)
     if cfg.route.em_rounds:
@@ -324,6 +333,23 @@ class Run:
             cfg.data.seq_len, cfg.data.prefix_tokens, cfg.eval.batch_size, held.prepared.tokenizer.pad_token_id,
             resolve_precision(cfg.eval.precision, device, "eval.precision")), scratch_model)
 
+    def validation(self, experiment: BuiltExperiment, prepared: Prepared) -> PathValidation:
+        """``eval.every``: this rank's paths scored on the validation slice (``eval.max_docs``) routed to them."""
+        cfg = self.cfg
+        val = validation_split(cfg.eval, prepared)
+        routes = assign_paths(val, experiment.topology.num_paths, cfg.train.sharding, cfg.run.seed,
+                              cfg.train.shard_column)
+        tokens = DocumentTokens(val)
+        docs = {p: tokens.documents(np.flatnonzero(routes == p), np.int32) for p in experiment.paths}
+        device = experiment.world.device
+        llama = path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len)
+        scoring = Scoring(cfg.data.seq_len, cfg.data.prefix_tokens, cfg.eval.batch_size, prepared.tokenizer.pad_token_id,
+                          resolve_precision(cfg.eval.precision, device, "eval.precision"))
+        # The scratch model's random init must not move the RNG that training (and its checkpoint) carries on.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            scratch = build_model(llama, device=device)
+        return PathValidation(docs, scoring, scratch, cfg.eval.every)
+
     def check_resume(self, checkpoint: Path) -> None:
         """Refuses to resume from a checkpoint whose saved config differs from this run's in a key that
         changes what the run computes (:func:`dipaco.config.config_diff`)."""
@@ -373,7 +399,8 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
             early_stopping = run.early_stopping(experiment, held, build_model(llama, device=world.device))
         options = RoundOptions(cfg.train.log_every, cfg.run.progress, cfg.dist.comm_dtype,
                                report_dropped=cfg.outer.drop_prob > 0, diagnostics=cfg.train.diagnostics)
-        scheduler = RoundScheduler(experiment, sync, options, early_stopping)
+        validation = run.validation(experiment, prepared) if cfg.eval.every > 0 else None
+        scheduler = RoundScheduler(experiment, sync, options, early_stopping, validation)
     writers = module_writers(experiment.topology, experiment.by_rank)
     bank = experiment.bank
     state = TrainingState(bank, frozenset(bank.module_name(m) for m in bank.held if writers[m] == world.rank),

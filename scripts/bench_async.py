@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dipaco import json_text  # noqa: E402
 from dipaco.atomic import write_text  # noqa: E402
 from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
 from dipaco.config import Config  # noqa: E402
@@ -192,9 +193,9 @@ def main() -> None:
             r["speedup_vs_sync"] = sync["wall_seconds"] / r["wall_seconds"]
             r["normalized_speedup_vs_sync"] = sync["wall_in_steps"] / r["wall_in_steps"]
             r["ppl_vs_sync"] = r["final_ppl"] / sync["final_ppl"] - 1.0
-        write_text(out / "results.json", json.dumps(payload, indent=1))  # kept as the variants finish
+        write_text(out / "results.json", json_text.dumps(payload, indent=1))  # kept as the variants finish
     fault = payload["fault"] = None if args.skip_fault else fault_run(cfg, per_round, args.kills)
-    write_text(out / "results.json", json.dumps(payload, indent=1))
+    write_text(out / "results.json", json_text.dumps(payload, indent=1))
     ray.shutdown()
     plot(results, Path(args.plot) if args.plot else out / "async_ppl_vs_updates.png")
     print("| variant | wall s | speed-up | step s | wall / step | speed-up (normalized) | final ppl | vs sync | tasks "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dipaco import json_text  # noqa: E402
 from dipaco.comm import codecs as ours  # noqa: E402
 from dipaco.comm.adaptive import CANDIDATES, choose  # noqa: E402
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"numel": args.numel, "chunk": args.chunk, "threads": torch.get_num_threads(), "rows": rows,
               "adaptive": adaptive, "loadavg": os.getloadavg()}
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+        args.out.write_text(json_text.dumps(result, indent=1))
     return result
 
 

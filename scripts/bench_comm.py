@@ -59,6 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dipaco import json_text  # noqa: E402
 from dipaco.config import save_config  # noqa: E402
 from dipaco.metrics import read_metrics  # noqa: E402
 from dipaco.run import load_config  # noqa: E402
@@ -99,7 +100,7 @@ def write_corpus(data: Path, out: Path, per_source: int) -> Path:
                 text = strip_header(doc["text"]) if name.startswith("20news") else doc["text"]
                 if text.strip():
                     rows.append({"id": f"{doc['source']}/{doc['id']}", "label": doc["label"], "text": text[:4000]})
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out.write_text("".join(json_text.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return out
 
 
@@ -306,7 +307,7 @@ def main() -> None:
     if args.rows:
         results = sync_table(args, cfg, cfg_file, work)
         if args.out:
-            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+            Path(args.out).write_text(json_text.dumps({"meta": meta, "results": results}, indent=2))
         return
 
     from dipaco.run import Run
@@ -340,7 +341,7 @@ def main() -> None:
               f"{r['val_ppl']:>8.2f} {rel:>8}")
         r["target_ddp_over_ours"] = target
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        Path(args.out).write_text(json_text.dumps({"meta": meta, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ sys.path.insert(0, str(REPO))
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from dipaco import json_text  # noqa: E402
 from dipaco.atomic import write_text  # noqa: E402
 from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
 from dipaco.config import Config, config_diff  # noqa: E402
@@ -311,7 +312,7 @@ def write_corpus(path: Path, docs_per_source: int | None, sources: tuple[str, ..
                     doc = json.loads(line)
                     text = strip_header(doc["text"]) if doc["source"].startswith("20news") else doc["text"]
                     row = {"id": f"{doc['source']}/{doc['id']}", "label": f"{doc['source']}:{doc['label']}", "text": text}
-                    out.write(json.dumps(row) + "\n")
+                    out.write(json_text.dumps(row) + "\n")
                     n += 1
     echo(f"[bench] corpus: {n} documents from {', '.join(sources)}")
     return path
@@ -597,7 +598,7 @@ def write_results(path: Path, base: Config, init: dict, results: list[dict], **e
     """Rewritten after every row, so an interrupted run loses at most the row in progress."""
     payload = {"base_config": OmegaConf.to_container(OmegaConf.structured(base)),
                "pretrained_ppl": init["overall"]["ppl"], "rows": results, **extra}
-    write_text(path, json.dumps(payload, indent=2))
+    write_text(path, json_text.dumps(payload, indent=2))
 
 
 def finished_rows(path: Path, base: Config) -> dict[str, dict]:
@@ -664,7 +665,7 @@ def report(paths: list[Path], merged_path: Path | None) -> None:
     print("\n\n".join(t for t in (markdown_table(results, merged["dense_steps"]), seed_table(results, seed)) if t))
     print("\n" + "\n".join(targets(results, seed)))
     if merged_path is not None:
-        write_text(merged_path, json.dumps(merged, indent=2))
+        write_text(merged_path, json_text.dumps(merged, indent=2))
         echo(f"[bench] wrote the {len(results)} rows to {merged_path}")
 
 

@@ -121,6 +121,13 @@ class Source:
     ends: np.ndarray  # character offset just past each word
 
 
+def _dumps(value, **kwargs) -> str:
+    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
+    from dipaco import json_text
+
+    return json_text.dumps(value, **kwargs)
+
+
 def word_bounds(text: str) -> tuple[np.ndarray, np.ndarray]:
     """Start and end offsets of the whitespace-separated words of ``text`` (vectorized: the whole pool
     of 7M words takes seconds, where a regex loop takes much longer)."""
@@ -222,7 +229,7 @@ def corpus_child(args: argparse.Namespace) -> None:
     size = write_corpus(args.write_corpus, pool, args.write_docs, args.seed, args.min_words, args.max_words)
     meta = {"docs": args.write_docs, "bytes": size, "origin": origin, "pool_docs": len(pool),
             "seconds": round(time.perf_counter() - started, 3), **corpus_settings(args)}
-    Path(str(args.write_corpus) + ".meta.json").write_text(json.dumps(meta, indent=1))
+    Path(str(args.write_corpus) + ".meta.json").write_text(_dumps(meta, indent=1))
     print(f"[corpus] {args.write_docs} documents from {len(pool)} {origin} sources: {size / 1e6:.1f} MB")
 
 
@@ -521,7 +528,7 @@ def finish(results: dict, sizes: list[int]) -> None:
 def write_json(path: Path, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=1))
+    tmp.write_text(_dumps(results, indent=1))
     os.replace(tmp, path)  # a kill mid-write leaves the previous results
 
 
@@ -692,7 +699,7 @@ def run_step(plan: Plan, results: dict, n: int, step: str, needed: bool = False)
         return False
     marker = done_marker(plan, n, step)
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"settings": settings_hash(settings)}))
+    marker.write_text(json.dumps({"settings": settings_hash(settings)}, allow_nan=False))
     print(f"[bench_scale] {n:,} docs: {step} {_fmt_time(m.wall_s)}, peak RSS {_fmt_mb(m.peak_rss_mb)}, "
           f"tree anon {_fmt_mb(m.tree_anon_mb)}", flush=True)
     return True

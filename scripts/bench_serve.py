@@ -75,6 +75,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _dumps(value, **kwargs) -> str:
+    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
+    from dipaco import json_text
+
+    return json_text.dumps(value, **kwargs)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", help="run directory; built there first when it has no trained experiment "
@@ -843,7 +850,7 @@ def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[
         report["hold_idle"] = bench_hold_idle(run, pipe.experiment, prompts, args.hold_idle, args.nofile, args.seconds,
                                               args.threads)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        Path(args.out).write_text(_dumps(report, indent=2))
         print(f"[bench] wrote {args.out}")
 
 
@@ -882,7 +889,7 @@ def main() -> None:
             }
             print_abuse(abuse)
             if args.out:
-                Path(args.out).write_text(json.dumps(report, indent=2))
+                Path(args.out).write_text(_dumps(report, indent=2))
                 print(f"[bench] wrote {args.out}")
             return
         if args.concurrency or args.agreement or args.hold_idle:
@@ -910,7 +917,7 @@ def main() -> None:
         }
         print_table(report)
         if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=2))
+            Path(args.out).write_text(_dumps(report, indent=2))
             print(f"[bench] wrote {args.out}")
     finally:
         if tmp is not None:

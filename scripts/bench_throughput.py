@@ -25,7 +25,6 @@ inner steps.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -87,6 +86,13 @@ SIZES = {
 }
 # Dense bf16 tensor-core peaks (FLOP/s), by device name.
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def _dumps(value, **kwargs) -> str:
+    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
+    from dipaco import json_text
+
+    return json_text.dumps(value, **kwargs)
 
 
 def parse_args() -> argparse.Namespace:
@@ -353,7 +359,7 @@ def main() -> None:
     if args.round:
         result["round"] = bench_round(sizes[args.round_size or names[-1]], args, device, precision)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).write_text(_dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

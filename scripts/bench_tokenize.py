@@ -41,6 +41,13 @@ from dipaco.data.tokenizer import _encoder, available_cores, batch_encoder, load
 ENGINES = ("hf", "auto")  # "auto" is tiktoken wherever the check passes: the run says which engine it got
 
 
+def _dumps(value, **kwargs) -> str:
+    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
+    from dipaco import json_text
+
+    return json_text.dumps(value, **kwargs)
+
+
 def read_texts(corpus: Path | None, skip: int, docs: int) -> list[str]:
     if corpus is None:
         from dipaco.data.corpus import CorpusSpec, load_corpus
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print("[bench_tokenize] median tokens/s: " + ", ".join(f"{n}: {v / 1e6:.3f}M" for n, v in medians.items())
           + f"; ratio {ratio:.2f}; ids {'the same' if same else 'DIFFER'}")
     if a.out:
-        a.out.write_text(json.dumps({"texts": len(texts), "runs": runs, "median_tokens_per_s": medians,
+        a.out.write_text(_dumps({"texts": len(texts), "runs": runs, "median_tokens_per_s": medians,
                                      "ratio": ratio, "same_ids": same}, indent=2))
     return 0 if same else 1
 

@@ -163,6 +163,13 @@ class Context:
     section: Section | None = None  # the one running
 
 
+def _dumps(value, **kwargs) -> str:
+    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
+    from dipaco import json_text
+
+    return json_text.dumps(value, **kwargs)
+
+
 def say(msg: str) -> None:
     print(f"[gpu_check] {msg}", flush=True)
 
@@ -979,7 +986,7 @@ def write_builtin_bbc(folder: Path) -> Path:
     with gzip.open(folder / "bbc_news.jsonl.gz", "wt", encoding="utf-8") as f:
         for group in itertools.zip_longest(*(sorted(d, key=lambda x: x["id"]) for d in by_label.values())):
             for doc in filter(None, group):
-                f.write(json.dumps({"source": "bbc", "id": doc["id"], "label": doc["label"], "text": doc["text"]}) + "\n")
+                f.write(json.dumps({"source": "bbc", "id": doc["id"], "label": doc["label"], "text": doc["text"]}, allow_nan=False) + "\n")
     return folder
 
 
@@ -1130,7 +1137,7 @@ def to_json(record: dict[str, Any]) -> dict[str, Any]:
 def write_outputs(ctx: Context) -> None:
     ctx.record["wall_s"] = time.monotonic() - ctx.record["_start"]
     payload = to_json({k: v for k, v in ctx.record.items() if k != "_start"})
-    (ctx.out / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    (ctx.out / "gpu_check.json").write_text(_dumps(payload, indent=2, default=str) + "\n")
     (ctx.out / "gpu_check.md").write_text(markdown(payload))
 
 

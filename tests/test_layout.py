@@ -189,3 +189,24 @@ def test_architecture_names_only_what_exists():
                 if not (package / f"{word}.py").is_file():
                     missing.append(f"{match.group(1)}/{word}")
     assert missing == [], missing
+
+
+def test_no_json_file_we_write_can_hold_nan_or_infinity():
+    """Issue 48: JSON files dipaco and its scripts write hold null (with the reason beside it), never NaN or
+    Infinity, which strict JSON readers refuse. Every ``json.dumps``/``json.dump`` whose text is written to a
+    file goes through dipaco.json_text or passes ``allow_nan=False``."""
+    offenders = []
+    for root in ("dipaco", "routing", "scripts"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("write_text", "write")):
+                    continue
+                for inner in ast.walk(node):
+                    if (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+                            and isinstance(inner.func.value, ast.Name) and inner.func.value.id == "json"
+                            and inner.func.attr in ("dumps", "dump")
+                            and not any(k.arg == "allow_nan" for k in inner.keywords)):
+                        offenders.append(f"{path.relative_to(REPO)}:{inner.lineno}")
+    assert offenders == []

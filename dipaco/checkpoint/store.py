@@ -161,7 +161,7 @@ class CheckpointManager:
                 if clash:
                     raise CheckpointError(f"{tmp}: rank {rank} wrote files another rank wrote too: {clash[:3]}")
                 merged.update(part)
-            (tmp / MANIFEST).write_text(json.dumps(merged, indent=1, sort_keys=True))
+            (tmp / MANIFEST).write_text(json.dumps(merged, indent=1, sort_keys=True, allow_nan=False))
             _fsync(tmp / MANIFEST)
             if final.exists():  # re-running a round after a restart replaces its old checkpoint
                 remove_tree(final)

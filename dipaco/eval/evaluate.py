@@ -71,6 +71,8 @@ def check_eval(section: EvalConfig) -> None:
         raise ConfigError(f"eval.batch_size: must be > 0, got {section.batch_size}")
     if section.max_docs is not None and section.max_docs <= 0:
         raise ConfigError(f"eval.max_docs: must be > 0 or null, got {section.max_docs}")
+    if section.every < 0:
+        raise ConfigError(f"eval.every: must be >= 0 (0: no validation during training), got {section.every}")
 
 
 def _summary(scores: Scores, n_docs: int) -> dict:

@@ -519,7 +519,7 @@ class FeatureWork:
 
     def save_text_model(self, model: TfidfSvd | DocTopics) -> None:
         np.savez(self.root / "text_model.npz", allow_pickle=False, **model.arrays())
-        (self.root / "text_model.json").write_text(json.dumps({"kind": model.kind, **model.state()}))
+        (self.root / "text_model.json").write_text(json_text.dumps({"kind": model.kind, **model.state()}))
         self.record["text_model"] = model.kind
         self._save()
 

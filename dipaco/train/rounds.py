@@ -28,6 +28,7 @@ from dipaco.comm.accounting import ddp_bytes
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.paths.early_stopping import PathEarlyStopping
 from dipaco.paths.inner import InnerStats
+from dipaco.paths.validation import PathValidation, validation_record
 from dipaco.sync.base import OuterSync, SyncReport
 from dipaco.sync.deltas import path_agreement
 from dipaco.train.experiment import BuiltExperiment
@@ -51,13 +52,13 @@ class RoundScheduler:
     driver = "torchrun"
 
     def __init__(self, experiment: BuiltExperiment, sync: OuterSync, options: RoundOptions,
-                 early_stopping: PathEarlyStopping | None = None) -> None:
+                 early_stopping: PathEarlyStopping | None = None, validation: PathValidation | None = None) -> None:
         self.sync, self.loops, self.bank = sync, experiment.loops, experiment.bank
         self.topology, self.world = experiment.topology, experiment.world
         self.rounds, self.inner_steps = experiment.rounds, experiment.inner_steps
         self.log_every, self.progress, self.comm_dtype = options.log_every, options.progress, options.comm_dtype
         self.report_dropped, self.diagnostics = options.report_dropped, options.diagnostics
-        self.early_stopping = early_stopping
+        self.early_stopping, self.validation = early_stopping, validation
         self.resume_at: dict | None = None  # a step checkpoint's place in its round (load_state_dict)
         self.stopped_at: dict | None = None  # where a signal stopped the round in progress (state_dict)
 
@@ -121,9 +122,10 @@ class RoundScheduler:
                                 inner_loss=list(total.loss_curve), inner_loss_steps=list(total.loss_curve_steps),
                                 **offload))
         heldout_ppl = self.early_stopping.update(self.bank, round_index + 1) if self.early_stopping else {}
+        validation = self.validation.score(self.bank, round_index + 1) if self.validation else {}
         norms = {name: v for report in syncs for name, v in report.norms.items()}
         dropped = sorted({p for report in syncs for p in report.dropped})
-        return {"paths": records, "norms": norms, "dropped": dropped, "heldout_ppl": heldout_ppl,
+        return {"paths": records, "norms": norms, "dropped": dropped, "heldout_ppl": heldout_ppl, "validation": validation,
                 "agreement": agreement, "comm": self._comm_record(syncs, time.perf_counter() - start)}
 
     def _agreement(self, models: Mapping[int, PreTrainedModel]) -> dict[str, dict]:
@@ -172,6 +174,9 @@ class RoundScheduler:
             for rec in records:
                 rec = dict(rec)
                 metrics.log("path", step=rec.pop("step"), **rec)
+            scored = {p: v for rep in reports for p, v in rep.get("validation", {}).items()}
+            if scored:  # eval.every: before the outer record, which marks the round as logged
+                metrics.log("eval", step=index, round=index, **validation_record(scored))
             merged = {name: v for rep in reports for name, v in rep["norms"].items()}
             norms = {m.name: merged[m.name] for m in self.topology.modules if m.name in merged}
             extra = {"dropped": reports[0]["dropped"]} if self.report_dropped else {}

@@ -146,7 +146,8 @@ class TaskQueue:
         self.ready.append(task.path)
 
 
-def check_ray(ray: RayConfig, train: TrainConfig, outer: OuterConfig, dist: DistConfig, async_syncs: Sequence[str]) -> None:
+def check_ray(ray: RayConfig, train: TrainConfig, outer: OuterConfig, dist: DistConfig, async_syncs: Sequence[str],
+              eval_every: int = 0) -> None:
     """``train.driver``, ``outer.sync`` and the ``ray`` keys fit together (``async_syncs``: the algorithms
     without rounds); the staleness bound is checked against the topology by :func:`check_staleness_bound`."""
     is_async = outer.sync in async_syncs
@@ -177,9 +178,9 @@ def check_ray(ray: RayConfig, train: TrainConfig, outer: OuterConfig, dist: Dist
                           "train.inner_steps)")
     if train.driver == "ray":
         unsupported = {"train.early_stopping_holdout": train.early_stopping_holdout, "outer.drop_prob": outer.drop_prob,
-                       "dist.comm_dtype": dist.comm_dtype, "outer.nesterov": outer.nesterov}
+                       "dist.comm_dtype": dist.comm_dtype, "outer.nesterov": outer.nesterov, "eval.every": eval_every}
         defaults = {"train.early_stopping_holdout": 0.0, "outer.drop_prob": 0.0, "dist.comm_dtype": "fp32",
-                    "outer.nesterov": True}
+                    "outer.nesterov": True, "eval.every": 0}
         for key, value in unsupported.items():
             if value != defaults[key]:
                 raise ConfigError(f"{key}: {value!r} is not supported by train.driver=ray "

@@ -103,9 +103,13 @@ def test_a_signal_mid_round_loses_a_step_not_the_round(run_cfg, signum):
     args = [*TINY, f"run.dir={run_cfg.run.dir}", f"data.corpus={run_cfg.data.corpus}", *rounds, "train.name=stopped"]
     proc = subprocess.Popen([sys.executable, "-m", "dipaco", "train", *args], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = Path(run_cfg.run.dir) / "train" / "stopped" / "checkpoints" / "round_000001"
     try:
         assert proc.stdout.readline().startswith("[train]")
-        time.sleep(1.5)  # in round 1 or 2, mid-way
+        deadline = time.time() + 120
+        while not first.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # round 2 is under way (160 inner steps): stop it mid-way
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     finally:
