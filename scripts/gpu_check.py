@@ -986,7 +986,8 @@ def write_builtin_bbc(folder: Path) -> Path:
     with gzip.open(folder / "bbc_news.jsonl.gz", "wt", encoding="utf-8") as f:
         for group in itertools.zip_longest(*(sorted(d, key=lambda x: x["id"]) for d in by_label.values())):
             for doc in filter(None, group):
-                f.write(json.dumps({"source": "bbc", "id": doc["id"], "label": doc["label"], "text": doc["text"]}, allow_nan=False) + "\n")
+                record = {"source": "bbc", "id": doc["id"], "label": doc["label"], "text": doc["text"]}
+                f.write(json.dumps(record, allow_nan=False) + "\n")
     return folder
 
 
