@@ -91,7 +91,7 @@ def test_sigkill_at_random_moments_of_the_background_writes_then_resume_ends_bit
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_a_signal_mid_round_loses_a_step_not_the_round(run_cfg, signum):
+def test_a_signal_mid_round_loses_a_step_not_the_round(run_cfg, sigint_from_a_terminal, signum):
     """One process, lock-step: the signal lets the inner step in progress finish, a step checkpoint of the
     round in progress is written, and `--resume` ends bit-exactly as an uninterrupted run, every round
     logged once with all its steps."""
