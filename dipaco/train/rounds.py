@@ -29,6 +29,7 @@ from dipaco.metrics import MetricsLogger, echo
 from dipaco.paths.early_stopping import PathEarlyStopping
 from dipaco.paths.inner import InnerStats
 from dipaco.paths.validation import PathValidation, validation_record
+from dipaco.runtime import Terminated
 from dipaco.sync.base import OuterSync, SyncReport
 from dipaco.sync.deltas import path_agreement
 from dipaco.train.experiment import BuiltExperiment
@@ -104,10 +105,15 @@ class RoundScheduler:
                 except KeyboardInterrupt as exc:
                     if hasattr(exc, "stats"):  # stopped between two steps: the round so far is kept
                         segments[p].append(exc.stats)
-                        self.stopped_at = {"round": round_index, "syncs_done": k,
-                                           "segments": {q: [asdict(s) for s in parts] for q, parts in segments.items()}}
+                        self._stop_here(round_index, k, segments)
+                        self._agree_to_stop(type(exc))  # the other ranks stop at their next sync point
                     bar.close()
                     raise
+            stop = self._agree_to_stop(None)  # a signal stopped another rank: every rank stops before this sync
+            if stop is not None:
+                self._stop_here(round_index, k, segments)
+                bar.close()
+                raise stop()
             models = {p: loop.model for p, loop in self.loops.items()}
             if self.diagnostics and point == self.inner_steps:  # the round's whole change, before the outer step
                 agreement = self._agreement(models)
@@ -127,6 +133,20 @@ class RoundScheduler:
         dropped = sorted({p for report in syncs for p in report.dropped})
         return {"paths": records, "norms": norms, "dropped": dropped, "heldout_ppl": heldout_ppl, "validation": validation,
                 "agreement": agreement, "comm": self._comm_record(syncs, time.perf_counter() - start)}
+
+    def _stop_here(self, round_index: int, syncs_done: int, segments: dict[int, list[InnerStats]]) -> None:
+        self.stopped_at = {"round": round_index, "syncs_done": syncs_done,
+                           "segments": {p: [asdict(s) for s in parts] for p, parts in segments.items()}}
+
+    def _agree_to_stop(self, kind: type[KeyboardInterrupt] | None) -> type[KeyboardInterrupt] | None:
+        """Whether a signal stopped any rank (and which: SIGTERM's Terminated or Ctrl-C's KeyboardInterrupt).
+        Every rank asks at every sync point, and a rank a signal stopped asks at once: no rank enters the
+        outer step's collectives while another writes its step checkpoint."""
+        if self.world.size == 1:
+            return None
+        names = self.world.all_gather_object(None if kind is None else kind.__name__, "stop agreement")
+        name = next((n for n in names if n is not None), None)
+        return None if name is None else (Terminated if name == Terminated.__name__ else KeyboardInterrupt)
 
     def _agreement(self, models: Mapping[int, PreTrainedModel]) -> dict[str, dict]:
         """Module name -> the paths of this rank through it, their mean pairwise cosine and mean change norm."""

@@ -168,8 +168,8 @@ class Trainer:
         if self.policy.background and (world.size == 1 or world.writer_group is not None):
             writer = BackgroundWriter(self.checkpoints, world.writers())
         due: list[Progress] = []  # completed work not yet in a checkpoint
-        # One process under the lock-step scheduler stops between two inner steps and checkpoints that step.
-        stops_at_a_step = world.size == 1 and hasattr(self.scheduler, "stopped_at")
+        # The lock-step scheduler stops between two inner steps, and the trainer checkpoints that step.
+        stops_at_a_step = hasattr(self.scheduler, "stopped_at")
         try:
             if metrics is not None and resumed is not None:
                 self._log_unlogged(metrics, resumed)
@@ -239,14 +239,16 @@ class Trainer:
         """A signal stopped the round in progress between two steps (the lock-step scheduler, one process):
         the whole state goes into a step checkpoint, with the completed rounds no round checkpoint holds yet."""
         stopped = getattr(self.scheduler, "stopped_at", None)
-        if stopped is None or self.world.size > 1:
+        if stopped is None:
             return
-        index = int(stopped["round"])  # the rounds completed
+        index, rank = int(stopped["round"]), self.world.rank  # the rounds completed
         texts = {CONFIG: self.experiment.config_yaml, SPEC: self.experiment.spec.to_json()}
         snapshot = self.state.snapshot(index, None, {}, texts, [(p.index, p.reports, p.info) for p in due])
-        ckpt = self.step_checkpoints.save(index, lambda d: write_snapshot(d, 0, snapshot, index))
+        ckpt = self.step_checkpoints.save(index, lambda d: write_snapshot(d, rank, snapshot, index), self.world)
         steps = ", ".join(f"path {p} step {loop.step}" for p, loop in self.loops.items())
-        echo(f"[train] stopped in round {index + 1} ({steps}): the step checkpoint is {ckpt}; continue with --resume")
+        where = f"rank {rank}: " if self.world.size > 1 else ""
+        echo(f"[train] {where}stopped in round {index + 1} ({steps}): the step checkpoint is {ckpt}; "
+             f"continue with --resume")
 
     def _start(self, resume: bool, resume_from: str | None) -> tuple[int, Path | None]:
         """The index to start from and the checkpoint it comes from (None: a fresh start); every rank agrees."""
