@@ -72,8 +72,7 @@ from dipaco.train.pretrain import RESUME_KEYS, PretrainJob, check_pretrain, pret
 from dipaco.train.reroute import RerouteJob, reroute
 from dipaco.train.resharding import EMPlan, check_em, train_em
 from dipaco.train.rounds import RoundOptions, RoundScheduler
-from dipaco.train.task_queue import check_ray
-from dipaco.train.tasks import TaskScheduler
+from dipaco.train.tasks import TaskScheduler, check_ray
 from dipaco.train.trainer import CheckpointPolicy, Trainer, check_train
 
 
@@ -386,7 +385,7 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     experiment, prepared, sharding = run.build_experiment(world)
     scheduler: RoundScheduler | TaskScheduler
     if cfg.train.driver == "ray":
-        scheduler = TaskScheduler(experiment, cfg.ray, cfg.outer, cfg.dist.timeout_s, cfg.train.dynamic_local_steps,
+        scheduler = TaskScheduler(experiment, cfg.ray, cfg.outer, cfg.train.dynamic_local_steps,
                                   on_start)
     else:
         sync = build_sync(SyncContext(cfg.outer, cfg.dist, experiment.inner_steps, experiment.rounds, cfg.run.seed,

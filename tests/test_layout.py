@@ -146,6 +146,22 @@ def test_no_function_in_dipaco_takes_more_than_seven_parameters():
     assert over == []
 
 
+# Issue 50 asked for the Ray scheduler in at most 362 lines (half the 724-line driver it replaced). It
+# is 533 after the executors' restarts and re-sent calls became Ray's own (max_task_retries) and the
+# queue moved to sync/async_schedule.py as the asynchronous algorithm's schedule; this caps today's
+# size so it cannot grow back unnoticed. The goal is not met: see the issue's closing note.
+RAY_SCHEDULER = ("dipaco/train/tasks.py", "dipaco/train/task_actors.py")
+RAY_SCHEDULER_MAX_LINES = 540
+ASYNC_SCHEDULE_MAX_LINES = 150
+
+
+def test_the_ray_scheduler_does_not_grow_back():
+    lines = {name: len((REPO / name).read_text().splitlines()) for name in RAY_SCHEDULER}
+    assert sum(lines.values()) <= RAY_SCHEDULER_MAX_LINES, lines
+    assert len((REPO / "dipaco/sync/async_schedule.py").read_text().splitlines()) <= ASYNC_SCHEDULE_MAX_LINES
+    assert "import ray" not in (REPO / "dipaco/sync/async_schedule.py").read_text()  # plain Python, testable without Ray
+
+
 def _defined_names() -> set[str]:
     names: set[str] = set()
     for root in ("dipaco", "routing"):

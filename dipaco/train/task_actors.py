@@ -1,7 +1,5 @@
-"""The Ray actors of the task scheduler (:mod:`dipaco.train.tasks`), as plain classes: a path worker
-runs path tasks, a module executor applies the tasks' changes to its modules. The scheduler wraps
-them with ``ray.remote``; constructed again by Ray after a crash, an executor restores its own
-newest checkpoint (written in the store's format, :mod:`dipaco.checkpoint.store`)."""
+"""The Ray actors of the task scheduler (:mod:`dipaco.train.tasks`), as plain classes the scheduler
+wraps with ``ray.remote``: a path worker runs path tasks, a module executor applies their changes."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ class PathWorker:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray sets the visible GPU
         seed_everything(path_loops.seed, self.device)
         self.worker, self.speed, self.path_loops, self.topology = worker, speed, path_loops, topology
-        self.llama_config = llama_config
-        self.models: dict[int, Any] = {}
+        self.llama_config, self.models = llama_config, dict[int, Any]()
         self.bank = ModuleBank(topology, build_model(llama_config, seed=0, device=self.device))
 
     def pid(self) -> int:
@@ -99,17 +96,14 @@ class ExecutorCheckpoints:
 
 
 class ModuleExecutor:
-    """The outer executor of a group of modules: their :class:`AsyncNesterov` and update log.
-
-    It checkpoints itself into ``root`` (the store's format) every ``every`` updates; constructed again
-    by Ray after a crash, it restores its newest checkpoint. ``saved`` (tensors by part, counters)
-    starts it from a run checkpoint instead of ``init``.
-    """
+    """The outer executor of a group of modules: their :class:`AsyncNesterov` and update log. It checkpoints
+    itself (the store's format) every ``checkpoints.every`` updates; constructed again by Ray after a crash,
+    it restores its newest checkpoint. ``init`` (each module's parameters) and ``saved`` (tensors by part
+    and counters from a run checkpoint, which win) are arguments of their own: Ray resolves the object
+    references it is given there, not inside a dataclass."""
 
     def __init__(self, modules: ExecutorModules, checkpoints: ExecutorCheckpoints, init: dict[int, torch.Tensor],
                  saved: tuple[dict, dict] | None = None) -> None:
-        """``init``: each module's starting parameters (and ``saved``) are arguments of their own: Ray resolves
-        the object references it is given there, not inside a dataclass."""
         torch.set_num_threads(1)
         self.names, self.every, self.config_yaml = dict(modules.names), checkpoints.every, checkpoints.config_yaml
         self.sync = AsyncNesterov(init, modules.path_weights, modules.lr, modules.momentum, modules.delay,
@@ -121,10 +115,10 @@ class ModuleExecutor:
             parts = {part: ckpt.replicated(part, set(self.names.values())) for part in (PARAMS, *SYNC_PARTS)}
             self.sync.load(parts, ckpt.state()["counters"], self.names)
             self.restored_from = ckpt.root.name
-        else:
-            if saved is not None:
-                self.sync.load(saved[0], saved[1], self.names)
-            self._checkpoint()
+            return
+        if saved is not None:
+            self.sync.load(saved[0], saved[1], self.names)
+        self._checkpoint()
 
     def pid(self) -> int:
         return os.getpid()
@@ -161,8 +155,7 @@ class ModuleExecutor:
 
 
 class ExecutorState:
-    """The checkpoint's sync component under this scheduler: every executor's momentum, pending changes
-    and anchors by module name, as of the last run checkpoint."""
+    """The run checkpoint's sync component: the executors' momentum, pending changes and anchors by name."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = set(names)

@@ -1,42 +1,42 @@
-"""The task scheduler: asynchronous DiPaCo on Ray, the paper's infrastructure (``train.driver=ray``).
+"""The task scheduler (``train.driver=ray``): asynchronous DiPaCo on Ray, the paper's infrastructure.
 
-DiPaCo (Douillard et al., arXiv 2403.10616) does not train in lock-step rounds: a queue holds path
-tasks, preemptible workers take one, run the path's inner steps and hand back its change, and one
-outer executor per module applies the changes of the paths through it as they arrive; a path's next
-task starts as soon as its modules took its update, and a preempted task goes back to the queue.
+DiPaCo (Douillard et al., arXiv 2403.10616) trains without lock-step rounds: preemptible workers take
+path tasks from a queue (:class:`~dipaco.sync.async_schedule.TaskQueue`), run the path's inner steps
+and hand back its change, and an outer executor per module group applies the changes of the paths
+through each module as they arrive (:class:`~dipaco.sync.async_nesterov.AsyncNesterov`). Ray is the
+engine: the actors of :mod:`dipaco.train.task_actors`, task results and deltas in its object store.
+Everything else is the trainer's: every ``ray.checkpoint_every`` completed tasks the scheduler yields
+the executors' state gathered into the bank, and the trainer writes the checkpoint and logs the tasks.
 
-Ray is the engine (no home-made queue or RPC): :class:`PathWorker` actors run tasks (on a GPU when
-the node has one), :class:`ModuleExecutor` actors hold each module's
-:class:`~dipaco.sync.async_nesterov.AsyncNesterov` (the lock-step outer step under a delayed-Nesterov
-schedule) and checkpoint themselves, and Ray restarts either when it dies. The queue
-(:class:`~dipaco.train.task_queue.TaskQueue`) is plain Python. Task results and deltas travel through
-Ray's object store; the scheduler owns those objects, so they outlive a worker that dies. A task whose
-worker dies is re-queued with the path's previous AdamW state: only its inner steps are lost. Each
-executor refuses a task id it has already applied, so a re-sent update is applied exactly once.
+Guarantees:
 
-Everything else is the trainer's (:mod:`dipaco.train.trainer`): at every ``ray.checkpoint_every``
-completed tasks the scheduler waits until every sent update is applied, gathers the executors' state
-into the bank and its sync component, and yields; the trainer writes the checkpoint in the one format
-and logs the tasks. ``ray.schedule=rounds`` runs the same tasks in lock-step rounds and reproduces
-per-module DiLoCo (:mod:`dipaco.sync.diloco`). Asynchronous runs are not bit-reproducible (arrivals
-depend on timing); what holds is checked: every update is applied exactly once, none is lost when a
-worker is killed, and with ``ray.max_staleness`` S no update is staler than S.
+* every update is applied exactly once per module: Ray sends a call again when its executor died
+  (``max_task_retries=-1``); the executor restarts from its own checkpoint and refuses a task id it
+  has already applied;
+* a task whose worker died goes back to the queue with the path's previous AdamW state (only its inner
+  steps are lost), at most ``ray.task_retries`` times;
+* with ``ray.max_staleness`` S no update is staler than S; ``ray.schedule=rounds`` reproduces
+  per-module DiLoCo (:mod:`dipaco.sync.diloco`) up to the order of fp32 sums.
+
+Asynchronous runs are not bit-reproducible: the order of arrivals depends on timing.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from dipaco.config import OuterConfig, RayConfig
+from dipaco.config import DistConfig, OuterConfig, RayConfig, TrainConfig
 from dipaco.errors import ConfigError, DistributedError
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.sync.async_nesterov import PARAMS, default_delay, staleness_summary
+from dipaco.sync.async_schedule import Task, TaskQueue, check_staleness_bound
 from dipaco.sync.nesterov import module_outer_lr
 from dipaco.train.experiment import BuiltExperiment
 from dipaco.train.task_actors import (
@@ -48,10 +48,7 @@ from dipaco.train.task_actors import (
     ModuleExecutor,
     PathWorker,
 )
-from dipaco.train.task_queue import Task, TaskQueue, check_staleness_bound, executor_groups, worker_speeds
 from dipaco.train.trainer import Progress
-
-RESTART_BACKOFF_S = 0.5  # wait before asking an actor Ray is restarting again
 
 
 def _ray() -> Any:
@@ -63,22 +60,21 @@ def _ray() -> Any:
 
 
 class TaskScheduler:
-    """Path tasks on Ray workers, one outer executor per module (see the module docstring)."""
+    """Path tasks on Ray workers, one outer executor per module group (see the module docstring)."""
 
     driver = "ray"
 
-    def __init__(self, experiment: BuiltExperiment, ray: RayConfig, outer: OuterConfig, timeout_s: float,
-                 dynamic_steps: bool = False, on_start: Callable[[TaskScheduler], None] | None = None) -> None:
-        """``dynamic_steps``: train.dynamic_local_steps; ``timeout_s``: dist.timeout_s, for an actor Ray restarts."""
-        topology = experiment.topology
-        check_staleness_bound(ray.max_staleness, topology)
-        self.experiment, self.ray_cfg, self.outer, self.timeout_s, self.on_start = experiment, ray, outer, timeout_s, on_start
-        self.topology, self.bank, self.loops, self.weights = topology, experiment.bank, experiment.loops, experiment.weights
+    def __init__(self, experiment: BuiltExperiment, ray: RayConfig, outer: OuterConfig, dynamic_steps: bool = False,
+                 on_start: Callable[[TaskScheduler], None] | None = None) -> None:
+        """``dynamic_steps``: train.dynamic_local_steps; ``on_start``: called once the actors answer (tests)."""
+        check_staleness_bound(ray.max_staleness, experiment.topology)
+        self.experiment, self.ray_cfg, self.outer, self.on_start = experiment, ray, outer, on_start
+        self.topology, self.bank, self.loops = experiment.topology, experiment.bank, experiment.loops
         self.dynamic_steps = dynamic_steps
-        self.names = {m.id: m.name for m in topology.modules}
+        self.names = {m.id: m.name for m in self.topology.modules}
         self.sync = ExecutorState(list(self.names.values()))
-        self.speeds = worker_speeds(ray, topology.num_paths)
-        self.groups = executor_groups(len(topology.modules), ray.executors)
+        self.speeds = worker_speeds(ray, self.topology.num_paths)
+        self.groups = executor_groups(len(self.topology.modules), ray.executors)
         self.queue_state: dict | None = None
         self.counters: dict[str, dict] | None = None  # each module's executor counters, as of the last checkpoint
         self.ray: Any = None
@@ -89,19 +85,17 @@ class TaskScheduler:
         return (f"on Ray: {len(self.speeds)} workers (speeds {self.speeds}), {len(self.groups)} executors for "
                 f"{len(self.names)} modules ({self.ray_cfg.schedule}, outer.sync={self.outer.sync})")
 
-    # --- start --------------------------------------------------------------------------------------
     def run(self, start: int, until_round: int) -> Iterator[Progress]:
-        """The tasks of ``until_round`` rounds' worth of inner steps, from the queue state restored; yields
-        every ``ray.checkpoint_every`` completed tasks and at the end."""
-        inner_steps = self.experiment.inner_steps
-        per_round = inner_steps * self.topology.num_paths
-        self.queue = TaskQueue(self.topology, inner_steps, until_round * per_round, self.ray_cfg.schedule,
-                               self.ray_cfg.max_staleness, self.dynamic_steps, self.queue_state)
+        """``until_round`` rounds' worth of inner steps in tasks, from the queue state restored; yields every
+        ``ray.checkpoint_every`` completed tasks and at the end."""
+        steps, cfg = self.experiment.inner_steps, self.ray_cfg
+        self.queue = TaskQueue(self.topology, steps, until_round * steps * self.topology.num_paths, cfg.schedule,
+                               cfg.max_staleness, self.dynamic_steps, self.queue_state)
         self.ray = ray = _ray()
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=self.ray_cfg.address, include_dashboard=False, log_to_driver=False,
-                     **({"num_cpus": self.ray_cfg.num_cpus} if self.ray_cfg.address is None else {}))
+            ray.init(address=cfg.address, include_dashboard=False, log_to_driver=False,
+                     **({"num_cpus": cfg.num_cpus} if cfg.address is None else {}))
         self._start_actors()
         echo(f"[train] {self.queue.budget - self.queue.steps_done} inner steps to go")
         if self.on_start is not None:
@@ -115,25 +109,24 @@ class TaskScheduler:
         if resources.get("GPU", 0) > 0:  # the workers train on the node's GPUs, as lock-step ranks do
             share["num_gpus"] = min(1.0, resources["GPU"] / len(self.speeds))
         worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=0)
-        self.loops_ref = ray.put(self.experiment.path_loops)  # every shard, once in the object store
+        self.held_refs = [ray.put(self.experiment.path_loops)]  # what a restarted actor is given again
         llama = next(iter(self.loops.values())).model.config
-        self.workers = [worker_cls.remote(w, s, self.loops_ref, llama, topo) for w, s in enumerate(self.speeds)]
-        executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=0)
+        self.workers = [worker_cls.remote(w, s, self.held_refs[0], llama, topo) for w, s in enumerate(self.speeds)]
+        executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1)
         root = self.experiment.dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
-        self.held_refs: list = []  # the objects Ray may hand a restarted actor again
         for g, group in enumerate(self.groups):
             through = {m: topo.paths_through(m) for m in group}
             modules = ExecutorModules(
                 names={m: self.names[m] for m in group},
-                path_weights={m: {p: self.weights[p] for p in through[m]} for m in group},
+                path_weights={m: {p: self.experiment.weights[p] for p in through[m]} for m in group},
                 lr={m: module_outer_lr(self.outer, topo, m) for m in group}, momentum=self.outer.momentum,
                 delay={m: default_delay(len(through[m]), self.outer.nesterov_delay) for m in group},
                 rescale=self.outer.rescale)
             checkpoints = ExecutorCheckpoints(str(root / f"executor_{g:03d}"), self.ray_cfg.executor_checkpoint_every,
                                               self.experiment.config_yaml)
-            init = self._hold({m: self.bank.params[m].detach().clone() for m in group})
-            saved = None if self.counters is None else self._hold(self._saved(group))
-            self.actors.append(executor_cls.remote(modules, checkpoints, init, saved))
+            self.held_refs.append(ray.put({m: self.bank.params[m].detach().clone() for m in group}))
+            self.held_refs.append(None if self.counters is None else ray.put(self._saved(group)))
+            self.actors.append(executor_cls.remote(modules, checkpoints, *self.held_refs[-2:]))
         self.executors = {m: self.actors[g] for g, group in enumerate(self.groups) for m in group}
         ray.get([actor.pid.remote() for actor in (*self.workers, *self.actors)])  # started: the clock starts now
         for old in root.parent.glob("run_*"):  # an earlier run's executors: its checkpoint is the truth now
@@ -141,42 +134,25 @@ class TaskScheduler:
                 shutil.rmtree(old, ignore_errors=True)
         self.inner: dict[int, Any] = {p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}
         self.running: dict[Any, tuple[Task, list]] = {}  # first return ref -> task, all its return refs
-        self.pushes: dict[Any, tuple[Task, int, Any]] = {}  # push ref -> task, module, delta ref
+        self.pushes: dict[Any, tuple[Task, int]] = {}  # push ref -> task, module
         self.probes: dict[Any, int] = {}  # pid() call -> a restarted worker not yet back in the pool
         self.waiting: dict[str, set[int]] = {}  # task id -> modules whose executor has not acknowledged
         self.results: dict[str, dict] = {}
         self.free: deque[int] = deque(range(len(self.workers)))
-        self.tries: dict[Any, int] = {}
         self.records: list[tuple[str, int | None, dict]] = []  # to log once checkpointed
         self.staleness: list[int] = []
         self.requeues, self.start, self.checkpoint_due = 0, time.perf_counter(), False
         self.last_checkpoint = self.queue.completed
 
-    def _hold(self, value: Any) -> Any:
-        """``value`` in the object store, its reference kept so a restarted actor can read it again."""
-        self.held_refs.append(self.ray.put(value))
-        return self.held_refs[-1]
-
     def _saved(self, group: list[int]) -> tuple[dict, dict]:
         """A group's executor state from the restored run checkpoint (tensors by part, counters)."""
         assert self.counters is not None
-        tensors = {PARAMS: {self.names[m]: self.bank.params[m].detach().clone() for m in group}}
-        for part, named in self.sync.parts.items():
-            tensors[part] = {self.names[m]: named[self.names[m]] for m in group}
-        counters: dict[str, Any] = {"pending": {}, "log": []}
-        for m in group:
-            counters["pending"][m] = self.counters[self.names[m]]["pending"]
-            counters["log"].extend(self.counters[self.names[m]]["log"])
-        return tensors, counters
+        names = [self.names[m] for m in group]
+        tensors = {PARAMS: {self.names[m]: self.bank.params[m].detach().clone() for m in group},
+                   **{part: {n: named[n] for n in names} for part, named in self.sync.parts.items()}}
+        return tensors, {"pending": {m: self.counters[self.names[m]]["pending"] for m in group},
+                         "log": [u for n in names for u in self.counters[n]["log"]]}
 
-    def _patience(self, key: Any, what: str, exc: Exception) -> None:
-        """One more try of ``key`` at an actor Ray is restarting; fails once the tries add up to dist.timeout_s."""
-        self.tries[key] = tries = self.tries.get(key, 0) + 1
-        if tries * RESTART_BACKOFF_S > self.timeout_s:
-            raise DistributedError(f"{what} did not come back within dist.timeout_s={self.timeout_s}s: {exc}") from None
-        time.sleep(RESTART_BACKOFF_S)
-
-    # --- events -------------------------------------------------------------------------------------
     def _events(self) -> Iterator[Progress]:
         while not self.queue.done():
             self._dispatch()
@@ -193,24 +169,20 @@ class TaskScheduler:
             yield self.checkpoint()
 
     def _dispatch(self) -> None:
-        for _ in range(len(self.free)):
-            task = self.queue.dispatch(self.free[0])
-            if task is None:
-                return
-            worker = self.free.popleft()
+        while self.free and (task := self.queue.dispatch(self.free[0])) is not None:
+            self.free.popleft()
             modules = [self.executors[m].pull.remote(m) for m in self.topology.path_modules(task.path)]
-            refs = self.workers[worker].run.options(num_returns=2 + len(self.topology.parts)).remote(
+            refs = self.workers[task.worker].run.options(num_returns=2 + len(self.topology.parts)).remote(
                 task.path, task.steps, self.inner[task.path], *modules)
             self.running[refs[0]] = (task, refs)
 
     def _on_task(self, ref: Any) -> None:
-        ray = self.ray
         task, refs = self.running.pop(ref)
         try:
-            meta = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            if isinstance(exc, ray.exceptions.RayTaskError) and not isinstance(exc.cause, ray.exceptions.RayError):
-                raise  # the task itself failed (a bug or bad data): not something a retry heals
+            meta = self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError:
+            raise  # the task itself failed (a bug or bad data): not something a retry heals
+        except self.ray.exceptions.RayError as exc:
             self._requeue(task, exc)
             return
         self.free.append(task.worker)
@@ -218,56 +190,34 @@ class TaskScheduler:
         self.queue.sent(task, meta["tokens_per_s"])
         self.waiting[task.id] = set(task.start)
         for m, delta in zip(self.topology.path_modules(task.path), refs[2:]):
-            self._push(task, m, delta)
+            self.pushes[self.executors[m].push.remote(task.id, task.path, m, task.start[m], delta)] = (task, m)
 
     def _requeue(self, task: Task, exc: Exception) -> None:
-        """The task's worker died (killed, preempted, out of memory), or a module executor it pulled from
-        was restarting: the task goes back to the queue with the path's previous AdamW state."""
-        worker_died = not isinstance(exc, self.ray.exceptions.RayTaskError)
+        """The task's worker died (killed, preempted, out of memory): Ray restarts it, and the task goes back
+        to the queue with the path's previous AdamW state."""
         never_ran = isinstance(exc, self.ray.exceptions.ActorUnavailableError)  # sent while it was restarting
-        if worker_died:  # Ray restarts it; it takes tasks again once it answers
-            self.probes[self.workers[task.worker].pid.remote()] = task.worker
-            if not never_ran and task.attempt >= self.ray_cfg.task_retries:
-                raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
-                                       f"(ray.task_retries={self.ray_cfg.task_retries}): {type(exc).__name__}") from None
-        else:
-            self.free.append(task.worker)
-        self.queue.failed(task, count=worker_died and not never_ran)
+        self.probes[self.workers[task.worker].pid.options(max_task_retries=-1).remote()] = task.worker
+        if not never_ran and task.attempt >= self.ray_cfg.task_retries:
+            raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
+                                   f"(ray.task_retries={self.ray_cfg.task_retries}): {type(exc).__name__}") from None
+        self.queue.failed(task, count=not never_ran)
         self.requeues += 1
-        why = f"worker {task.worker} died" if worker_died else "a module executor was restarting"
-        echo(f"[train] {why} during {task.id}: re-queued")
+        echo(f"[train] worker {task.worker} died during {task.id}: re-queued")
         self.records.append(("requeue", None, {"task": task.id, "path": task.path, "worker": task.worker,
-                                               "attempt": task.attempt, "reason": "worker" if worker_died else "executor"}))
-        if not worker_died:
-            self._patience((task.id, -1), f"the modules of task {task.id}", exc)
+                                               "attempt": task.attempt, "reason": "worker"}))
 
     def _on_probe(self, ref: Any) -> None:
         worker = self.probes.pop(ref)
         try:
             self.ray.get(ref)
-        except self.ray.exceptions.RayError:
-            time.sleep(RESTART_BACKOFF_S)
-            self.probes[self.workers[worker].pid.remote()] = worker
-            return
+        except self.ray.exceptions.RayError as exc:
+            raise DistributedError(f"worker {worker} died and Ray could not restart it: {exc}") from None
         self.free.append(worker)
 
-    def _push(self, task: Task, module: int, delta: Any) -> None:
-        ref = self.executors[module].push.remote(task.id, task.path, module, task.start[module], delta)
-        self.pushes[ref] = (task, module, delta)
-
     def _on_push(self, ref: Any) -> None:
-        ray = self.ray
-        task, module, delta = self.pushes.pop(ref)
-        try:
-            update = ray.get(ref)
-        except ray.exceptions.RayTaskError:
-            raise
-        except ray.exceptions.RayError as exc:  # the executor died: it restarts from its checkpoint; send again
-            echo(f"[train] executor of {self.names[module]} unavailable for {task.id}: sending the update again")
-            self._patience((task.id, module), f"the executor of {self.names[module]}", exc)
-            self._push(task, module, delta)
-            return
-        if update is not None:
+        task, module = self.pushes.pop(ref)
+        update = self.ray.get(ref)
+        if update is not None:  # None: the executor had applied it before it restarted
             self.staleness.append(update["staleness"])
             self.results[task.id].setdefault("staleness", {})[self.names[module]] = update["staleness"]
         self.waiting[task.id].discard(module)
@@ -287,13 +237,12 @@ class TaskScheduler:
         every = self.ray_cfg.checkpoint_every or self.topology.num_paths
         self.checkpoint_due = self.checkpoint_due or self.queue.completed % every == 0
 
-    # --- checkpoints ------------------------------------------------------------------------------
     def checkpoint(self) -> Progress:
         """The completed tasks' state in the bank, the paths and the sync component: every sent update is
-        applied first, so they agree (tasks still computing are re-run on resume)."""
+        applied first, so they agree (tasks still computing are run again on resume)."""
         while self.pushes:
             self._on_push(self.ray.wait(list(self.pushes), num_returns=1)[0][0])
-        states = self._executor_states()
+        states = self.ray.get([actor.state.remote() for actor in self.actors])
         inner = dict(zip(self.inner, self.ray.get(list(self.inner.values()))))
         self.counters = {}
         with torch.no_grad():
@@ -313,21 +262,6 @@ class TaskScheduler:
         info = {"tasks": self.queue.completed, "inner_steps": self.queue.steps_done,
                 "elapsed": time.perf_counter() - self.start}
         return Progress(self.queue.completed, records, info)
-
-    def _executor_states(self) -> list[tuple[dict, dict]]:
-        """Every executor's tensors and counters. One that Ray is restarting restores its own checkpoint,
-        which holds every update it acknowledged (ray.executor_checkpoint_every=1), so it is asked again."""
-        states: dict[int, tuple[dict, dict]] = {}
-        while len(states) < len(self.actors):
-            for g in [g for g in range(len(self.actors)) if g not in states]:
-                try:
-                    states[g] = self.ray.get(self.actors[g].state.remote())
-                except self.ray.exceptions.RayTaskError:
-                    raise
-                except self.ray.exceptions.RayError as exc:
-                    echo(f"[train] executor {g} unavailable for the run checkpoint: asking again")
-                    self._patience(("state", g), f"executor {g}", exc)
-        return [states[g] for g in range(len(self.actors))]
 
     def logged(self, records: list[dict], index: int) -> bool:
         return any(r["event"] == "checkpoint" and r.get("step") == index for r in records)
@@ -360,3 +294,51 @@ class TaskScheduler:
         if self.ray is not None and self.started_ray:
             self.ray.shutdown()
 
+
+def worker_speeds(ray: RayConfig, num_paths: int) -> list[float]:
+    count = ray.num_workers or (len(ray.simulate_speeds) if ray.simulate_speeds else num_paths)
+    return list(ray.simulate_speeds) if ray.simulate_speeds else [1.0] * count
+
+
+def executor_groups(num_modules: int, executors: int | None) -> list[list[int]]:
+    """Modules dealt round-robin to ``executors`` actors (None: one actor per module)."""
+    count = num_modules if executors is None else min(executors, num_modules)
+    return [list(range(g, num_modules, count)) for g in range(count)]
+
+
+def check_ray(ray: RayConfig, train: TrainConfig, outer: OuterConfig, dist: DistConfig, async_syncs: Sequence[str],
+              eval_every: int = 0) -> None:
+    """``train.driver``, ``outer.sync`` and the ``ray`` keys fit together (``async_syncs``: the algorithms
+    without rounds); the staleness bound is checked against the topology by the scheduler."""
+    is_async = outer.sync in async_syncs
+    if train.driver == "ray" and not is_async:
+        raise ConfigError(f"train.driver: ray runs outer.sync={', '.join(async_syncs)} "
+                          f"(ray.schedule=rounds for lock-step rounds), got outer.sync={outer.sync!r}")
+    if is_async and train.driver != "ray":
+        raise ConfigError(f"outer.sync: {outer.sync} has no rounds to run under torchrun; set train.driver=ray")
+    for key, least in (("num_cpus", 1), ("num_workers", 1), ("executors", 1), ("checkpoint_every", 1),
+                       ("executor_checkpoint_every", 1), ("max_staleness", 0), ("task_retries", 0)):
+        value, nullable = getattr(ray, key), getattr(RayConfig(), key) is None
+        if value is not None and value < least:
+            raise ConfigError(f"ray.{key}: must be {'> 0' if least else '>= 0'}{' or null' if nullable else ''}, "
+                              f"got {value}")
+    speeds = ray.simulate_speeds
+    if speeds is not None:
+        if not speeds:
+            raise ConfigError("ray.simulate_speeds: must list one speed per worker, or be null")
+        for i, v in enumerate(speeds):
+            if not (math.isfinite(v) and 0 < v <= 1):
+                raise ConfigError(f"ray.simulate_speeds[{i}]: must be in (0, 1] (1 = full speed), got {v}")
+        if ray.num_workers is not None and ray.num_workers != len(speeds):
+            raise ConfigError(f"ray.simulate_speeds: {len(speeds)} speeds for ray.num_workers={ray.num_workers} workers")
+    if train.dynamic_local_steps and train.driver != "ray":
+        raise ConfigError("train.dynamic_local_steps: needs train.driver=ray (lock-step rounds give every path "
+                          "train.inner_steps)")
+    if train.driver == "ray":
+        used = {"train.early_stopping_holdout": (train.early_stopping_holdout, 0.0), "outer.drop_prob": (outer.drop_prob, 0.0),
+                "dist.comm_dtype": (dist.comm_dtype, "fp32"), "outer.nesterov": (outer.nesterov, True),
+                "eval.every": (eval_every, 0)}
+        for key, (value, default) in used.items():
+            if value != default:
+                raise ConfigError(f"{key}: {value!r} is not supported by train.driver=ray "
+                                  f"(async_nesterov sends fp32 deltas to Nesterov executors); use its default")

@@ -9,7 +9,7 @@ import torch
 from dipaco.errors import CheckpointError
 from dipaco.model.topology import Topology
 from dipaco.sync.async_nesterov import AsyncNesterov, default_delay, dynamic_local_steps, staleness_summary
-from dipaco.train.task_queue import TaskQueue
+from dipaco.sync.async_schedule import TaskQueue
 
 
 def one_module(delay: int, weights=None, lr=0.5, momentum=0.5, start=(1.0, 2.0)) -> AsyncNesterov:

@@ -9,8 +9,9 @@ from dipaco.errors import ConfigError
 from dipaco.model.topology import Topology
 from dipaco.run import load_config
 from dipaco.sync.async_nesterov import AsyncNesterov
+from dipaco.sync.async_schedule import check_staleness_bound
 from dipaco.sync.nesterov import module_outer_lr
-from dipaco.train.task_queue import check_staleness_bound, executor_groups, worker_speeds
+from dipaco.train.tasks import executor_groups, worker_speeds
 
 ASYNC = ["train.driver=ray", "outer.sync=async_nesterov"]
 
