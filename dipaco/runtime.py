@@ -157,6 +157,13 @@ def interrupted() -> type[KeyboardInterrupt] | None:
     return _interrupted
 
 
+def request_stop() -> None:
+    """Stops this process's inner loop after its step in progress, as a first signal under
+    :func:`finish_the_step` does: for a Ray path worker, which the driver stops by a call, not a signal."""
+    global _interrupted
+    _interrupted = KeyboardInterrupt
+
+
 def raise_if_interrupted() -> None:
     """Raises KeyboardInterrupt (:class:`Terminated` for SIGTERM) when a signal arrived under
     :func:`sigint_stops_training`."""

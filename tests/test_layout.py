@@ -147,11 +147,12 @@ def test_no_function_in_dipaco_takes_more_than_seven_parameters():
 
 
 # Issue 50 asked for the Ray scheduler in at most 362 lines (half the 724-line driver it replaced). It
-# is 533 after the executors' restarts and re-sent calls became Ray's own (max_task_retries) and the
-# queue moved to sync/async_schedule.py as the asynchronous algorithm's schedule; this caps today's
-# size so it cannot grow back unnoticed. The goal is not met: see the issue's closing note.
+# was 533 after the executors' restarts and re-sent calls became Ray's own (max_task_retries) and the
+# queue moved to sync/async_schedule.py as the asynchronous algorithm's schedule, then 580 with issue
+# 48's stop after the step in progress; this caps today's size so it cannot grow back unnoticed. The
+# goal is not met: see the issue's closing note.
 RAY_SCHEDULER = ("dipaco/train/tasks.py", "dipaco/train/task_actors.py")
-RAY_SCHEDULER_MAX_LINES = 540
+RAY_SCHEDULER_MAX_LINES = 585
 ASYNC_SCHEDULE_MAX_LINES = 150
 
 

@@ -117,6 +117,11 @@ class TaskQueue:
         task.attempt += int(count)
         self.retry.appendleft(task)
 
+    def shortened(self, task: Task, steps: int) -> None:
+        """The task stopped early (a signal) after ``steps`` of its steps: it counts as a task of that length."""
+        self.reserved -= task.steps - steps
+        task.steps = steps
+
     def sent(self, task: Task, tokens_per_s: float) -> None:
         """The task returned and its deltas were sent to its modules' executors."""
         del self.running[task.id]

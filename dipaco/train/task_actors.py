@@ -18,7 +18,7 @@ from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
 from dipaco.model.topology import Topology
 from dipaco.paths.factory import PathLoops
-from dipaco.runtime import seed_everything
+from dipaco.runtime import request_stop, seed_everything
 from dipaco.sync.async_nesterov import ANCHOR, BUFFER, MOMENTUM, PARAMS, AsyncNesterov
 
 SYNC_PARTS = (MOMENTUM, BUFFER, ANCHOR)  # the executors' state a run checkpoint keeps besides the bank
@@ -40,8 +40,13 @@ class PathWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def stop(self) -> None:
+        """The driver got a signal: the task running stops after its step in progress (a threaded actor)."""
+        request_stop()
+
     def run(self, path: int, steps: int, inner_state: dict | None, *modules: torch.Tensor) -> tuple:
-        """Returns (stats, AdamW/schedule/data state, one delta theta_m - theta_{p,m} per part)."""
+        """Returns (stats, AdamW/schedule/data state, one delta theta_m - theta_{p,m} per part); stopped by
+        :meth:`stop`, the stats say how many of the ``steps`` it did."""
         model = self.models.setdefault(path, build_model(self.llama_config, device=self.device))
         module_ids = self.topology.path_modules(path)
         with torch.no_grad():
@@ -52,7 +57,12 @@ class PathWorker:
         if inner_state is not None:
             loop.load_state_dict(inner_state)
         start = time.perf_counter()
-        stats = loop.run(steps, log_every=max(steps, 1))
+        try:
+            stats = loop.run(steps, log_every=max(steps, 1))
+        except KeyboardInterrupt as stopped:
+            if not hasattr(stopped, "stats"):
+                raise
+            stats = stopped.stats
         if self.speed < 1.0:  # a slower machine: the same work takes 1/speed as long
             time.sleep(stats.seconds * (1.0 / self.speed - 1.0))
         seconds = time.perf_counter() - start
@@ -60,7 +70,7 @@ class PathWorker:
                   for part, m in zip(self.topology.parts, module_ids)]
         meta = {"loss": stats.loss, "tokens": stats.tokens, "seconds": seconds, "compute_seconds": stats.seconds,
                 "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0, "lr": stats.lr, "step": loop.step,
-                "worker": self.worker}
+                "worker": self.worker, "steps": stats.steps}
         return (meta, _to_cpu(loop.state_dict()), *deltas)
 
 

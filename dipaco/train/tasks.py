@@ -16,7 +16,10 @@ Guarantees:
 * a task whose worker died goes back to the queue with the path's previous AdamW state (only its inner
   steps are lost), at most ``ray.task_retries`` times;
 * with ``ray.max_staleness`` S no update is staler than S; ``ray.schedule=rounds`` reproduces
-  per-module DiLoCo (:mod:`dipaco.sync.diloco`) up to the order of fp32 sums.
+  per-module DiLoCo (:mod:`dipaco.sync.diloco`) up to the order of fp32 sums;
+* SIGINT or SIGTERM stops each running task after its step in progress; the steps it did count as a
+  shorter task, applied like any other, and the trainer checkpoints the state before the exit, so a
+  signal loses no step (a worker killed outright still loses its task's steps).
 
 Asynchronous runs are not bit-reproducible: the order of arrivals depends on timing.
 """
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +40,7 @@ import torch
 from dipaco.config import DistConfig, OuterConfig, RayConfig, TrainConfig
 from dipaco.errors import ConfigError, DistributedError
 from dipaco.metrics import MetricsLogger, echo
+from dipaco.runtime import interrupted
 from dipaco.sync.async_nesterov import PARAMS, default_delay, staleness_summary
 from dipaco.sync.async_schedule import Task, TaskQueue, check_staleness_bound
 from dipaco.sync.nesterov import module_outer_lr
@@ -50,6 +56,8 @@ from dipaco.train.task_actors import (
 )
 from dipaco.train.trainer import Progress
 
+SIGNAL_POLL_S = 0.2  # how often the driver, waiting on Ray, looks for a signal
+
 
 def _ray() -> Any:
     try:
@@ -57,6 +65,15 @@ def _ray() -> Any:
     except ImportError:
         raise ConfigError('train.driver: ray needs Ray: pip install "dipaco[ray]"') from None
     return ray
+
+
+def init_ray(ray: Any, **options: Any) -> None:
+    """``ray.init``, which makes SIGTERM call sys.exit: the handler before it (runtime.sigint_stops_training's,
+    which lets the trainer checkpoint first) is put back."""
+    ours = signal.getsignal(signal.SIGTERM)
+    ray.init(**options)
+    if ours is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, ours)
 
 
 class TaskScheduler:
@@ -94,7 +111,7 @@ class TaskScheduler:
         self.ray = ray = _ray()
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=cfg.address, include_dashboard=False, log_to_driver=False,
+            init_ray(ray, address=cfg.address, include_dashboard=False, log_to_driver=False,
                      **({"num_cpus": cfg.num_cpus} if cfg.address is None else {}))
         self._start_actors()
         echo(f"[train] {self.queue.budget - self.queue.steps_done} inner steps to go")
@@ -108,7 +125,8 @@ class TaskScheduler:
         share = {"num_cpus": min(1.0, resources.get("CPU", 1.0) / len(self.speeds))}
         if resources.get("GPU", 0) > 0:  # the workers train on the node's GPUs, as lock-step ranks do
             share["num_gpus"] = min(1.0, resources["GPU"] / len(self.speeds))
-        worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=0)
+        # max_concurrency=2: a stop() call reaches a worker while it runs a task
+        worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=0, max_concurrency=2)
         self.held_refs = [ray.put(self.experiment.path_loops)]  # what a restarted actor is given again
         llama = next(iter(self.loops.values())).model.config
         self.workers = [worker_cls.remote(w, s, self.held_refs[0], llama, topo) for w, s in enumerate(self.speeds)]
@@ -155,18 +173,31 @@ class TaskScheduler:
 
     def _events(self) -> Iterator[Progress]:
         while not self.queue.done():
+            if (signal := interrupted()) is not None:
+                yield from self._stop(signal)
             self._dispatch()
             pending = [*self.running, *self.pushes, *self.probes]
             if not pending:
                 raise DistributedError(f"no task can start and none is running ({self.queue.remaining} inner steps "
                                        f"left); ray.max_staleness may be too small")
-            for ref in self.ray.wait(pending, num_returns=1)[0]:
+            for ref in self.ray.wait(pending, num_returns=1, timeout=SIGNAL_POLL_S)[0]:
                 handler = self._on_task if ref in self.running else self._on_push if ref in self.pushes else self._on_probe
                 handler(ref)
             if self.checkpoint_due:
                 yield self.checkpoint()
         if self.last_checkpoint != self.queue.completed:
             yield self.checkpoint()
+
+    def _stop(self, signal: type[KeyboardInterrupt]) -> Iterator[Progress]:
+        """A signal (under runtime.finish_the_step): each running task stops after its step in progress and
+        counts as a shorter task; once every update is applied, the state is yielded, then the signal raised."""
+        for task, _ in self.running.values():
+            self.workers[task.worker].stop.remote()
+        while self.running:
+            for ref in self.ray.wait(list(self.running), num_returns=1)[0]:
+                self._on_task(ref)
+        yield self.checkpoint()
+        raise signal()
 
     def _dispatch(self) -> None:
         while self.free and (task := self.queue.dispatch(self.free[0])) is not None:
@@ -186,6 +217,12 @@ class TaskScheduler:
             self._requeue(task, exc)
             return
         self.free.append(task.worker)
+        if meta["steps"] < task.steps:
+            echo(f"[train] {task.id} stopped after {meta['steps']} of its {task.steps} steps")
+            if meta["steps"] == 0:  # stopped before its first step: it runs again after a resume
+                self.queue.failed(task, count=False)
+                return
+            self.queue.shortened(task, meta["steps"])
         self.results[task.id] = {**meta, "inner": refs[1]}
         self.queue.sent(task, meta["tokens_per_s"])
         self.waiting[task.id] = set(task.start)

@@ -17,7 +17,6 @@ on rank 0). A run stopped between the checkpoint and its log logs it when it res
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -168,12 +167,10 @@ class Trainer:
         if self.policy.background and (world.size == 1 or world.writer_group is not None):
             writer = BackgroundWriter(self.checkpoints, world.writers())
         due: list[Progress] = []  # completed work not yet in a checkpoint
-        # The lock-step scheduler stops between two inner steps, and the trainer checkpoints that step.
-        stops_at_a_step = hasattr(self.scheduler, "stopped_at")
         try:
             if metrics is not None and resumed is not None:
                 self._log_unlogged(metrics, resumed)
-            with finish_the_step() if stops_at_a_step else nullcontext():
+            with finish_the_step():  # a first signal stops both schedulers between two inner steps
                 try:
                     for count, progress in enumerate(self.scheduler.run(start, stop), start=1):
                         due.append(progress)
@@ -182,7 +179,7 @@ class Trainer:
                             due = []
                 except KeyboardInterrupt:
                     self._landed(writer, metrics)  # the round in flight is older than the step
-                    self._stopped(due)
+                    self._stopped(due, metrics)
                     raise
             if due:  # the last point: nothing has changed since the scheduler yielded it
                 self._checkpoint(due, writer, metrics)
@@ -235,10 +232,18 @@ class Trainer:
         """Where a signal's step checkpoint goes: the round in progress, stopped between two inner steps."""
         return CheckpointManager(self.dir / STEP_CHECKPOINT, keep=1)
 
-    def _stopped(self, due: list[Progress]) -> None:
-        """A signal stopped the round in progress between two steps (the lock-step scheduler, one process):
-        the whole state goes into a step checkpoint, with the completed rounds no round checkpoint holds yet."""
-        stopped = getattr(self.scheduler, "stopped_at", None)
+    def _stopped(self, due: list[Progress], metrics: MetricsLogger | None) -> None:
+        """A signal stopped the round in progress between two steps (the lock-step scheduler): the whole state
+        goes into a step checkpoint, with the completed rounds no round checkpoint holds yet. The task
+        scheduler yields its state, every stopped task applied, before it raises: a checkpoint like any other."""
+        if not hasattr(self.scheduler, "stopped_at"):
+            if due:
+                self._checkpoint(due, None, metrics)
+            latest = self.checkpoints.latest()
+            if latest is not None:
+                echo(f"[train] stopped: the checkpoint is {latest}; continue with --resume")
+            return
+        stopped = self.scheduler.stopped_at
         if stopped is None:
             return
         index, rank = int(stopped["round"]), self.world.rank  # the rounds completed

@@ -107,6 +107,74 @@ def overrides_of(cfg: Config) -> list[str]:
             "ray.simulate_speeds=[1.0,0.5]", "train.dynamic_local_steps=true", "ray.max_staleness=4"]
 
 
+def test_a_signal_stops_each_task_after_its_step_in_progress_and_resume_loses_no_step(ray_session, run_cfg, capsys):
+    """Issue 48: SIGTERM (as SIGINT) under the Ray driver lost every task since the last run checkpoint.
+    Now each running task stops after its step in progress, counts as a shorter task, and the trainer
+    checkpoints before the exit; --resume finishes the budget with every update applied exactly once."""
+    import os
+    import signal
+
+    from dipaco.runtime import Terminated, sigint_stops_training
+
+    steps = 60  # long enough tasks that the signal finds one mid-way
+    cfg = with_overrides(run_cfg, f"train.inner_steps={steps}")
+    sent: list[str] = []
+
+    def drill(run) -> None:
+        def signal_mid_task() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if any(time.monotonic() - t.started > 0.3 for t, _ in list(run.running.values())):
+                    sent.append("SIGTERM")
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+                time.sleep(0.02)
+
+        threading.Thread(target=signal_mid_task, daemon=True).start()
+
+    ray_handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as before ray.init in a fresh `dipaco train`
+    try:
+        with sigint_stops_training(), pytest.raises(Terminated):
+            Run(cfg).train(on_start=drill)
+    finally:
+        signal.signal(signal.SIGTERM, ray_handler)
+    assert sent == ["SIGTERM"]
+    out = capsys.readouterr().out
+    assert "continue with --resume" in out and "stopped after" in out and "checkpoint is" in out
+    exp_dir = Path(cfg.run.dir) / "train" / cfg.train.name
+    tasks = completed_tasks(exp_dir)
+    cut = [t for t in tasks if t["steps"] < steps]
+    assert cut and all(0 < t["steps"] < steps for t in cut)  # stopped mid-task, the steps it did kept
+    latest = CheckpointManager(exp_dir / "checkpoints").latest()
+    assert latest.name == f"round_{len(tasks):06d}"  # the stopped tasks are in the checkpoint
+
+    exp = Run(cfg).train(resume=True)
+    tasks = completed_tasks(exp.dir)
+    assert sum(t["steps"] for t in tasks) == 2 * steps * 4  # the whole budget: no step lost, none twice
+    assert len({t["task"] for t in tasks}) == len(tasks)
+    check_exactly_once(exp.dir, modules_by_path(cfg))
+
+
+def test_ray_init_keeps_the_trainers_sigterm_handler():
+    """ray.init makes SIGTERM call sys.exit: under `dipaco train` that ended a Ray run with no checkpoint."""
+    import signal
+    import sys
+    from types import SimpleNamespace
+
+    from dipaco.train.tasks import init_ray
+
+    def ours(signum, frame) -> None:
+        pass
+
+    fake = SimpleNamespace(init=lambda **_: signal.signal(signal.SIGTERM, lambda *a: sys.exit(a[0])))
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        init_ray(fake, num_cpus=1)
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_killed_worker_and_executor_lose_no_update(ray_session, run_cfg):
     """A slow worker is killed mid-task and an executor is killed mid-run: the task is re-queued, the
     executor restarts from its own checkpoint, and every update is applied exactly once."""
