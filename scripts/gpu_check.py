@@ -1,15 +1,18 @@
 """One prepared GPU check (issue 35): throughput, every CUDA code path, and a quality mini-regime, in one
 command that fits a lent H100 session, with a CPU dry run at a tiny size that CI runs.
 
-Sections, in this order, inside a hard wall budget (``--budget-s``, default 7 minutes). Each has its own
+Sections, in this order, inside a hard wall budget (``--budget-s``, default 11 minutes). Each has its own
 time cap; a section that the budget left cannot afford is skipped with a line saying so, and one that
 reaches its cap is cut off there (what it finished is kept). The environment always runs: the record needs it.
 
 1. **environment**: device, torch, CUDA, bf16, the flash SDPA kernel, free memory; Python packages that
    are missing are installed offline from ``--wheels`` (``scripts/gpu_wheels.sh`` fills that folder).
 2. **throughput**: ``scripts/bench_throughput.py``'s comparison (our inner loop against the best
-   hand-written loop, in one process) at the 125M path (seq 1024) and the demo size, eager and compiled:
-   tokens/s, the ratio, MFU against the device's bf16 peak, peak memory.
+   hand-written loop, in one process) at the 125M path (seq 1024) and the demo size, compiled and eager:
+   tokens/s, the ratio, MFU against the device's bf16 peak, peak memory. Each timed block lasts at least
+   ``--min-block-s`` (2 s; the steps per block, the same for both sides, calibrated after the warm-up), and
+   ``--profile-steps`` steps of each side run under ``torch.profiler`` after the blocks: the top 10 kernels
+   by self device time (ops by self CPU time on CPU), the device's busy share, launches, host-device syncs.
 3. **cuda_paths**: one assertion each: fused AdamW is the optimizer in use; bf16 autocast trains and its
    loss falls; an fp16 run with GradScaler resumes exactly; ``torch.compile`` does not recompile across
    paths or rounds; activation checkpointing keeps the gradients; offload's swap time per path; a whole
@@ -24,6 +27,8 @@ assertion failed or a section broke, 0 otherwise (skipped sections and missed ta
 failures).
 
     python3 scripts/gpu_check.py --out runs/gpu_check --wheels gpu_carry/wheels --data gpu_carry/data  # one H100
+    python3 scripts/gpu_check.py ... --sections environment,throughput,cuda_paths --budget-s 300  # in two calls of
+    python3 scripts/gpu_check.py ... --sections environment,quality --budget-s 420               # < 10 minutes each
     python scripts/gpu_check.py --device cpu --tiny --out runs/gpu_check_cpu                    # CPU dry run, < 60 s
 
 On CPU every CUDA-only check runs the same code path where torch has a CPU form (bf16 autocast, fp16 with
@@ -80,7 +85,8 @@ MIX_FILES = ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.
 QUALITY_ROWS = ("dipaco_4@run.seed=1", "diloco_4@run.seed=1", "dipaco_16@run.seed=1", "diloco_16@run.seed=1")
 HARD_STOP_GRACE_S = 30.0  # past the budget, the watchdog writes the record and ends the process
 
-TARGETS = {"ratio": 0.95, "mfu_125m": 0.35, "round_overhead": 0.05}
+# ours/best eager and compiled (issue 48 raised the compiled one: 0.911 was measured on an H200), MFU, round overhead
+TARGETS = {"ratio": 0.95, "ratio_compiled": 0.97, "mfu_125m": 0.35, "round_overhead": 0.05}
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,13 @@ class SectionSpec:
     tiny_min_s: float
 
 
-# The caps on the GPU add up to the default budget (600 s): a section that ends early leaves its time to the next
+# The caps on the GPU add up to the default budget (660 s): a section that ends early leaves its time to the next
 # ones. The quality section is bench_scaling's gpu preset, sized for 6 minutes (its docstring gives the arithmetic);
-# `--sections environment,quality` runs it alone in about 6.5 minutes.
+# `--sections environment,quality` runs it alone in about 6.5 minutes. The throughput section's 4 runs time 4
+# blocks of at least 2 s per side each (issue 48), about 75 s on top of their compilation (about 50 s on an H100).
 SECTIONS = (
     SectionSpec("environment", 40, 30, 0, 0),
-    SectionSpec("throughput", 90, 25, 20, 2),
+    SectionSpec("throughput", 150, 25, 20, 2),
     SectionSpec("cuda_paths", 110, 40, 20, 2),
     SectionSpec("quality", 360, 60, 60, 5),
 )
@@ -441,24 +448,39 @@ def load_project(ctx: Context, section: Section) -> None:
 
 # --- section 2: throughput ---------------------------------------------------------------------------
 
-def throughput_plan(ctx: Context) -> list[tuple[str, bool, float]]:
-    """(size, compiled, least seconds it needs), in priority order: the 125M path first."""
+def throughput_steps(ctx: Context) -> SimpleNamespace:
+    """bench_size's step settings: warm-up steps, the least steps per block, blocks per side, the least seconds
+    a block lasts (the steps per block are calibrated to it), the steps profiled per side."""
+    args = ctx.args
+    steps = SimpleNamespace(warmup=1, steps=2, blocks=2) if ctx.tiny else SimpleNamespace(warmup=3, steps=8, blocks=4)
+    steps.min_block_seconds = args.min_block_s if args.min_block_s is not None else 0.1 if ctx.tiny else 2.0
+    steps.profile_steps = args.profile_steps if args.profile_steps is not None else 2 if ctx.tiny else 3
+    return steps
+
+
+def throughput_plan(ctx: Context, steps: SimpleNamespace) -> list[tuple[str, bool, float]]:
+    """(size, compiled, least seconds it needs), in priority order: the 125M path first, compiled first (the
+    loop issue 48's target is set on)."""
     cost = {(False, True): 3, (True, True): 3, (False, False): 15, (True, False): 60}  # (compiled, tiny) -> s
+    # The timed part: the blocks (both sides, over the minimum by bench_throughput's margin), calibration, profile.
+    timed = (steps.blocks * 2 * steps.min_block_seconds * 1.3 + 2 * min(steps.min_block_seconds / 4, 0.5)
+             + (0 if steps.profile_steps <= 0 else 0.5 if ctx.tiny else 3))
     names = list(sizes(ctx))
-    return [(name, compiled, cost[(compiled, ctx.tiny)] * (1 if name == names[0] else 0.5))
-            for name in names for compiled in (False, True)]
+    return [(name, compiled, cost[(compiled, ctx.tiny)] * (1 if name == names[0] else 0.5) + timed)
+            for name in names for compiled in (True, False)]
 
 
 def run_throughput(ctx: Context, section: Section) -> None:
     from dipaco.precision import resolve_precision
 
     precision = resolve_precision("auto", ctx.device)
-    steps = SimpleNamespace(warmup=1, steps=2, blocks=2) if ctx.tiny else SimpleNamespace(warmup=3, steps=8, blocks=4)
+    steps = throughput_steps(ctx)
     section.results.update(precision=precision.name, compile_backend=ctx.compile_backend, runs=[],
                            peak_bf16_flops=bench(ctx).peak_flops(ctx.device),  # MFU's denominator (None on CPU)
-                           steps_per_block=steps.steps, blocks=steps.blocks, warmup=steps.warmup)
+                           min_steps_per_block=steps.steps, min_block_seconds=steps.min_block_seconds,
+                           blocks=steps.blocks, warmup=steps.warmup, profile_steps=steps.profile_steps)
     try:
-        for name, compiled, need in throughput_plan(ctx):
+        for name, compiled, need in throughput_plan(ctx, steps):
             throughput_run(ctx, section, name, compiled, need, steps, precision)
     finally:  # also for a section cut off at its cap: the runs it finished
         section.results["targets"] = throughput_targets(ctx, section.results["runs"])
@@ -489,14 +511,14 @@ def throughput_run(ctx: Context, section: Section, name: str, compiled: bool, ne
 
 
 def throughput_targets(ctx: Context, runs: list[dict]) -> list[dict]:
-    """Ratio >= 0.95 with and without compile; MFU >= 35% at 125M (ours, compiled)."""
+    """Ratio >= 0.95 eager, >= 0.97 compiled; MFU >= 35% at 125M (ours, compiled)."""
     out = []
     note = None if ctx.device.type == "cuda" else "CPU at the tiny size: the targets are defined on the H100"
     for r in runs:
         if "ratio" not in r:
             continue
         label = f"ratio ours/best, {r['size']} {'compiled' if r['compile'] else 'eager'}"
-        out.append(target(label, r["ratio"], TARGETS["ratio"], note))
+        out.append(target(label, r["ratio"], TARGETS["ratio_compiled" if r["compile"] else "ratio"], note))
     compiled_125m = [r for r in runs if r.get("stands_for") == "125m" and r.get("compile") and "ratio" in r]
     mfu = compiled_125m[0]["mfu"]["dipaco_path"] if compiled_125m and compiled_125m[0]["mfu"] else None
     out.append(target("MFU of ours at 125M, compiled", mfu, TARGETS["mfu_125m"],
@@ -1146,6 +1168,26 @@ def _fmt(value: Any, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
+def profile_row(r: dict[str, Any]) -> str:
+    """A throughput run's block lengths and profile, in a table row (the JSON record holds the top-10 lists)."""
+    sides = ((r.get("profile") or {}).get("sides")) or {}
+    ours, best = sides.get("dipaco_path") or {}, sides.get("best_handwritten") or {}
+
+    def top(p: dict) -> str:
+        if not p.get("top10"):
+            return p.get("error", "-")
+        row = p["top10"][0]
+        return f"{row['name'][:48]} ({_fmt(row['share'], '.0%')})"
+
+    def pair(key: str, spec: str) -> str:
+        return f"{_fmt(ours.get(key), spec)} / {_fmt(best.get(key), spec)}"
+
+    shortest = min((min(v) for v in (r.get("block_seconds") or {}).values() if v), default=None)
+    steps = "/".join(map(str, sorted(set(r.get("steps_per_block") or [])))) or "-"
+    return (f"| {r['size']} | {r['compile']} | {steps} | {_fmt(shortest, '.2f')} | {top(ours)} | {top(best)} | "
+            f"{pair('device_busy', '.0%')} | {pair('host_syncs', 'd')} ({pair('scalar_reads', 'd')}) |")
+
+
 def markdown(p: dict[str, Any]) -> str:
     lines = [f"# GPU check: {p.get('device')}", "",
              f"torch {p.get('torch')}, CUDA {p.get('cuda')}, Python {p.get('python')}; {p['mode']} size; "
@@ -1168,6 +1210,9 @@ def markdown(p: dict[str, Any]) -> str:
             lines.append(f"| {r['size']} ({r['stands_for']}) | {r['compile']} | {tps['dipaco_path']:,.0f} | "
                          f"{tps['best_handwritten']:,.0f} | {r['ratio']:.3f} | {_fmt(mfu.get('dipaco_path'), '.1%')} | "
                          f"{_fmt(mfu.get('best_handwritten'), '.1%')} | {_fmt(mem.get('dipaco_path'), '.2f')} |")
+        lines += ["", "| size | compile | steps/block | shortest block s | top ours | top best | device busy ours/best | "
+                      "syncs ours/best (scalar reads) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [profile_row(r) for r in runs]
     targets = p["sections"].get("throughput", {}).get("results", {}).get("targets", [])
     for check in (c for s in p["sections"].values() for c in s["checks"] if c["name"] == "round_shares"):
         share = check["values"].get("not_inner_share_at_100")
@@ -1200,7 +1245,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="folder for gpu_check.json, gpu_check.md and the quality rows")
     p.add_argument("--device", default="auto", help="auto (cuda when present) | cuda | cuda:N | cpu")
     p.add_argument("--tiny", action="store_true", help="every section at a tiny size (the CPU dry run: < 60 s)")
-    p.add_argument("--budget-s", type=float, default=600.0, help="hard wall budget of the whole check")
+    p.add_argument("--budget-s", type=float, default=660.0, help="hard wall budget of the whole check")
     p.add_argument("--sections", default=",".join(s.name for s in SECTIONS),
                    help="comma-separated subset to run (a second call can run what the first skipped)")
     p.add_argument("--wheels", help="folder of wheels for the packages this machine lacks (scripts/gpu_wheels.sh)")
@@ -1211,6 +1256,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "without --data)")
     p.add_argument("--compile-backend", default="auto", help="auto: inductor on CUDA, eager on CPU")
     p.add_argument("--round-inner-steps", type=int, help="inner steps of the round check (default 25; 2 at --tiny)")
+    p.add_argument("--min-block-s", type=float,
+                   help="throughput: each timed block lasts at least this long, both sides running the same steps "
+                        "(default 2; 0.1 at --tiny; 0: 8 steps per block, 2 at --tiny)")
+    p.add_argument("--profile-steps", type=int,
+                   help="throughput: steps of each side profiled with torch.profiler after the timed blocks "
+                        "(default 3; 2 at --tiny; 0: no profile)")
     p.add_argument("--ray", choices=("auto", "on", "off"), default="auto", help="the Ray task check (auto: CUDA only)")
     p.add_argument("--work-dir", help="scratch folder (default: a temporary one, removed at the end)")
     args = p.parse_args(argv)

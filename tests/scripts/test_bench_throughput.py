@@ -1,0 +1,71 @@
+"""scripts/bench_throughput.py's timing pieces (issue 48): blocks of at least a given length with the same steps on
+both sides, the calibration, and the profile of a side. The whole comparison runs in tests/scripts/test_gpu_check.py
+(the GPU check's tiny dry run)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+STEP_S = {"dipaco_path": 0.004, "best_handwritten": 0.002}  # fake sides: a sleep per step
+
+
+@pytest.fixture(scope="module")
+def bt(load_script):
+    return load_script("bench_throughput")
+
+
+def fake_sides(calls: dict[str, list[int]]) -> dict:
+    def side(name: str):
+        def run(n: int) -> None:
+            calls[name].append(n)
+            time.sleep(n * STEP_S[name])
+        return run
+
+    return {name: side(name) for name in STEP_S}
+
+
+def test_a_block_shorter_than_the_minimum_runs_again_longer_on_both_sides(bt):
+    calls: dict[str, list[int]] = {name: [] for name in STEP_S}
+    timing = bt.run_blocks(fake_sides(calls), torch.device("cpu"), blocks=2, steps=2, min_block_s=0.05)
+    # 2 steps of the faster side last 4 ms: that block runs again with enough steps for 0.05 s, and so do the rest
+    assert timing["reruns"] == 1 and calls["dipaco_path"] == calls["best_handwritten"]
+    steps = timing["steps_per_block"]
+    assert len(steps) == 2 and steps[0] == steps[1] > 2 and calls["best_handwritten"] == [2, *steps]
+    assert steps[0] * STEP_S["best_handwritten"] >= 0.05
+    for took in timing["seconds"].values():
+        assert len(took) == 2 and min(took) >= 0.05
+
+
+def test_without_a_minimum_the_blocks_are_the_given_steps(bt):
+    calls: dict[str, list[int]] = {name: [] for name in STEP_S}
+    timing = bt.run_blocks(fake_sides(calls), torch.device("cpu"), blocks=3, steps=2, min_block_s=0.0)
+    assert timing["steps_per_block"] == [2, 2, 2] and timing["reruns"] == 0
+    assert calls["dipaco_path"] == calls["best_handwritten"] == [2, 2, 2]
+
+
+def test_calibration_measures_each_sides_step(bt):
+    calls: dict[str, list[int]] = {name: [] for name in STEP_S}
+    step_s = bt.calibrate(fake_sides(calls), torch.device("cpu"), first_steps=1, min_block_s=0.1)
+    for name, seconds in step_s.items():
+        assert STEP_S[name] <= seconds < 3 * STEP_S[name]
+        assert sum(calls[name]) * STEP_S[name] >= 0.1 / 4  # ran a quarter of the block length at least
+
+
+def test_the_profile_of_a_side_ranks_its_ops(bt):
+    x = torch.randn(64, 64)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            y = x @ x
+        y.sum().item()
+
+    p = bt.profile_side(torch.device("cpu"), run, steps=3)
+    assert p["steps"] == 3 and p["top10_by"] == "self CPU time" and 0 < len(p["top10"]) <= 10
+    mm = next(r for r in p["top10"] if r["name"] == "aten::mm")
+    assert mm["calls"] == 3 and mm["self_us"] > 0
+    assert p["scalar_reads"] == 1 and p["device_busy"] is None and p["host_syncs"] is None
+    json.dumps(p, allow_nan=False)  # what the record writes
