@@ -153,6 +153,35 @@ class StateOffload:
         self.on_host = False
 
 
+class PinnedCopy:
+    """Batches to the device without a stream sync each step. A copy from pageable host memory syncs the
+    stream before it starts (the CUDA runtime's "API synchronization behavior"), so the host could not
+    queue step t+1 while the device runs step t; from pinned memory the copy is asynchronous. Two pinned
+    buffers take turns, and a buffer is written again only once the copy out of it (two steps earlier)
+    has completed. On other devices the batch is moved as is."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slots: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # (pinned buffer, the event after the copy out of it)
+        self.turn = 0
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        if self.turn == len(self.slots):
+            self.slots.append((torch.empty(0, dtype=batch.dtype, pin_memory=True), torch.cuda.Event()))
+        buffer, copied = self.slots[self.turn]
+        copied.synchronize()  # returns at once for an event never recorded
+        if buffer.shape != batch.shape or buffer.dtype != batch.dtype:
+            buffer = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+            self.slots[self.turn] = (buffer, copied)
+        buffer.copy_(batch)
+        on_device = buffer.to(self.device, non_blocking=True)
+        copied.record()
+        self.turn = (self.turn + 1) % 2
+        return on_device
+
+
 class InnerLoop:
     def __init__(
         self,
@@ -179,9 +208,10 @@ class InnerLoop:
         self.scaler = self.options.precision.grad_scaler()
         self.offload = StateOffload(self.optimizer) if self.options.offload_inactive else None
         self.step = 0
+        self.to_device = PinnedCopy(self.device)
 
     def train_step(self) -> torch.Tensor:
-        batch = self.sampler.next_batch().to(self.device, non_blocking=True)
+        batch = self.to_device(self.sampler.next_batch())
         with self.options.precision.autocast():
             loss = self.forward(input_ids=batch, labels=batch).loss
         if self.scaler is None:

@@ -108,3 +108,29 @@ def test_activation_checkpointing_keeps_names_and_gradients():
     plain.run(2), checkpointed.run(2)
     for n, p in plain.model.named_parameters():
         torch.testing.assert_close(p, checkpointed.model.get_parameter(n), rtol=1e-5, atol=1e-6)
+
+
+def test_batches_reach_the_cpu_unchanged():
+    from dipaco.paths.inner import PinnedCopy
+
+    batch = torch.arange(12).reshape(3, 4)
+    assert torch.equal(PinnedCopy(torch.device("cpu"))(batch), batch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory and CUDA events need a GPU")
+def test_batches_reach_the_gpu_from_pinned_buffers_without_a_pageable_copy():
+    """Issue 48: a copy from pageable memory synced the stream every inner step (a profile shows it as
+    'Memcpy HtoD (Pageable -> Device)'); the pinned buffers take turns, and a changed shape gets its own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dipaco.paths.inner import PinnedCopy
+
+    copy = PinnedCopy(torch.device("cuda"))
+    batches = [torch.randint(0, 500, (4, 64)) for _ in range(5)] + [torch.randint(0, 500, (2, 64))]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = [copy(b) for b in batches]
+        torch.cuda.synchronize()
+    assert all(torch.equal(o.cpu(), b) for o, b in zip(out, batches))
+    assert all(buffer.is_pinned() for buffer, _ in copy.slots) and len(copy.slots) == 2
+    names = {e.key for e in prof.key_averages()}
+    assert not any("Pageable" in name for name in names), sorted(n for n in names if "Memcpy" in n)
