@@ -118,7 +118,7 @@ def prepare(run_dir: str | Path, data: DataConfig, tokenizer_cfg: TokenizerConfi
         # Written next to the old tokenizer and data and swapped at the end: a failure never destroys a good prepare.
         with replacing(run.tokenizer) as tmp_tok, replacing(run.data) as tmp_data:
             tokenizer = _tokenizer(tokenizer_cfg, corpus["train"], work / "tokenizer", progress)
-            tokenizer.save_pretrained(tmp_tok)
+            _write_tokenizer(tokenizer, None if tokenizer_cfg.path else work / "tokenizer", tmp_tok)
             tokenizing = time.perf_counter()
             tokenized = {
                 split: tokenize_to_disk(corpus[split], tokenizer, work / "tokens", split,
@@ -243,6 +243,20 @@ def _tokenizer(cfg: TokenizerConfig, train: datasets.Dataset, saved: Path, progr
                                 log=lambda line: echo(f"[prepare] {line}"))
     (saved / _DONE).touch()
     return tokenizer
+
+
+def _write_tokenizer(tokenizer: PreTrainedTokenizerFast, trained: Path | None, out: Path) -> None:
+    """The run's ``tokenizer/``: the files the BPE training wrote into ``trained`` (prepare.work), copied as they
+    are, so a prepare that reuses the tokenizer a killed one trained writes the same bytes as one that trained it
+    (the reloaded tokenizer, saved, added the options it was loaded with to tokenizer_config.json); a
+    ``tokenizer.path`` tokenizer (``trained`` None) is saved."""
+    if trained is None:
+        tokenizer.save_pretrained(out)
+        return
+    out.mkdir(parents=True)
+    for path in sorted(trained.iterdir()):
+        if path.is_file() and path.name != _DONE:
+            shutil.copyfile(path, out / path.name)
 
 
 def _shard_lengths(shards: list[Path]) -> tuple[np.ndarray, list[str]]:

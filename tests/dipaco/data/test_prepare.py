@@ -156,6 +156,28 @@ def test_a_killed_prepare_resumes_from_its_finished_shards(tmp_path, corpus, mon
     assert not (run_dir / "prepare.work").exists()
 
 
+def test_a_prepare_killed_before_its_clean_up_writes_the_same_tokenizer_files_when_run_again(tmp_path, corpus,
+                                                                                            monkeypatch):
+    # Issue 48 (scripts/crash_sweep.py): a prepare killed before prepare.work's removal, run again, reused the
+    # tokenizer trained there and saved it as reloaded: tokenizer_config.json gained the options it was loaded
+    # with (local_files_only, is_local), so tokenizer/ differed from an uninterrupted prepare's.
+    whole = tmp_path / "whole"
+    Run(tiny_config(whole, corpus)).prepare()
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(run_dir, corpus)
+    with monkeypatch.context() as patched:
+        patched.setattr(prepare_module, "remove_tree", lambda path: None)  # killed before the removal
+        Run(cfg).prepare()
+    assert (run_dir / "prepare.work").is_dir()
+    trained = []
+    monkeypatch.setattr(prepare_module, "train_tokenizer", lambda *a, **k: trained.append(1))
+    Run(cfg).prepare()
+    assert not trained  # the tokenizer in prepare.work was reused
+    files = {p.name: p.read_bytes() for p in sorted((run_dir / "tokenizer").iterdir())}
+    assert files == {p.name: p.read_bytes() for p in sorted((whole / "tokenizer").iterdir())}
+    assert not (run_dir / "prepare.work").exists()
+
+
 def test_a_tokenizer_marked_done_without_its_file_is_trained_again(tmp_path, corpus, monkeypatch):
     # Issue 48: prepare.work's `done` marker could outlive tokenizer.json (a removal killed midway), and the next
     # prepare failed on the missing file instead of training the tokenizer again.
