@@ -125,12 +125,15 @@ def test_throughput_blocks_last_the_minimum_with_the_same_steps_on_both_sides(dr
         assert len(steps) == results["blocks"] and all(n >= results["min_steps_per_block"] for n in steps)
         assert set(seconds) == {"dipaco_path", "best_handwritten"}
         for side, took in seconds.items():
-            assert len(took) == len(steps) and min(took) >= least, (r["size"], side, took)
+            # at least the minimum, unless the reruns ran out (the script then keeps the block it has)
+            assert len(took) == len(steps) and (min(took) >= least or r["block_reruns"] == 3), (r["size"], side, took)
             # each block's rate is its steps (the same for both sides) over that side's seconds
             rates = [n * r["batch"] * r["seq_len"] / s for n, s in zip(steps, took)]
             assert all(math.isclose(a, b) for a, b in zip(rates, r["tokens_per_s_blocks"][side]))
         calibration = r["calibration"]
-        assert calibration["steps_per_block"] == steps[0] and all(v > 0 for v in calibration["step_s"].values())
+        assert all(v > 0 for v in calibration["step_s"].values())
+        # a block that came in short (a loaded machine) ran again longer, and so did every later one
+        assert steps[0] >= calibration["steps_per_block"] and (r["block_reruns"] or steps[0] == calibration["steps_per_block"])
 
 
 def test_throughput_profiles_both_sides(dry_run):
