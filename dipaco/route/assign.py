@@ -277,7 +277,7 @@ class Assignments:
     """A router and the paths it gave every document."""
 
     router: Router
-    paths: dict[str, np.ndarray]  # split -> each document's path
+    doc_paths: dict[str, np.ndarray]  # split -> each document's path
     topk: np.ndarray | None = None  # (N, k) training documents' k best paths (route.topk > 1)
 
 
@@ -313,18 +313,18 @@ def save_routing_columns(splits: Mapping[str, datasets.Dataset], path: Path) -> 
 
 def _write_routing_dir(tmp: Path, prepared: Prepared, assigned: Assignments, features: Mapping[str, Any] | Path,
                        report: dict) -> str:
-    router, paths, topk = assigned.router, assigned.paths, assigned.topk
+    router, doc_paths, topk = assigned.router, assigned.doc_paths, assigned.topk
     # Only the routing columns: training joins them to the prepared splits row by row
     # (:func:`dipaco.route.shards.with_routing`), so routing never copies the corpus.
     splits = {}
     for split in ("train", "validation"):
-        columns = {"path": pa.array(np.asarray(paths[split], dtype=np.int64))}
+        columns = {"path": pa.array(np.asarray(doc_paths[split], dtype=np.int64))}
         if topk is not None and split == "train":
             columns["paths_topk"] = _topk_column(topk)
         splits[split] = in_memory_dataset(pa.table(columns))
     save_routing_columns(splits, tmp / "data")
     router.save(tmp / "router")
-    routed = {**paths, **({"train_topk": topk} if topk is not None else {})}
+    routed = {**doc_paths, **({"train_topk": topk} if topk is not None else {})}
     info = {"prepare_hash": prepared.info["prepare_hash"], "router": router.kind, "num_paths": router.num_paths,
             "fingerprint": routing_fingerprint(routed, tmp / "router")}
     (tmp / "data" / ROUTED_INFO).write_text(json_text.dumps(info, indent=2))
@@ -404,7 +404,7 @@ def _label_codes(ds: datasets.Dataset, chunk: int) -> np.ndarray:
     return out
 
 
-def routing_summary(router: Router, paths: dict[str, np.ndarray], prepared: Prepared, seconds: float, extra: dict,
+def routing_summary(router: Router, doc_paths: dict[str, np.ndarray], prepared: Prepared, seconds: float, extra: dict,
                     chunk: int = CHUNK_DOCS) -> dict:
     report = {
         "router": router.kind, "featurizer": router.featurizer, "radices": router.radices,
@@ -412,7 +412,7 @@ def routing_summary(router: Router, paths: dict[str, np.ndarray], prepared: Prep
     }
     for split, ds in (("train", prepared.train), ("validation", prepared.validation)):
         labels = _label_codes(ds, chunk) if "label" in ds.column_names else None
-        report[split] = routing_report(paths[split], router.num_paths, column_numbers(ds, "num_tokens", chunk), labels,
+        report[split] = routing_report(doc_paths[split], router.num_paths, column_numbers(ds, "num_tokens", chunk), labels,
                                        wall_time=seconds if split == "train" else None)
     return report
 
@@ -723,15 +723,15 @@ def route(job: RouteJob, prepared: Prepared, topology: Topology) -> dict:
     del fit_x
     clusters = assign_train(job, router, features["train"], sample, np.asarray(fitted_paths, dtype=np.int64))
     router, train_paths = arrange_paths(job, topology, prepared, router, clusters)
-    paths: dict[str, np.ndarray] = {"train": train_paths,
+    doc_paths: dict[str, np.ndarray] = {"train": train_paths,
                                     "validation": router.assign_chunked(features["validation"], chunk)}
     topk = router.assign_topk_chunked(features["train"], job.route.topk, chunk) if job.route.topk > 1 else None
     seconds = time.perf_counter() - start
-    report = routing_summary(router, paths, prepared, seconds, {
+    report = routing_summary(router, doc_paths, prepared, seconds, {
         "featurize_s": featurize_s, "docs_per_s": (n + len(prepared.validation)) / seconds,
         **{k: v for k, v in router.meta.items() if "inertia" in k or k in ("arrangement", "fit_docs")},
     }, chunk)
-    write_routing(run, prepared, Assignments(router, paths, topk), features, report)
+    write_routing(run, prepared, Assignments(router, doc_paths, topk), features, report)
     work.remove()  # routing/ holds the features now
     print_report(report)
     echo(f"[route] wrote {run.routing} in {seconds:.1f}s; train with train.sharding=kmeans")

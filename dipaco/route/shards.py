@@ -102,77 +102,77 @@ def assign_paths(ds: datasets.Dataset, num_paths: int, sharding: str, seed: int,
     raise DataError(f"unknown sharding {sharding!r}")
 
 
-def overlapping_paths(ds: datasets.Dataset, paths: np.ndarray, k: int) -> np.ndarray:
+def overlapping_paths(ds: datasets.Dataset, doc_paths: np.ndarray, k: int) -> np.ndarray:
     """(N, k) paths each training document trains: its routed path, then its best other paths from
     the ``paths_topk`` column ``dipaco route`` writes with ``route.topk`` >= k."""
     if k == 1:
-        return paths[:, None]
+        return doc_paths[:, None]
     if "paths_topk" not in ds.column_names:
         raise DataError(f"route.topk={k} needs the `paths_topk` column: run `dipaco route` with route.topk={k}")
     ranked = numpy_column(ds, "paths_topk").astype(np.int64)
     if ranked.ndim != 2 or ranked.shape[1] < k:
         raise DataError(f"route.topk={k} but the routed data holds {ranked.shape[-1]} best paths per document; "
                         f"run `dipaco route` with route.topk={k}")
-    out = np.empty((len(paths), k), dtype=np.int64)
-    for i, (own, best) in enumerate(zip(paths, ranked)):
+    out = np.empty((len(doc_paths), k), dtype=np.int64)
+    for i, (own, best) in enumerate(zip(doc_paths, ranked)):
         out[i] = [own, *[q for q in best if q != own][: k - 1]]
     return out
 
 
-def training_paths(train_ds: datasets.Dataset, paths: np.ndarray, num_paths: int, topk: int,
+def training_paths(train_ds: datasets.Dataset, doc_paths: np.ndarray, num_paths: int, topk: int,
                    sharding: str) -> np.ndarray:
     """(N, k) paths each training document trains: k = ``route.topk`` for routed shards (overlapping
     when > 1), one path otherwise."""
     if topk == 1:
-        return paths[:, None]
+        return doc_paths[:, None]
     if sharding != "kmeans":
         raise ConfigError(f"route.topk={topk}: overlapping shards need train.sharding=kmeans, got {sharding}")
     if topk > num_paths:
         raise ConfigError(f"route.topk={topk} is more than the topology's {num_paths} paths")
-    return overlapping_paths(train_ds, paths, topk)
+    return overlapping_paths(train_ds, doc_paths, topk)
 
 
 MEMBER_CHUNK = 1 << 20  # documents compared at a time by shard_members
 
 
-def shard_members(paths: np.ndarray, path: int) -> np.ndarray:
-    """Sorted document indices of ``path``'s shard (int32 below 2**31 documents); ``paths`` is (N,) or
+def shard_members(doc_paths: np.ndarray, path: int) -> np.ndarray:
+    """Sorted document indices of ``path``'s shard (int32 below 2**31 documents); ``doc_paths`` is (N,) or
     (N, k) for overlapping shards. Found a chunk at a time: an (N,) mask and int64 indices of the whole
     split were 13 bytes a document of garbage for each shard built."""
-    paths = paths.reshape(len(paths), -1)
-    dtype = np.int32 if len(paths) < 2**31 else np.int64
+    doc_paths = doc_paths.reshape(len(doc_paths), -1)
+    dtype = np.int32 if len(doc_paths) < 2**31 else np.int64
     parts = [np.empty(0, dtype=dtype)]
-    for a in range(0, len(paths), MEMBER_CHUNK):
-        block = paths[a : a + MEMBER_CHUNK]
+    for a in range(0, len(doc_paths), MEMBER_CHUNK):
+        block = doc_paths[a : a + MEMBER_CHUNK]
         hit = block[:, 0] == path if block.shape[1] == 1 else (block == path).any(axis=1)
         parts.append((np.flatnonzero(hit) + a).astype(dtype))
     return np.concatenate(parts)
 
 
-def overlap_token_shares(paths: np.ndarray, num_paths: int, tokens: Sequence[int] | np.ndarray) -> list[float]:
+def overlap_token_shares(doc_paths: np.ndarray, num_paths: int, tokens: Sequence[int] | np.ndarray) -> list[float]:
     """Per path, the fraction of its documents' tokens that are its own: sum_d t_d / m_d over sum_d t_d,
     with m_d the number of paths document d trains. 1.0 everywhere without overlap."""
-    paths = paths.reshape(len(paths), -1)
+    doc_paths = doc_paths.reshape(len(doc_paths), -1)
     t = np.asarray(tokens, dtype=np.float64)
-    ranked = np.sort(paths, axis=1)
+    ranked = np.sort(doc_paths, axis=1)
     multiplicity = 1.0 + (np.diff(ranked, axis=1) != 0).sum(axis=1)  # distinct paths per document
     shares = []
-    for members in (shard_members(paths, p) for p in range(num_paths)):
+    for members in (shard_members(doc_paths, p) for p in range(num_paths)):
         total = t[members].sum()
         shares.append(float((t[members] / multiplicity[members]).sum() / total) if total > 0 else 1.0)
     return shares
 
 
 def build_shards(
-    ds: datasets.Dataset, paths: np.ndarray, num_paths: int, seq_len: int, eos_id: int
+    ds: datasets.Dataset, doc_paths: np.ndarray, num_paths: int, seq_len: int, eos_id: int
 ) -> list[PackedShard]:
     """Each path's packed sequences, (n_seqs, seq_len), read from ``ds``'s memory-mapped token column on
-    demand; an empty shard is an error. ``paths`` is each document's path (N,), or the paths it trains
+    demand; an empty shard is an error. ``doc_paths`` is each document's path (N,), or the paths it trains
     (N, k) for overlapping shards."""
     docs = DocumentTokens(ds)
     shards = []
     for p in range(num_paths):
-        members = shard_members(paths, p)
+        members = shard_members(doc_paths, p)
         if members.size == 0:
             raise DataError(
                 f"shard of path {p} is empty: no training document was routed to it; "

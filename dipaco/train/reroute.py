@@ -115,20 +115,20 @@ def reroute(job: RerouteJob, load_prepared: Callable[[], Prepared], checkpoint: 
     router = Router("linear", [topology.num_paths], weight=weight.float(), bias=bias.float(), featurizer=old.featurizer,
                     text_model=old.text_model, topology=topology.to_dict(), meta={"checkpoint": ckpt.name},
                     transform=old.transform)
-    paths = {s: router.assign_chunked(stored[s], CHUNK_DOCS) for s in ("train", "validation")}
+    doc_paths = {s: router.assign_chunked(stored[s], CHUNK_DOCS) for s in ("train", "validation")}
     topk = router.assign_topk_chunked(stored["train"], job.route.topk, CHUNK_DOCS) if job.route.topk > 1 else None
     best = loglik[scored].argmax(dim=1).numpy()
     seconds = time.perf_counter() - start
-    report = routing_summary(router, paths, prepared, seconds, {
+    report = routing_summary(router, doc_paths, prepared, seconds, {
         "checkpoint": str(ckpt), "holdout_docs": int(scored.sum()),
         "holdout_best_equals_current": float(np.mean(best == current[rows][scored.numpy()])),
         "holdout_best_distribution": np.bincount(best, minlength=topology.num_paths).tolist(),
-        "moved_train_docs": float(np.mean(paths["train"] != current)),
-        "moved_train_docs_count": int(np.sum(paths["train"] != current)),
+        "moved_train_docs": float(np.mean(doc_paths["train"] != current)),
+        "moved_train_docs_count": int(np.sum(doc_paths["train"] != current)),
     })
     # The new fingerprint is noted as this experiment's own before the swap, so a stop in between leaves
     # the experiment resumable; once written, it is what the experiment trains on and the others are refused it.
-    write_routing(run, prepared, Assignments(router, paths, topk), features_file, report,
+    write_routing(run, prepared, Assignments(router, doc_paths, topk), features_file, report,
                   before_swap=lambda fingerprint: record_routing(job.run_dir, exp_dir, True, rerouting=fingerprint))
     record_routing(job.run_dir, exp_dir, True)
     print_report(report)
