@@ -11,9 +11,10 @@ bound on open connections, in uvicorn's own HTTP protocol (subclassed, not repla
   408.)
 - Connection bound: at most ``max_connections`` open. A new connection beyond it closes the connection
   that has waited longest for its next request's headers (idle or slow: one that costs the server nothing
-  to drop, with no request in progress), or, when every connection has a request in progress, is closed
-  itself. Without the bound, idle connections used up the process's file descriptors (``ulimit -n``), the
-  event loop could not accept, and a valid request timed out at 15 s.
+  to drop, with no request in progress; one whose request bytes have arrived, unread yet, is passed over),
+  or, when every connection has a request in progress, is closed itself. Without the bound, idle
+  connections used up the process's file descriptors (``ulimit -n``), the event loop could not accept,
+  and a valid request timed out at 15 s.
 - Descriptor budget: asyncio accepts every pending connection in one go (up to the listen backlog) before
   any of them reaches the protocol, so a burst could still exhaust ``ulimit -n``; asyncio then stops
   accepting for a whole second, valid clients included. The listening socket (:class:`AdmissionSocket`)
@@ -27,9 +28,12 @@ bound on open connections, in uvicorn's own HTTP protocol (subclassed, not repla
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import resource
 import socket
+import struct
+import termios
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,11 +104,18 @@ class ConnectionGuard:
             if not self.waiting:
                 self._close(conn, "refused")
                 return False
-            victim, _ = self.waiting.popitem(last=False)
-            self._close(victim, "evicted")
+            self._close(self._victim(), "evicted")
         self.open.add(conn)
         self._count()
         return True
+
+    def _victim(self) -> Any:
+        """The connection that has waited longest for its headers, passing over any whose request bytes
+        have arrived but are not read yet (a busy loop): closing it would reset a valid request. When every
+        waiting connection has bytes pending, the longest waiting still goes: the bound holds."""
+        victim = next((conn for conn in self.waiting if not _bytes_pending(conn)), next(iter(self.waiting)))
+        self.waiting.pop(victim)
+        return victim
 
     def room_to_accept(self) -> bool:
         return self.sockets < self.max_connections + ACCEPT_HEADROOM
@@ -146,6 +157,16 @@ class ConnectionGuard:
     def _count(self) -> None:
         if self.on_count is not None:
             self.on_count(len(self.open))
+
+
+def _bytes_pending(conn: Any) -> bool:
+    """Whether ``conn``'s socket has received bytes the event loop has not read (FIONREAD)."""
+    sock = conn.transport.get_extra_info("socket")
+    try:
+        count = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, AttributeError, ValueError):
+        return False
+    return struct.unpack("i", count)[0] > 0
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type:

@@ -106,3 +106,51 @@ def test_the_listening_socket_accepts_only_while_there_is_room():
         for s in accepted + clients:
             s.close()
         server.close()
+
+
+class _Conn:
+    """A guarded connection as the guard sees it: a transport whose socket is one end of a socket pair."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.closed = sock, False
+        self.transport = self
+
+    def get_extra_info(self, name: str):
+        return self.sock if name == "socket" else None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_connection_whose_request_has_arrived_is_not_evicted_as_idle():
+    """CI found a valid request reset (ConnectionResetError) while held connections were evicted: its bytes
+    had arrived, unread by the busy loop, and the guard closed it as the longest waiting for headers."""
+    guard = ConnectionGuard(header_timeout_s=1.0, max_connections=2)
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        arrived, idle, new = (_Conn(server) for server, _ in pairs)
+        for conn in (arrived, idle):
+            assert guard.opened(conn)
+            guard.awaiting_headers(conn)
+        pairs[0][1].sendall(b"POST /v1/generate HTTP/1.1\r\n")  # in the kernel's buffer, not yet read
+        assert guard.opened(new)
+        assert idle.closed and not arrived.closed  # the idle one made room, though it waited less long
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_the_longest_waiting_is_evicted_when_every_waiting_connection_has_bytes_pending():
+    guard = ConnectionGuard(header_timeout_s=1.0, max_connections=1)
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        first, second = (_Conn(server) for server, _ in pairs)
+        assert guard.opened(first)
+        guard.awaiting_headers(first)
+        pairs[0][1].sendall(b"G")
+        assert guard.opened(second) and first.closed  # the bound holds
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
