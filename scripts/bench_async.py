@@ -175,6 +175,9 @@ def main() -> None:
     args = parser.parse_args()
     quiet_library_progress_bars()
     out = Path(args.out_dir)
+    if args.only_fault and not (out / "results.json").is_file():
+        sys.exit(f"--only-fault adds the fault run to {out / 'results.json'}, which does not exist: "
+                 f"run without --only-fault first (or with --skip-fault for the variants alone)")
     out.mkdir(parents=True, exist_ok=True)
     cfg = prepared(out, args)
     per_round = args.inner_steps * 4
