@@ -12,7 +12,8 @@ Guarantees:
 * with ``max_staleness`` S, ``clock_m - start_t + (in-flight tasks on m other than t) <= S`` holds for
   every in-flight task t on module m after every dispatch, so no update is staler than S
   (``clock_m``: the updates sent to m);
-* a task whose worker died goes back to the front of the queue, with the same start versions.
+* a task whose worker died goes back to the front of the queue; so does a task a signal stopped, restored
+  from a checkpoint, which continues from its step and the versions it started from.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Task:
     start: dict[int, int] = field(default_factory=dict)  # module -> version the task started from
     attempt: int = 0  # re-queues after its worker died
     started: float = 0.0  # time.monotonic() at dispatch
+    done: int = 0  # steps done before a signal stopped it: it continues from there, from the same start
 
     @property
     def id(self) -> str:
@@ -107,7 +109,8 @@ class TaskQueue:
 
     def _start(self, task: Task, worker: int) -> Task:
         task.worker, task.started = worker, time.monotonic()
-        task.start = {m: self.clock[m] for m in self.topology.path_modules(task.path)}
+        if not task.done:  # a task continued after a signal keeps the start its steps so far were taken from
+            task.start = {m: self.clock[m] for m in self.topology.path_modules(task.path)}
         self.running[task.id] = task
         return task
 
@@ -117,10 +120,16 @@ class TaskQueue:
         task.attempt += int(count)
         self.retry.appendleft(task)
 
-    def shortened(self, task: Task, steps: int) -> None:
-        """The task stopped early (a signal) after ``steps`` of its steps: it counts as a task of that length."""
-        self.reserved -= task.steps - steps
-        task.steps = steps
+    def paused(self, task: Task) -> None:
+        """A signal stopped the task mid-way: the scheduler keeps where it is; :meth:`resume` continues it."""
+        del self.running[task.id]
+
+    def resume(self, task: Task) -> None:
+        """A task a signal stopped after ``task.done`` of its steps (restored from a checkpoint): first in
+        line, keeping the versions it started from."""
+        self.ready.remove(task.path)
+        self.reserved += task.steps
+        self.retry.appendleft(task)
 
     def sent(self, task: Task, tokens_per_s: float) -> None:
         """The task returned and its deltas were sent to its modules' executors."""

@@ -44,25 +44,31 @@ class PathWorker:
         """The driver got a signal: the task running stops after its step in progress (a threaded actor)."""
         request_stop()
 
-    def run(self, path: int, steps: int, inner_state: dict | None, *modules: torch.Tensor) -> tuple:
-        """Returns (stats, AdamW/schedule/data state, one delta theta_m - theta_{p,m} per part); stopped by
-        :meth:`stop`, the stats say how many of the ``steps`` it did."""
+    def run(self, path: int, steps: int, inner_state: dict | None, *modules: torch.Tensor,
+            params: dict[str, torch.Tensor] | None = None) -> tuple:
+        """Returns (stats, AdamW/schedule/data state, the path's parameters when :meth:`stop` stopped it
+        (the stats say after how many of the ``steps``; else None), one delta theta_m - theta_{p,m} per
+        part). ``params``: the path's parameters mid-task, to continue a stopped task from its ``modules``."""
         model = self.models.setdefault(path, build_model(self.llama_config, device=self.device))
         module_ids = self.topology.path_modules(path)
         with torch.no_grad():
             for m, value in zip(module_ids, modules):
                 self.bank.params[m].copy_(value)
         self.bank.load_path(path, model)
+        if params is not None:
+            with torch.no_grad():
+                for name, value in model.named_parameters():
+                    value.copy_(params[name])
         loop = self.path_loops.build(path, model, self.device)
         if inner_state is not None:
             loop.load_state_dict(inner_state)
         start = time.perf_counter()
         try:
             stats = loop.run(steps, log_every=max(steps, 1))
-        except KeyboardInterrupt as stopped:
-            if not hasattr(stopped, "stats"):
+        except KeyboardInterrupt as interrupt:
+            if not hasattr(interrupt, "stats"):
                 raise
-            stats = stopped.stats
+            stats = interrupt.stats
         if self.speed < 1.0:  # a slower machine: the same work takes 1/speed as long
             time.sleep(stats.seconds * (1.0 / self.speed - 1.0))
         seconds = time.perf_counter() - start
@@ -71,7 +77,8 @@ class PathWorker:
         meta = {"loss": stats.loss, "tokens": stats.tokens, "seconds": seconds, "compute_seconds": stats.seconds,
                 "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0, "lr": stats.lr, "step": loop.step,
                 "worker": self.worker, "steps": stats.steps}
-        return (meta, _to_cpu(loop.state_dict()), *deltas)
+        mid_task = None if stats.steps == steps else {n: v.detach().cpu().clone() for n, v in model.named_parameters()}
+        return (meta, _to_cpu(loop.state_dict()), mid_task, *deltas)
 
 
 def _to_cpu(state: Any) -> Any:

@@ -17,9 +17,10 @@ Guarantees:
   steps are lost), at most ``ray.task_retries`` times;
 * with ``ray.max_staleness`` S no update is staler than S; ``ray.schedule=rounds`` reproduces
   per-module DiLoCo (:mod:`dipaco.sync.diloco`) up to the order of fp32 sums;
-* SIGINT or SIGTERM stops each running task after its step in progress; the steps it did count as a
-  shorter task, applied like any other, and the trainer checkpoints the state before the exit, so a
-  signal loses no step (a worker killed outright still loses its task's steps).
+* SIGINT or SIGTERM stops each running task after its step in progress; the trainer checkpoints it as it
+  is (AdamW state, parameters, the modules it started from) and ``--resume`` continues it from there, so
+  a signal loses no step, and a run whose arrivals are deterministic (``ray.schedule=rounds``, one
+  worker) resumes bit-exactly (a worker killed outright still loses its task's steps).
 
 Asynchronous runs are not bit-reproducible: the order of arrivals depends on timing.
 """
@@ -94,6 +95,7 @@ class TaskScheduler:
         self.groups = executor_groups(len(self.topology.modules), ray.executors)
         self.queue_state: dict | None = None
         self.counters: dict[str, dict] | None = None  # each module's executor counters, as of the last checkpoint
+        self.paused: dict[int, dict] = {}  # path -> its task a signal stopped: where it is, the modules it started from
         self.ray: Any = None
         self.workers: list = []
         self.actors: list = []
@@ -108,13 +110,16 @@ class TaskScheduler:
         steps, cfg = self.experiment.inner_steps, self.ray_cfg
         self.queue = TaskQueue(self.topology, steps, until_round * steps * self.topology.num_paths, cfg.schedule,
                                cfg.max_staleness, self.dynamic_steps, self.queue_state)
+        for p, t in self.paused.items():
+            self.queue.resume(Task(p, t["index"], t["steps"], start=dict(t["start"]), attempt=t["attempt"], done=t["done"]))
         self.ray = ray = _ray()
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             init_ray(ray, address=cfg.address, include_dashboard=False, log_to_driver=False,
                      **({"num_cpus": cfg.num_cpus} if cfg.address is None else {}))
         self._start_actors()
-        echo(f"[train] {self.queue.budget - self.queue.steps_done} inner steps to go")
+        left = self.queue.budget - self.queue.steps_done - sum(task["done"] for task in self.paused.values())
+        echo(f"[train] {left} inner steps to go")
         if self.on_start is not None:
             self.on_start(self)
         yield from self._events()
@@ -151,7 +156,8 @@ class TaskScheduler:
             if old != root:
                 shutil.rmtree(old, ignore_errors=True)
         self.inner: dict[int, Any] = {p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}
-        self.running: dict[Any, tuple[Task, list]] = {}  # first return ref -> task, all its return refs
+        self.partial = {p: ray.put(dict(self.loops[p].model.named_parameters())) for p in self.paused}  # mid-task
+        self.running: dict[Any, tuple[Task, list, list]] = {}  # first return ref -> task, its return refs, modules
         self.pushes: dict[Any, tuple[Task, int]] = {}  # push ref -> task, module
         self.probes: dict[Any, int] = {}  # pid() call -> a restarted worker not yet back in the pool
         self.waiting: dict[str, set[int]] = {}  # task id -> modules whose executor has not acknowledged
@@ -189,9 +195,9 @@ class TaskScheduler:
             yield self.checkpoint()
 
     def _stop(self, signal: type[KeyboardInterrupt]) -> Iterator[Progress]:
-        """A signal (under runtime.finish_the_step): each running task stops after its step in progress and
-        counts as a shorter task; once every update is applied, the state is yielded, then the signal raised."""
-        for task, _ in self.running.values():
+        """A signal (under runtime.finish_the_step): each running task stops after its step in progress and is
+        kept as it is; once every sent update is applied, the state is yielded, then the signal raised."""
+        for task, _, _ in self.running.values():
             self.workers[task.worker].stop.remote()
         while self.running:
             for ref in self.ray.wait(list(self.running), num_returns=1)[0]:
@@ -202,13 +208,16 @@ class TaskScheduler:
     def _dispatch(self) -> None:
         while self.free and (task := self.queue.dispatch(self.free[0])) is not None:
             self.free.popleft()
-            modules = [self.executors[m].pull.remote(m) for m in self.topology.path_modules(task.path)]
-            refs = self.workers[task.worker].run.options(num_returns=2 + len(self.topology.parts)).remote(
-                task.path, task.steps, self.inner[task.path], *modules)
-            self.running[refs[0]] = (task, refs)
+            paused = self.paused.get(task.path) if task.done else None
+            modules = paused["base"] if paused else [self.executors[m].pull.remote(m)
+                                                     for m in self.topology.path_modules(task.path)]
+            refs = self.workers[task.worker].run.options(num_returns=3 + len(self.topology.parts)).remote(
+                task.path, task.steps - task.done, self.inner[task.path], *modules,
+                params=self.partial[task.path] if paused else None)
+            self.running[refs[0]] = (task, refs, modules)
 
     def _on_task(self, ref: Any) -> None:
-        task, refs = self.running.pop(ref)
+        task, refs, modules = self.running.pop(ref)
         try:
             meta = self.ray.get(ref)
         except self.ray.exceptions.RayTaskError:
@@ -217,17 +226,26 @@ class TaskScheduler:
             self._requeue(task, exc)
             return
         self.free.append(task.worker)
-        if meta["steps"] < task.steps:
-            echo(f"[train] {task.id} stopped after {meta['steps']} of its {task.steps} steps")
-            if meta["steps"] == 0:  # stopped before its first step: it runs again after a resume
-                self.queue.failed(task, count=False)
-                return
-            self.queue.shortened(task, meta["steps"])
+        if meta["steps"] < task.steps - task.done:
+            self._pause(task, meta["steps"], refs, modules)
+            return
+        self.paused.pop(task.path, None)
         self.results[task.id] = {**meta, "inner": refs[1]}
         self.queue.sent(task, meta["tokens_per_s"])
         self.waiting[task.id] = set(task.start)
-        for m, delta in zip(self.topology.path_modules(task.path), refs[2:]):
+        for m, delta in zip(self.topology.path_modules(task.path), refs[3:]):
             self.pushes[self.executors[m].push.remote(task.id, task.path, m, task.start[m], delta)] = (task, m)
+
+    def _pause(self, task: Task, steps: int, refs: list, modules: list) -> None:
+        """A signal stopped the task after ``steps`` more of its steps. Nothing of it is applied: its AdamW state,
+        parameters and the modules it started from are kept, and the checkpoint continues it after a resume."""
+        base = self.paused[task.path]["base"] if task.path in self.paused else self.ray.get(modules)
+        task.done += steps
+        self.paused[task.path] = {"index": task.index, "steps": task.steps, "done": task.done, "start": dict(task.start),
+                                  "attempt": task.attempt, "base": base}
+        self.inner[task.path], self.partial[task.path] = refs[1], refs[2]
+        self.queue.paused(task)
+        echo(f"[train] {task.id} stopped after {task.done} of its {task.steps} steps; --resume continues it there")
 
     def _requeue(self, task: Task, exc: Exception) -> None:
         """The task's worker died (killed, preempted, out of memory): Ray restarts it, and the task goes back
@@ -293,7 +311,11 @@ class TaskScheduler:
                                            "log": [u for u in counter["log"] if u["module"] == m]}
         for p, loop in self.loops.items():
             loop.load_state_dict(inner[p])
-            self.bank.load_path(p, loop.model)
+            if p in self.paused:  # mid-task: its own parameters, not the bank's
+                for name, value in self.ray.get(self.partial[p]).items():
+                    loop.model.get_parameter(name).data.copy_(value)
+            else:
+                self.bank.load_path(p, loop.model)
         self.checkpoint_due, self.last_checkpoint = False, self.queue.completed
         records, self.records = self.records, []
         info = {"tasks": self.queue.completed, "inner_steps": self.queue.steps_done,
@@ -319,10 +341,11 @@ class TaskScheduler:
              f"staleness mean {summary['mean']:.2f} max {summary['max']}; {self.requeues} re-queued")
 
     def state_dict(self) -> dict:
-        return {"queue": self.queue.state(), "executors": self.counters}
+        return {"queue": self.queue.state(), "executors": self.counters, "paused": self.paused}
 
     def load_state_dict(self, state: dict) -> None:
         self.queue_state, self.counters = state["queue"], state["executors"]
+        self.paused = {int(p): task for p, task in state.get("paused", {}).items()}
 
     def close(self) -> None:
         for actor in (*self.workers, *self.actors):

@@ -107,52 +107,88 @@ def overrides_of(cfg: Config) -> list[str]:
             "ray.simulate_speeds=[1.0,0.5]", "train.dynamic_local_steps=true", "ray.max_staleness=4"]
 
 
-def test_a_signal_stops_each_task_after_its_step_in_progress_and_resume_loses_no_step(ray_session, run_cfg, capsys):
-    """Issue 48: SIGTERM (as SIGINT) under the Ray driver lost every task since the last run checkpoint.
-    Now each running task stops after its step in progress, counts as a shorter task, and the trainer
-    checkpoints before the exit; --resume finishes the budget with every update applied exactly once."""
+def signal_mid_task(run, sent: list[str], signum) -> None:
+    """Sends ``signum`` to this process once a task has been running for 0.3 s (a thread, from on_start)."""
     import os
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(time.monotonic() - t.started > 0.3 for t, _, _ in list(run.running.values())):
+                sent.append(signum.name)
+                os.kill(os.getpid(), signum)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def stopped_by(signum, cfg: Config) -> None:
+    """Trains ``cfg`` as `dipaco train` does (the signal handlers, SIGTERM's as before ray.init) until the signal."""
     import signal
 
-    from dipaco.runtime import Terminated, sigint_stops_training
+    from dipaco.runtime import sigint_stops_training
+
+    sent: list[str] = []
+    ray_handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as before ray.init in a fresh `dipaco train`
+    try:
+        with sigint_stops_training(), pytest.raises(KeyboardInterrupt):
+            Run(cfg).train(on_start=lambda run: signal_mid_task(run, sent, signum))
+    finally:
+        signal.signal(signal.SIGTERM, ray_handler)
+    assert sent == [signum.name]
+
+
+def test_a_signal_stops_each_task_after_its_step_in_progress_and_resume_loses_no_step(ray_session, run_cfg, capsys):
+    """Issue 48: SIGTERM (as SIGINT) under the Ray driver lost every task since the last run checkpoint.
+    Now each running task stops after its step in progress and is checkpointed as it is; --resume
+    continues it there and finishes the budget with every update applied exactly once."""
+    import signal
+
+    from dipaco.checkpoint.store import SavedCheckpoint
 
     steps = 60  # long enough tasks that the signal finds one mid-way
     cfg = with_overrides(run_cfg, f"train.inner_steps={steps}")
-    sent: list[str] = []
-
-    def drill(run) -> None:
-        def signal_mid_task() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if any(time.monotonic() - t.started > 0.3 for t, _ in list(run.running.values())):
-                    sent.append("SIGTERM")
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    return
-                time.sleep(0.02)
-
-        threading.Thread(target=signal_mid_task, daemon=True).start()
-
-    ray_handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as before ray.init in a fresh `dipaco train`
-    try:
-        with sigint_stops_training(), pytest.raises(Terminated):
-            Run(cfg).train(on_start=drill)
-    finally:
-        signal.signal(signal.SIGTERM, ray_handler)
-    assert sent == ["SIGTERM"]
+    stopped_by(signal.SIGTERM, cfg)
     out = capsys.readouterr().out
-    assert "continue with --resume" in out and "stopped after" in out and "checkpoint is" in out
+    assert "stopped after" in out and "--resume continues it there" in out and "checkpoint is" in out
     exp_dir = Path(cfg.run.dir) / "train" / cfg.train.name
-    tasks = completed_tasks(exp_dir)
-    cut = [t for t in tasks if t["steps"] < steps]
-    assert cut and all(0 < t["steps"] < steps for t in cut)  # stopped mid-task, the steps it did kept
     latest = CheckpointManager(exp_dir / "checkpoints").latest()
-    assert latest.name == f"round_{len(tasks):06d}"  # the stopped tasks are in the checkpoint
+    paused = SavedCheckpoint(latest).state()["scheduler"]["paused"]
+    assert paused and all(0 < task["done"] < steps for task in paused.values())  # stopped mid-task, kept there
+    assert latest.name == f"round_{len(completed_tasks(exp_dir)):06d}"
 
     exp = Run(cfg).train(resume=True)
     tasks = completed_tasks(exp.dir)
-    assert sum(t["steps"] for t in tasks) == 2 * steps * 4  # the whole budget: no step lost, none twice
+    assert all(t["steps"] == steps for t in tasks) and len(tasks) == 2 * 4  # no task cut short
     assert len({t["task"] for t in tasks}) == len(tasks)
     check_exactly_once(exp.dir, modules_by_path(cfg))
+
+
+def test_a_signal_then_resume_ends_bit_exactly_where_arrivals_are_deterministic(ray_session, run_cfg,
+                                                                               sigint_from_a_terminal):
+    """ray.schedule=rounds with one worker: its arrivals come in one order, so an uninterrupted run is
+    reproducible, and a run stopped by SIGINT mid-task and resumed must end with every tensor equal to it."""
+    import importlib.util
+    import signal
+
+    from dipaco.checkpoint.store import SavedCheckpoint
+
+    spec = importlib.util.spec_from_file_location("compare_checkpoints", Path(__file__).parents[3] / "scripts" /
+                                                  "compare_checkpoints.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    lockstep = ["ray.schedule=rounds", "ray.num_workers=1", "train.inner_steps=150"]  # tasks of about 1 s
+    straight = Run(with_overrides(run_cfg, *lockstep, "train.name=straight")).train()
+    cfg = with_overrides(run_cfg, *lockstep, "train.name=stopped")
+    stopped_by(signal.SIGINT, cfg)
+    exp_dir = Path(cfg.run.dir) / "train" / "stopped"
+    paused = SavedCheckpoint(CheckpointManager(exp_dir / "checkpoints").latest()).state()["scheduler"]["paused"]
+    assert len(paused) == 1 and 0 < next(iter(paused.values()))["done"] < 150  # its one worker's task, mid-way
+    exp = Run(cfg).train(resume=True)
+    a, b = (CheckpointManager(e.dir / "checkpoints").latest() for e in (straight, exp))
+    assert a.name == b.name
+    assert compare.compare(a, b) == []
 
 
 def test_ray_init_keeps_the_trainers_sigterm_handler():
