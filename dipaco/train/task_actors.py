@@ -22,6 +22,7 @@ from dipaco.runtime import request_stop, seed_everything
 from dipaco.sync.async_nesterov import ANCHOR, BUFFER, MOMENTUM, PARAMS, AsyncNesterov
 
 SYNC_PARTS = (MOMENTUM, BUFFER, ANCHOR)  # the executors' state a run checkpoint keeps besides the bank
+TASK_BASE = "task_base"  # "<path>/<module>": the modules a task a signal stopped started from (safetensors)
 EXECUTORS_DIR = "executors"  # <experiment>/executors/run_<ms>/executor_NNN: each executor's own checkpoints
 
 
@@ -172,7 +173,8 @@ class ModuleExecutor:
 
 
 class ExecutorState:
-    """The run checkpoint's sync component: the executors' momentum, pending changes and anchors by name."""
+    """The run checkpoint's sync component: the executors' momentum, pending changes and anchors by name,
+    and the base modules of the tasks a signal stopped (:data:`TASK_BASE`, only while there are some)."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = set(names)
@@ -183,6 +185,8 @@ class ExecutorState:
 
     def load_state_dict(self, saved: Any) -> None:
         self.parts = {part: saved.replicated(part, self.names) for part in SYNC_PARTS}
+        if base := saved.per_rank(TASK_BASE).get(0):
+            self.parts[TASK_BASE] = base
 
 
 def executor_log_files(exp_dir: Path) -> dict[str, list[dict]]:

@@ -49,6 +49,7 @@ from dipaco.train.experiment import BuiltExperiment
 from dipaco.train.task_actors import (
     EXECUTORS_DIR,
     SYNC_PARTS,
+    TASK_BASE,
     ExecutorCheckpoints,
     ExecutorModules,
     ExecutorState,
@@ -173,7 +174,7 @@ class TaskScheduler:
         assert self.counters is not None
         names = [self.names[m] for m in group]
         tensors = {PARAMS: {self.names[m]: self.bank.params[m].detach().clone() for m in group},
-                   **{part: {n: named[n] for n in names} for part, named in self.sync.parts.items()}}
+                   **{part: {n: self.sync.parts[part][n] for n in names} for part in SYNC_PARTS}}
         return tensors, {"pending": {m: self.counters[self.names[m]]["pending"] for m in group},
                          "log": [u for n in names for u in self.counters[n]["log"]]}
 
@@ -309,6 +310,10 @@ class TaskScheduler:
                         self.sync.parts[part][name] = tensors[part][name]
                     self.counters[name] = {"pending": counter["pending"][m],
                                            "log": [u for u in counter["log"] if u["module"] == m]}
+        bases = {f"{p}/{self.names[m]}": base for p, task in self.paused.items()
+                 for m, base in zip(self.topology.path_modules(p), task["base"])}
+        self.sync.parts.pop(TASK_BASE, None)
+        self.sync.parts.update({TASK_BASE: bases} if bases else {})
         for p, loop in self.loops.items():
             loop.load_state_dict(inner[p])
             if p in self.paused:  # mid-task: its own parameters, not the bank's
@@ -340,12 +345,15 @@ class TaskScheduler:
         echo(f"[train] {self.queue.completed} tasks, {self.queue.steps_done} inner steps in {wall:.1f}s; "
              f"staleness mean {summary['mean']:.2f} max {summary['max']}; {self.requeues} re-queued")
 
-    def state_dict(self) -> dict:
-        return {"queue": self.queue.state(), "executors": self.counters, "paused": self.paused}
+    def state_dict(self) -> dict:  # the stopped tasks' base modules are the sync component's TASK_BASE part
+        paused = {p: {k: v for k, v in task.items() if k != "base"} for p, task in self.paused.items()}
+        return {"queue": self.queue.state(), "executors": self.counters, "paused": paused}
 
     def load_state_dict(self, state: dict) -> None:
         self.queue_state, self.counters = state["queue"], state["executors"]
-        self.paused = {int(p): task for p, task in state.get("paused", {}).items()}
+        bases = self.sync.parts.get(TASK_BASE, {})  # the sync component is restored first
+        self.paused = {int(p): {**task, "base": [bases[f"{p}/{self.names[m]}"] for m in self.topology.path_modules(int(p))]}
+                       for p, task in state.get("paused", {}).items()}
 
     def close(self) -> None:
         for actor in (*self.workers, *self.actors):
