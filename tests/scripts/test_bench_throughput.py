@@ -54,7 +54,7 @@ def test_calibration_measures_each_sides_step(bt):
     calls: dict[str, list[int]] = {name: [] for name in STEP_S}
     step_s = bt.calibrate(fake_sides(calls), torch.device("cpu"), first_steps=1, min_block_s=0.1)
     for name, seconds in step_s.items():
-        assert STEP_S[name] <= seconds < 3 * STEP_S[name]
+        assert STEP_S[name] <= seconds < 10 * STEP_S[name]  # a sleep only oversleeps, more on a loaded machine
         assert sum(calls[name]) * STEP_S[name] >= 0.1 / 4  # ran a quarter of the block length at least
 
 
