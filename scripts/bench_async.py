@@ -31,6 +31,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from dipaco import json_text  # noqa: E402
 from dipaco.atomic import write_text  # noqa: E402
-from dipaco.checkpoint.store import CheckpointManager  # noqa: E402
+from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint  # noqa: E402
 from dipaco.config import Config  # noqa: E402
 from dipaco.metrics import echo, read_metrics  # noqa: E402
 from dipaco.model.topology import topology_from_config  # noqa: E402
@@ -49,7 +50,6 @@ from dipaco.run import (  # noqa: E402
 )
 from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
 from dipaco.sync.async_nesterov import staleness_summary  # noqa: E402
-from dipaco.train.task_actors import count_applied, executor_log_files  # noqa: E402
 
 SPEEDS = [1.0, 1.0, 0.5, 0.25]
 BASE = [
@@ -135,7 +135,8 @@ def fault_run(cfg: Config, per_round: int, kills: int) -> dict:
     result, exp_dir, vcfg = run_variant(cfg, "fault_async_dn_dyn", VARIANTS["async_dn_dyn"], per_round, on_start=drill)
     tasks = read_metrics(exp_dir / "metrics.jsonl", "task")
     topo = topology_from_config(vcfg.topology, vcfg.model.num_layers)
-    applied = count_applied(executor_log_files(exp_dir))
+    latest = SavedCheckpoint(CheckpointManager(exp_dir / "checkpoints").latest()).state()
+    applied = Counter((name, u["task"]) for name, counters in latest["scheduler"]["executors"].items() for u in counters["log"])
     expected = {(topo.modules[m].name, t["task"]) for t in tasks for m in topo.path_modules(t["path"])}
     result.update(killed_tasks=killed, requeue_events=len(read_metrics(exp_dir / "metrics.jsonl", "requeue")),
                   updates_expected=len(expected), updates_logged=sum(applied.values()),
@@ -210,7 +211,7 @@ def main() -> None:
               f"{r['wall_in_steps']:.0f} | {r['normalized_speedup_vs_sync']:.2f}x | {r['final_ppl']:.2f} | "
               f"{100 * r['ppl_vs_sync']:+.1f}% | {r['tasks']} | {s['mean']:.2f} / {s['p90']:.0f} / {s['max']} |")
     if fault:
-        print(f"fault run: killed during {fault['killed_tasks']}, {fault['requeue_events']} re-queued, "
+        print(f"fault run: killed during {fault['killed_tasks']}, {fault['requeue_events']} run again by Ray, "
               f"{fault['updates_logged']}/{fault['updates_expected']} updates logged, exactly once: "
               f"{fault['exactly_once']}, {fault['wall_seconds']:.1f}s, ppl {fault['final_ppl']:.2f}")
     if not all(math.isfinite(r["final_ppl"]) for r in results):

@@ -889,6 +889,7 @@ def check_ray(ctx: Context) -> Check:
     from dipaco.model.bank import ModuleBank
     from dipaco.model.llama import build_model
     from dipaco.model.topology import topology_from_config
+    from dipaco.paths.factory import LoopSettings, PathLoops
     from dipaco.run import apply_overrides
     from dipaco.train.task_actors import PathWorker
 
@@ -902,6 +903,7 @@ def check_ray(ctx: Context) -> Check:
     topology = topology_from_config(cfg.topology, size.layers)
     bank = ModuleBank(topology, build_model(llama, seed=0))
     shards = {p: random_tokens(size, 4 * size.batch, 10 + p) for p in range(topology.num_paths)}
+    path_loops = PathLoops(shards, LoopSettings(optim=cfg.train.optim, total_steps=10, precision="auto"), seed=0)
     start = time.perf_counter()
     started = not ray.is_initialized()
     if started:
@@ -909,10 +911,9 @@ def check_ray(ctx: Context) -> Check:
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
         share = {"num_cpus": 1.0, **({"num_gpus": 1.0} if gpus > 0 else {})}  # one worker: what the scheduler gives it
-        worker = ray.remote(PathWorker).options(**share, max_restarts=0).remote(
-            0, 1.0, 0, cfg.train, cfg.model, llama, topology, shards, 10)
+        worker = ray.remote(PathWorker).options(**share, max_restarts=0).remote(1.0, path_loops, llama, topology)
         modules = [bank.params[m].detach().clone() for m in topology.path_modules(0)]
-        meta, state, *deltas = ray.get(worker.run.options(num_returns=2 + len(topology.parts)).remote(
+        meta, state, _, *deltas = ray.get(worker.run.options(num_returns=3 + len(topology.parts)).remote(
             0, 2, None, *modules), timeout=max((ctx.section.left() if ctx.section else 60.0) - 2, 5))
         worker_device = ray.get(worker.__ray_call__.remote(lambda self: str(self.device)))
     finally:

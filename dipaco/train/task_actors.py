@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,16 +25,17 @@ EXECUTORS_DIR = "executors"  # <experiment>/executors/run_<ms>/executor_NNN: eac
 
 
 class PathWorker:
-    """Runs path tasks: compose the path, ``steps`` AdamW steps, hand back its AdamW state and deltas."""
+    """Runs path tasks: compose the path from its modules, run its inner steps, hand back its change.
+    One model serves every path: the bank covers all its parameters, so composing overwrites them all."""
 
-    def __init__(self, worker: int, speed: float, path_loops: PathLoops, llama_config: LlamaConfig,
-                 topology: Topology) -> None:
+    def __init__(self, speed: float, path_loops: PathLoops, llama_config: LlamaConfig, topology: Topology) -> None:
         torch.set_num_threads(1)  # several workers share the machine's cores
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray sets the visible GPU
         seed_everything(path_loops.seed, self.device)
-        self.worker, self.speed, self.path_loops, self.topology = worker, speed, path_loops, topology
-        self.llama_config, self.models = llama_config, dict[int, Any]()
-        self.bank = ModuleBank(topology, build_model(llama_config, seed=0, device=self.device))
+        self.speed, self.path_loops, self.topology = speed, path_loops, topology
+        self.model = build_model(llama_config, seed=0, device=self.device)
+        self.bank = ModuleBank(topology, self.model)
+        self.restarted = _reconstructed()  # Ray built it again after it died, and runs its task again
 
     def pid(self) -> int:
         return os.getpid()
@@ -50,23 +49,20 @@ class PathWorker:
         """Returns (stats, AdamW/schedule/data state, the path's parameters when :meth:`stop` stopped it
         (the stats say after how many of the ``steps``; else None), one delta theta_m - theta_{p,m} per
         part). ``params``: the path's parameters mid-task, to continue a stopped task from its ``modules``."""
-        model = self.models.setdefault(path, build_model(self.llama_config, device=self.device))
-        module_ids = self.topology.path_modules(path)
+        model, module_ids = self.model, self.topology.path_modules(path)
         with torch.no_grad():
             for m, value in zip(module_ids, modules):
                 self.bank.params[m].copy_(value)
-        self.bank.load_path(path, model)
-        if params is not None:
-            with torch.no_grad():
-                for name, value in model.named_parameters():
-                    value.copy_(params[name])
+            self.bank.load_path(path, model)
+            if params is not None:
+                model.load_state_dict(params, strict=False)  # parameters only: the buffers are the model's own
         loop = self.path_loops.build(path, model, self.device)
         if inner_state is not None:
             loop.load_state_dict(inner_state)
         start = time.perf_counter()
         try:
             stats = loop.run(steps, log_every=max(steps, 1))
-        except KeyboardInterrupt as interrupt:
+        except KeyboardInterrupt as interrupt:  # stop(): after the step in progress, with the stats so far
             if not hasattr(interrupt, "stats"):
                 raise
             stats = interrupt.stats
@@ -77,9 +73,16 @@ class PathWorker:
                   for part, m in zip(self.topology.parts, module_ids)]
         meta = {"loss": stats.loss, "tokens": stats.tokens, "seconds": seconds, "compute_seconds": stats.seconds,
                 "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0, "lr": stats.lr, "step": loop.step,
-                "worker": self.worker, "steps": stats.steps}
+                "steps": stats.steps, "restarted": self.restarted}
+        self.restarted = False
         mid_task = None if stats.steps == steps else {n: v.detach().cpu().clone() for n, v in model.named_parameters()}
         return (meta, _to_cpu(loop.state_dict()), mid_task, *deltas)
+
+
+def _reconstructed() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def _to_cpu(state: Any) -> Any:
@@ -176,7 +179,7 @@ class ExecutorState:
     """The run checkpoint's sync component: the executors' momentum, pending changes and anchors by name,
     and the base modules of the tasks a signal stopped (:data:`TASK_BASE`, only while there are some)."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: list[str]) -> None:
         self.names = set(names)
         self.parts: dict[str, dict[str, torch.Tensor]] = {part: {} for part in SYNC_PARTS}
 
@@ -187,24 +190,3 @@ class ExecutorState:
         self.parts = {part: saved.replicated(part, self.names) for part in SYNC_PARTS}
         if base := saved.per_rank(TASK_BASE).get(0):
             self.parts[TASK_BASE] = base
-
-
-def executor_log_files(exp_dir: Path) -> dict[str, list[dict]]:
-    """Every module's update log from its executor's newest checkpoint, for the newest run on Ray."""
-    runs = sorted((exp_dir / EXECUTORS_DIR).glob("run_*"))
-    logs: dict[str, list[dict]] = {}
-    for group_dir in sorted(p for p in runs[-1].iterdir() if p.is_dir()) if runs else []:
-        state = SavedCheckpoint(resolve_checkpoint(CheckpointManager(group_dir))).state()
-        for update in state["counters"]["log"]:
-            logs.setdefault(state["modules"][update["module"]], []).append(update)
-    return logs
-
-
-def count_applied(logs: Mapping[str, Sequence[dict]]) -> dict[tuple[str, str], int]:
-    """(module, task id) -> times applied, from executor update logs."""
-    counts: dict[tuple[str, str], int] = {}
-    for module, log in logs.items():
-        for update in log:
-            key = (module, update["task"])
-            counts[key] = counts.get(key, 0) + 1
-    return counts

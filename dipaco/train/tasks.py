@@ -13,8 +13,8 @@ Guarantees:
 * every update is applied exactly once per module: Ray sends a call again when its executor died
   (``max_task_retries=-1``); the executor restarts from its own checkpoint and refuses a task id it
   has already applied;
-* a task whose worker died goes back to the queue with the path's previous AdamW state (only its inner
-  steps are lost), at most ``ray.task_retries`` times;
+* a task whose worker died is run again by Ray on the restarted worker, from the same AdamW state and
+  modules (only its inner steps are lost), at most ``ray.task_retries`` times;
 * with ``ray.max_staleness`` S no update is staler than S; ``ray.schedule=rounds`` reproduces
   per-module DiLoCo (:mod:`dipaco.sync.diloco`) up to the order of fp32 sums;
 * SIGINT or SIGTERM stops each running task after its step in progress; the trainer checkpoints it as it
@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -87,9 +88,8 @@ class TaskScheduler:
                  on_start: Callable[[TaskScheduler], None] | None = None) -> None:
         """``dynamic_steps``: train.dynamic_local_steps; ``on_start``: called once the actors answer (tests)."""
         check_staleness_bound(ray.max_staleness, experiment.topology)
-        self.experiment, self.ray_cfg, self.outer, self.on_start = experiment, ray, outer, on_start
-        self.topology, self.bank, self.loops = experiment.topology, experiment.bank, experiment.loops
-        self.dynamic_steps = dynamic_steps
+        self.experiment, self.ray_cfg, self.outer, self.dynamic_steps = experiment, ray, outer, dynamic_steps
+        self.topology, self.bank, self.loops, self.on_start = experiment.topology, experiment.bank, experiment.loops, on_start
         self.names = {m.id: m.name for m in self.topology.modules}
         self.sync = ExecutorState(list(self.names.values()))
         self.speeds = worker_speeds(ray, self.topology.num_paths)
@@ -112,7 +112,7 @@ class TaskScheduler:
         self.queue = TaskQueue(self.topology, steps, until_round * steps * self.topology.num_paths, cfg.schedule,
                                cfg.max_staleness, self.dynamic_steps, self.queue_state)
         for p, t in self.paused.items():
-            self.queue.resume(Task(p, t["index"], t["steps"], start=dict(t["start"]), attempt=t["attempt"], done=t["done"]))
+            self.queue.resume(Task(p, t["index"], t["steps"], start=dict(t["start"]), done=t["done"]))
         self.ray = ray = _ray()
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
@@ -126,16 +126,19 @@ class TaskScheduler:
         yield from self._events()
 
     def _start_actors(self) -> None:
+        """Ray restarts a dead actor with the arguments it was created with and sends its calls again: a
+        worker's task up to ray.task_retries times, an executor's calls always (it restores its own checkpoint)."""
         ray, topo = self.ray, self.topology
         resources = ray.cluster_resources()
         share = {"num_cpus": min(1.0, resources.get("CPU", 1.0) / len(self.speeds))}
         if resources.get("GPU", 0) > 0:  # the workers train on the node's GPUs, as lock-step ranks do
             share["num_gpus"] = min(1.0, resources["GPU"] / len(self.speeds))
         # max_concurrency=2: a stop() call reaches a worker while it runs a task
-        worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=0, max_concurrency=2)
-        self.held_refs = [ray.put(self.experiment.path_loops)]  # what a restarted actor is given again
+        worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=self.ray_cfg.task_retries,
+                                                    max_concurrency=2)
         llama = next(iter(self.loops.values())).model.config
-        self.workers = [worker_cls.remote(w, s, self.held_refs[0], llama, topo) for w, s in enumerate(self.speeds)]
+        self.held = [ray.put(self.experiment.path_loops)]  # the actors' arguments, which Ray restarts them with
+        self.workers = [worker_cls.remote(speed, self.held[0], llama, topo) for speed in self.speeds]
         executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1)
         root = self.experiment.dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
         for g, group in enumerate(self.groups):
@@ -148,9 +151,8 @@ class TaskScheduler:
                 rescale=self.outer.rescale)
             checkpoints = ExecutorCheckpoints(str(root / f"executor_{g:03d}"), self.ray_cfg.executor_checkpoint_every,
                                               self.experiment.config_yaml)
-            self.held_refs.append(ray.put({m: self.bank.params[m].detach().clone() for m in group}))
-            self.held_refs.append(None if self.counters is None else ray.put(self._saved(group)))
-            self.actors.append(executor_cls.remote(modules, checkpoints, *self.held_refs[-2:]))
+            self.held += [ray.put({m: self.bank.params[m].detach().clone() for m in group}), self._saved(group)]
+            self.actors.append(executor_cls.remote(modules, checkpoints, *self.held[-2:]))
         self.executors = {m: self.actors[g] for g, group in enumerate(self.groups) for m in group}
         ray.get([actor.pid.remote() for actor in (*self.workers, *self.actors)])  # started: the clock starts now
         for old in root.parent.glob("run_*"):  # an earlier run's executors: its checkpoint is the truth now
@@ -158,51 +160,50 @@ class TaskScheduler:
                 shutil.rmtree(old, ignore_errors=True)
         self.inner: dict[int, Any] = {p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}
         self.partial = {p: ray.put(dict(self.loops[p].model.named_parameters())) for p in self.paused}  # mid-task
-        self.running: dict[Any, tuple[Task, list, list]] = {}  # first return ref -> task, its return refs, modules
-        self.pushes: dict[Any, tuple[Task, int]] = {}  # push ref -> task, module
-        self.probes: dict[Any, int] = {}  # pid() call -> a restarted worker not yet back in the pool
-        self.waiting: dict[str, set[int]] = {}  # task id -> modules whose executor has not acknowledged
-        self.results: dict[str, dict] = {}
+        self.tasks: dict[Any, Callable[[Any], None]] = {}  # a running task's first return ref -> its handler
+        self.acks: dict[Any, Callable[[Any], None]] = {}  # a sent update's push ref -> its handler
         self.free: deque[int] = deque(range(len(self.workers)))
         self.records: list[tuple[str, int | None, dict]] = []  # to log once checkpointed
         self.staleness: list[int] = []
         self.requeues, self.start, self.checkpoint_due = 0, time.perf_counter(), False
         self.last_checkpoint = self.queue.completed
 
-    def _saved(self, group: list[int]) -> tuple[dict, dict]:
-        """A group's executor state from the restored run checkpoint (tensors by part, counters)."""
-        assert self.counters is not None
+    def _saved(self, group: list[int]) -> Any:
+        """A group's executor state from the restored run checkpoint (tensors by part, counters), or None."""
+        if self.counters is None:
+            return None
         names = [self.names[m] for m in group]
         tensors = {PARAMS: {self.names[m]: self.bank.params[m].detach().clone() for m in group},
                    **{part: {n: self.sync.parts[part][n] for n in names} for part in SYNC_PARTS}}
-        return tensors, {"pending": {m: self.counters[self.names[m]]["pending"] for m in group},
-                         "log": [u for n in names for u in self.counters[n]["log"]]}
+        return self.ray.put((tensors, {"pending": {m: self.counters[self.names[m]]["pending"] for m in group},
+                                       "log": [u for n in names for u in self.counters[n]["log"]]}))
 
     def _events(self) -> Iterator[Progress]:
         while not self.queue.done():
             if (signal := interrupted()) is not None:
                 yield from self._stop(signal)
             self._dispatch()
-            pending = [*self.running, *self.pushes, *self.probes]
-            if not pending:
+            if not self.tasks and not self.acks:
                 raise DistributedError(f"no task can start and none is running ({self.queue.remaining} inner steps "
                                        f"left); ray.max_staleness may be too small")
-            for ref in self.ray.wait(pending, num_returns=1, timeout=SIGNAL_POLL_S)[0]:
-                handler = self._on_task if ref in self.running else self._on_push if ref in self.pushes else self._on_probe
-                handler(ref)
+            self._next({**self.tasks, **self.acks}, SIGNAL_POLL_S)
             if self.checkpoint_due:
                 yield self.checkpoint()
         if self.last_checkpoint != self.queue.completed:
             yield self.checkpoint()
 
+    def _next(self, waiting: dict[Any, Callable[[Any], None]], timeout: float | None = None) -> None:
+        """Handles the next of the ``waiting`` calls to return (none when ``timeout`` seconds pass first)."""
+        for ref in self.ray.wait(list(waiting), num_returns=1, timeout=timeout)[0]:
+            (self.tasks.pop(ref, None) or self.acks.pop(ref))(ref)
+
     def _stop(self, signal: type[KeyboardInterrupt]) -> Iterator[Progress]:
         """A signal (under runtime.finish_the_step): each running task stops after its step in progress and is
         kept as it is; once every sent update is applied, the state is yielded, then the signal raised."""
-        for task, _, _ in self.running.values():
+        for task in self.queue.running.values():
             self.workers[task.worker].stop.remote()
-        while self.running:
-            for ref in self.ray.wait(list(self.running), num_returns=1)[0]:
-                self._on_task(ref)
+        while self.tasks:
+            self._next(self.tasks)
         yield self.checkpoint()
         raise signal()
 
@@ -215,27 +216,29 @@ class TaskScheduler:
             refs = self.workers[task.worker].run.options(num_returns=3 + len(self.topology.parts)).remote(
                 task.path, task.steps - task.done, self.inner[task.path], *modules,
                 params=self.partial[task.path] if paused else None)
-            self.running[refs[0]] = (task, refs, modules)
+            self.tasks[refs[0]] = partial(self._on_task, task, refs, modules)
 
-    def _on_task(self, ref: Any) -> None:
-        task, refs, modules = self.running.pop(ref)
+    def _on_task(self, task: Task, refs: list, modules: list, ref: Any) -> None:
         try:
             meta = self.ray.get(ref)
-        except self.ray.exceptions.RayTaskError:
-            raise  # the task itself failed (a bug or bad data): not something a retry heals
-        except self.ray.exceptions.RayError as exc:
-            self._requeue(task, exc)
-            return
+        except self.ray.exceptions.RayActorError as exc:  # its worker died ray.task_retries + 1 times
+            raise DistributedError(f"task {task.id} lost its worker {self.ray_cfg.task_retries + 1} times "
+                                   f"(ray.task_retries={self.ray_cfg.task_retries}): {exc}") from None
         self.free.append(task.worker)
+        if meta["restarted"]:
+            self.requeues += 1
+            echo(f"[train] worker {task.worker} died and Ray restarted it; {task.id} ran on the new one "
+                 f"(from the task's start, when the worker died during it)")
+            self.records.append(("requeue", None, {"task": task.id, "path": task.path, "worker": task.worker,
+                                                   "reason": "worker restarted"}))
         if meta["steps"] < task.steps - task.done:
-            self._pause(task, meta["steps"], refs, modules)
-            return
+            return self._pause(task, meta["steps"], refs, modules)
         self.paused.pop(task.path, None)
-        self.results[task.id] = {**meta, "inner": refs[1]}
         self.queue.sent(task, meta["tokens_per_s"])
-        self.waiting[task.id] = set(task.start)
+        waiting, result = set(task.start), {**meta, "inner": refs[1], "staleness": {}}
         for m, delta in zip(self.topology.path_modules(task.path), refs[3:]):
-            self.pushes[self.executors[m].push.remote(task.id, task.path, m, task.start[m], delta)] = (task, m)
+            push = self.executors[m].push.remote(task.id, task.path, m, task.start[m], delta)
+            self.acks[push] = partial(self._on_push, task, m, waiting, result)
 
     def _pause(self, task: Task, steps: int, refs: list, modules: list) -> None:
         """A signal stopped the task after ``steps`` more of its steps. Nothing of it is applied: its AdamW state,
@@ -243,61 +246,32 @@ class TaskScheduler:
         base = self.paused[task.path]["base"] if task.path in self.paused else self.ray.get(modules)
         task.done += steps
         self.paused[task.path] = {"index": task.index, "steps": task.steps, "done": task.done, "start": dict(task.start),
-                                  "attempt": task.attempt, "base": base}
+                                  "base": base}
         self.inner[task.path], self.partial[task.path] = refs[1], refs[2]
         self.queue.paused(task)
         echo(f"[train] {task.id} stopped after {task.done} of its {task.steps} steps; --resume continues it there")
 
-    def _requeue(self, task: Task, exc: Exception) -> None:
-        """The task's worker died (killed, preempted, out of memory): Ray restarts it, and the task goes back
-        to the queue with the path's previous AdamW state."""
-        never_ran = isinstance(exc, self.ray.exceptions.ActorUnavailableError)  # sent while it was restarting
-        self.probes[self.workers[task.worker].pid.options(max_task_retries=-1).remote()] = task.worker
-        if not never_ran and task.attempt >= self.ray_cfg.task_retries:
-            raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
-                                   f"(ray.task_retries={self.ray_cfg.task_retries}): {type(exc).__name__}") from None
-        self.queue.failed(task, count=not never_ran)
-        self.requeues += 1
-        echo(f"[train] worker {task.worker} died during {task.id}: re-queued")
-        self.records.append(("requeue", None, {"task": task.id, "path": task.path, "worker": task.worker,
-                                               "attempt": task.attempt, "reason": "worker"}))
-
-    def _on_probe(self, ref: Any) -> None:
-        worker = self.probes.pop(ref)
-        try:
-            self.ray.get(ref)
-        except self.ray.exceptions.RayError as exc:
-            raise DistributedError(f"worker {worker} died and Ray could not restart it: {exc}") from None
-        self.free.append(worker)
-
-    def _on_push(self, ref: Any) -> None:
-        task, module = self.pushes.pop(ref)
-        update = self.ray.get(ref)
-        if update is not None:  # None: the executor had applied it before it restarted
+    def _on_push(self, task: Task, module: int, waiting: set[int], result: dict, ref: Any) -> None:
+        if (update := self.ray.get(ref)) is not None:  # None: the executor had applied it before it restarted
             self.staleness.append(update["staleness"])
-            self.results[task.id].setdefault("staleness", {})[self.names[module]] = update["staleness"]
-        self.waiting[task.id].discard(module)
-        if not self.waiting[task.id]:
-            del self.waiting[task.id]
-            self._complete(task)
-
-    def _complete(self, task: Task) -> None:
-        result = self.results.pop(task.id)
-        self.inner[task.path] = result.pop("inner")
+            result["staleness"][self.names[module]] = update["staleness"]
+        waiting.discard(module)
+        if waiting:
+            return
+        self.inner[task.path] = result["inner"]
         self.queue.applied(task)
         self.records.append(("task", self.queue.completed, {
-            "task": task.id, "path": task.path, "worker": task.worker, "steps": task.steps, "attempt": task.attempt,
-            **{k: result[k] for k in ("loss", "tokens", "seconds", "compute_seconds", "tokens_per_s", "lr")},
-            "staleness": result.get("staleness", {}), "steps_done": self.queue.steps_done,
-            "elapsed": time.perf_counter() - self.start}))
+            "task": task.id, "path": task.path, "worker": task.worker, "steps": task.steps,
+            **{k: result[k] for k in ("loss", "tokens", "seconds", "compute_seconds", "tokens_per_s", "lr", "staleness")},
+            "steps_done": self.queue.steps_done, "elapsed": time.perf_counter() - self.start}))
         every = self.ray_cfg.checkpoint_every or self.topology.num_paths
         self.checkpoint_due = self.checkpoint_due or self.queue.completed % every == 0
 
     def checkpoint(self) -> Progress:
         """The completed tasks' state in the bank, the paths and the sync component: every sent update is
         applied first, so they agree (tasks still computing are run again on resume)."""
-        while self.pushes:
-            self._on_push(self.ray.wait(list(self.pushes), num_returns=1)[0][0])
+        while self.acks:
+            self._next(self.acks)
         states = self.ray.get([actor.state.remote() for actor in self.actors])
         inner = dict(zip(self.inner, self.ray.get(list(self.inner.values()))))
         self.counters = {}
@@ -310,17 +284,16 @@ class TaskScheduler:
                         self.sync.parts[part][name] = tensors[part][name]
                     self.counters[name] = {"pending": counter["pending"][m],
                                            "log": [u for u in counter["log"] if u["module"] == m]}
-        bases = {f"{p}/{self.names[m]}": base for p, task in self.paused.items()
-                 for m, base in zip(self.topology.path_modules(p), task["base"])}
-        self.sync.parts.pop(TASK_BASE, None)
-        self.sync.parts.update({TASK_BASE: bases} if bases else {})
-        for p, loop in self.loops.items():
-            loop.load_state_dict(inner[p])
-            if p in self.paused:  # mid-task: its own parameters, not the bank's
-                for name, value in self.ray.get(self.partial[p]).items():
-                    loop.model.get_parameter(name).data.copy_(value)
-            else:
-                self.bank.load_path(p, loop.model)
+            self.sync.parts.pop(TASK_BASE, None)
+            if self.paused:
+                self.sync.parts[TASK_BASE] = {f"{p}/{self.names[m]}": base for p, task in self.paused.items()
+                                              for m, base in zip(self.topology.path_modules(p), task["base"])}
+            for p, loop in self.loops.items():
+                loop.load_state_dict(inner[p])
+                if p in self.paused:  # mid-task: its own parameters, not the bank's
+                    loop.model.load_state_dict(self.ray.get(self.partial[p]), strict=False)
+                else:
+                    self.bank.load_path(p, loop.model)
         self.checkpoint_due, self.last_checkpoint = False, self.queue.completed
         records, self.records = self.records, []
         info = {"tasks": self.queue.completed, "inner_steps": self.queue.steps_done,
@@ -331,7 +304,7 @@ class TaskScheduler:
         return any(r["event"] == "checkpoint" and r.get("step") == index for r in records)
 
     def log(self, metrics: MetricsLogger, index: int, reports: list, info: dict, checkpoint_name: str) -> None:
-        """The completed tasks (and re-queues) since the last checkpoint, then the checkpoint: one append."""
+        """The completed tasks (and re-run ones) since the last checkpoint, then the checkpoint: one append."""
         with metrics.together():
             for event, step, values in reports:
                 metrics.log(event, step=step, **values)
@@ -343,7 +316,7 @@ class TaskScheduler:
                     inner_steps=self.queue.steps_done, requeues=self.requeues, staleness=summary,
                     worker_speeds=self.speeds)
         echo(f"[train] {self.queue.completed} tasks, {self.queue.steps_done} inner steps in {wall:.1f}s; "
-             f"staleness mean {summary['mean']:.2f} max {summary['max']}; {self.requeues} re-queued")
+             f"staleness mean {summary['mean']:.2f} max {summary['max']}; {self.requeues} run again")
 
     def state_dict(self) -> dict:  # the stopped tasks' base modules are the sync component's TASK_BASE part
         paused = {p: {k: v for k, v in task.items() if k != "base"} for p, task in self.paused.items()}

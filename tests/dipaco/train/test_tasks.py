@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,7 @@ from dipaco.run import Run, apply_overrides
 
 ray = pytest.importorskip("ray", reason='the Ray driver needs Ray: pip install -e ".[ray]" (dev includes it)')
 
-from dipaco.train.task_actors import (  # noqa: E402
-    ExecutorCheckpoints,
-    ExecutorModules,
-    ModuleExecutor,
-    count_applied,
-    executor_log_files,
-)
+from dipaco.train.task_actors import ExecutorCheckpoints, ExecutorModules, ModuleExecutor  # noqa: E402
 
 
 def executor(root: str, every: int, config_yaml: str, init: dict, **modules) -> ModuleExecutor:
@@ -53,10 +48,18 @@ def check_exactly_once(exp_dir: Path, topology_modules: dict[int, list[str]]) ->
     """Every completed task is in the update log of each of its path's modules exactly once, and the
     logs hold nothing else."""
     tasks = completed_tasks(exp_dir)
-    applied = count_applied(executor_log_files(exp_dir))
+    applied = applied_updates(exp_dir)
     expected = {(name, t["task"]) for t in tasks for name in topology_modules[t["path"]]}
     assert set(applied) == expected
     assert set(applied.values()) == {1}
+
+
+def applied_updates(exp_dir: Path) -> Counter:
+    """(module, task id) -> times applied, from the executors' update logs in the newest run checkpoint."""
+    from dipaco.checkpoint.store import SavedCheckpoint
+
+    executors = SavedCheckpoint(CheckpointManager(exp_dir / "checkpoints").latest()).state()["scheduler"]["executors"]
+    return Counter((module, update["task"]) for module, counters in executors.items() for update in counters["log"])
 
 
 def modules_by_path(cfg: Config) -> dict[int, list[str]]:
@@ -114,7 +117,7 @@ def signal_mid_task(run, sent: list[str], signum) -> None:
     def watch() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if any(time.monotonic() - t.started > 0.3 for t, _, _ in list(run.running.values())):
+            if any(time.monotonic() - t.started > 0.3 for t in list(run.queue.running.values())):
                 sent.append(signum.name)
                 os.kill(os.getpid(), signum)
                 return
@@ -319,3 +322,28 @@ def test_a_restarted_executor_takes_a_task_that_started_after_its_lost_updates(t
     assert again.status()["updates"] == 4
     assert {u["task"] for u in again.log()} == {"p000-t0000", "p001-t0000", "p000-t0001", "p001-t0001"}
 
+
+
+def load_script(name: str):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[3] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_checks_ray_task_runs_the_path_worker_of_today(ray_session, tmp_path):
+    """gpu_check's ray_one_task built PathWorker with the arguments of an older version (a TypeError on
+    the first lent GPU): run it here, on CPU, in the module's Ray."""
+    import argparse
+
+    gpu_check = load_script("gpu_check")
+    ctx = gpu_check.Context(args=argparse.Namespace(ray="on"), device=torch.device("cpu"), tiny=True, out=tmp_path,
+                            work=tmp_path, compile_backend="eager", record={},
+                            bench_throughput=load_script("bench_throughput"))
+    check = gpu_check.check_ray(ctx)
+    assert check.status == "passed", check
+    assert check.values["worker_device"] == "cpu" and check.values["loss"] > 0
