@@ -120,8 +120,8 @@ def fault_run(cfg: Config, per_round: int, kills: int) -> dict:
         def kill() -> None:
             import ray
 
-            # The driver gives a restarted worker tasks only once it answers, so a task running on
-            # worker 0 for 0.2 s is running on a live worker: killing it kills a task mid-way.
+            # A task running on worker 0 for 0.2 s is under way (or waits for the restarted worker, which
+            # Ray then restarts again): killing the worker kills that task, and Ray runs it again.
             while len(killed) < kills:
                 busy = [t for t in list(run.queue.running.values())
                         if t.worker == 0 and time.monotonic() - t.started > 0.2 and t.id not in killed]
