@@ -276,7 +276,7 @@ class RayConfig:
     # async: a path's next task starts once its modules took its update | rounds: lock-step
     schedule: Literal["async", "rounds"] = "async"
     max_staleness: Optional[int] = None  # bound on updates a module takes while a task computes (null: unbounded)
-    task_retries: int = 3  # times Ray runs a task again after its worker died, before the run fails
+    task_retries: int = 3  # re-queues of one task after its worker died, before the run fails
     checkpoint_every: Optional[int] = None  # completed tasks between run checkpoints (null: the number of paths)
     executor_checkpoint_every: int = 1  # updates between an executor's own checkpoints (1: none is ever lost)
     executors: Optional[int] = None  # outer executor actors, modules dealt round-robin (null: one per module)

@@ -120,8 +120,8 @@ def fault_run(cfg: Config, per_round: int, kills: int) -> dict:
         def kill() -> None:
             import ray
 
-            # A task running on worker 0 for 0.2 s is under way (or waits for the restarted worker, which
-            # Ray then restarts again): killing the worker kills that task, and Ray runs it again.
+            # The driver gives a restarted worker tasks only once it answers, so a task running on
+            # worker 0 for 0.2 s is running on a live worker: killing it kills a task mid-way.
             while len(killed) < kills:
                 busy = [t for t in list(run.queue.running.values())
                         if t.worker == 0 and time.monotonic() - t.started > 0.2 and t.id not in killed]
@@ -211,7 +211,7 @@ def main() -> None:
               f"{r['wall_in_steps']:.0f} | {r['normalized_speedup_vs_sync']:.2f}x | {r['final_ppl']:.2f} | "
               f"{100 * r['ppl_vs_sync']:+.1f}% | {r['tasks']} | {s['mean']:.2f} / {s['p90']:.0f} / {s['max']} |")
     if fault:
-        print(f"fault run: killed during {fault['killed_tasks']}, {fault['requeue_events']} run again by Ray, "
+        print(f"fault run: killed during {fault['killed_tasks']}, {fault['requeue_events']} re-queued, "
               f"{fault['updates_logged']}/{fault['updates_expected']} updates logged, exactly once: "
               f"{fault['exactly_once']}, {fault['wall_seconds']:.1f}s, ppl {fault['final_ppl']:.2f}")
     if not all(math.isfinite(r["final_ppl"]) for r in results):

@@ -12,9 +12,8 @@ Guarantees:
 * with ``max_staleness`` S, ``clock_m - start_t + (in-flight tasks on m other than t) <= S`` holds for
   every in-flight task t on module m after every dispatch, so no update is staler than S
   (``clock_m``: the updates sent to m);
-* a task a signal stopped, restored from a checkpoint, goes to the front of the queue and continues from
-  its step and the versions it started from (a task whose worker died is Ray's to run again: it stays
-  running here).
+* a task whose worker died goes back to the front of the queue; so does a task a signal stopped, restored
+  from a checkpoint, which continues from its step and the versions it started from.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ class Task:
     steps: int
     worker: int = -1
     start: dict[int, int] = field(default_factory=dict)  # module -> version the task started from
+    attempt: int = 0  # re-queues after its worker died
     started: float = 0.0  # time.monotonic() at dispatch
     done: int = 0  # steps done before a signal stopped it: it continues from there, from the same start
 
@@ -58,7 +58,7 @@ class TaskQueue:
         self.clock = {m.id: int(state.get("clock", {}).get(m.id, 0)) for m in topology.modules}
         self.speed: dict[int, float] = {int(w): float(v) for w, v in state.get("speed", {}).items()}
         self.ready: deque[int] = deque(paths)
-        self.resumed: deque[Task] = deque()
+        self.retry: deque[Task] = deque()
         self.running: dict[str, Task] = {}  # dispatched, update not yet sent
         self.sending: dict[str, Task] = {}  # update sent, not yet applied everywhere
         self.reserved = 0  # steps of running and sending tasks
@@ -72,7 +72,7 @@ class TaskQueue:
         return self.budget - self.steps_done - self.reserved
 
     def done(self) -> bool:
-        return self.remaining <= 0 and not self.running and not self.sending and not self.resumed
+        return self.remaining <= 0 and not self.running and not self.sending and not self.retry
 
     def planned_steps(self, worker: int) -> int:
         if not self.dynamic_steps or worker not in self.speed:
@@ -91,10 +91,10 @@ class TaskQueue:
         return True
 
     def dispatch(self, worker: int) -> Task | None:
-        """The next task for ``worker`` (stopped tasks resumed first), or None when none may start now."""
-        for task in list(self.resumed):
+        """The next task for ``worker`` (retries first), or None when none may start now."""
+        for task in list(self.retry):
             if self.admissible(task.path):
-                self.resumed.remove(task)
+                self.retry.remove(task)
                 return self._start(task, worker)
         if self.remaining <= 0:
             return None
@@ -114,6 +114,12 @@ class TaskQueue:
         self.running[task.id] = task
         return task
 
+    def failed(self, task: Task, count: bool = True) -> None:
+        """The task did not return (its worker died); ``count``: whether this was one of its attempts."""
+        del self.running[task.id]
+        task.attempt += int(count)
+        self.retry.appendleft(task)
+
     def paused(self, task: Task) -> None:
         """A signal stopped the task mid-way: the scheduler keeps where it is; :meth:`resume` continues it."""
         del self.running[task.id]
@@ -123,7 +129,7 @@ class TaskQueue:
         line, keeping the versions it started from."""
         self.ready.remove(task.path)
         self.reserved += task.steps
-        self.resumed.appendleft(task)
+        self.retry.appendleft(task)
 
     def sent(self, task: Task, tokens_per_s: float) -> None:
         """The task returned and its deltas were sent to its modules' executors."""

@@ -35,7 +35,6 @@ class PathWorker:
         self.speed, self.path_loops, self.topology = speed, path_loops, topology
         self.model = build_model(llama_config, seed=0, device=self.device)
         self.bank = ModuleBank(topology, self.model)
-        self.restarted = _reconstructed()  # Ray built it again after it died, and runs its task again
 
     def pid(self) -> int:
         return os.getpid()
@@ -73,16 +72,9 @@ class PathWorker:
                   for part, m in zip(self.topology.parts, module_ids)]
         meta = {"loss": stats.loss, "tokens": stats.tokens, "seconds": seconds, "compute_seconds": stats.seconds,
                 "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0, "lr": stats.lr, "step": loop.step,
-                "steps": stats.steps, "restarted": self.restarted}
-        self.restarted = False
+                "steps": stats.steps}
         mid_task = None if stats.steps == steps else {n: v.detach().cpu().clone() for n, v in model.named_parameters()}
         return (meta, _to_cpu(loop.state_dict()), mid_task, *deltas)
-
-
-def _reconstructed() -> bool:
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def _to_cpu(state: Any) -> Any:

@@ -13,8 +13,9 @@ Guarantees:
 * every update is applied exactly once per module: Ray sends a call again when its executor died
   (``max_task_retries=-1``); the executor restarts from its own checkpoint and refuses a task id it
   has already applied;
-* a task whose worker died is run again by Ray on the restarted worker, from the same AdamW state and
-  modules (only its inner steps are lost), at most ``ray.task_retries`` times;
+* a task whose worker died goes back to the queue with the path's previous AdamW state (only its inner
+  steps are lost), for the next free worker, at most ``ray.task_retries`` times; Ray restarts the
+  worker, which joins the pool again once it answers;
 * with ``ray.max_staleness`` S no update is staler than S; ``ray.schedule=rounds`` reproduces
   per-module DiLoCo (:mod:`dipaco.sync.diloco`) up to the order of fp32 sums;
 * SIGINT or SIGTERM stops each running task after its step in progress; the trainer checkpoints it as it
@@ -112,7 +113,7 @@ class TaskScheduler:
         self.queue = TaskQueue(self.topology, steps, until_round * steps * self.topology.num_paths, cfg.schedule,
                                cfg.max_staleness, self.dynamic_steps, self.queue_state)
         for p, t in self.paused.items():
-            self.queue.resume(Task(p, t["index"], t["steps"], start=dict(t["start"]), done=t["done"]))
+            self.queue.resume(Task(p, t["index"], t["steps"], start=dict(t["start"]), attempt=t["attempt"], done=t["done"]))
         self.ray = ray = _ray()
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
@@ -126,16 +127,15 @@ class TaskScheduler:
         yield from self._events()
 
     def _start_actors(self) -> None:
-        """Ray restarts a dead actor with the arguments it was created with and sends its calls again: a
-        worker's task up to ray.task_retries times, an executor's calls always (it restores its own checkpoint)."""
+        """Ray restarts a dead actor with the arguments it was created with; it sends an executor's calls
+        again (the executor restores its own checkpoint), not a worker's: the queue gives its task to any worker."""
         ray, topo = self.ray, self.topology
         resources = ray.cluster_resources()
         share = {"num_cpus": min(1.0, resources.get("CPU", 1.0) / len(self.speeds))}
         if resources.get("GPU", 0) > 0:  # the workers train on the node's GPUs, as lock-step ranks do
             share["num_gpus"] = min(1.0, resources["GPU"] / len(self.speeds))
         # max_concurrency=2: a stop() call reaches a worker while it runs a task
-        worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=self.ray_cfg.task_retries,
-                                                    max_concurrency=2)
+        worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=0, max_concurrency=2)
         llama = next(iter(self.loops.values())).model.config
         self.held = [ray.put(self.experiment.path_loops)]  # the actors' arguments, which Ray restarts them with
         self.workers = [worker_cls.remote(speed, self.held[0], llama, topo) for speed in self.speeds]
@@ -160,7 +160,7 @@ class TaskScheduler:
                 shutil.rmtree(old, ignore_errors=True)
         self.inner: dict[int, Any] = {p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}
         self.partial = {p: ray.put(dict(self.loops[p].model.named_parameters())) for p in self.paused}  # mid-task
-        self.tasks: dict[Any, Callable[[Any], None]] = {}  # a running task's first return ref -> its handler
+        self.tasks: dict[Any, Callable[[Any], None]] = {}  # a running task's first return ref (or a probe) -> handler
         self.acks: dict[Any, Callable[[Any], None]] = {}  # a sent update's push ref -> its handler
         self.free: deque[int] = deque(range(len(self.workers)))
         self.records: list[tuple[str, int | None, dict]] = []  # to log once checkpointed
@@ -202,7 +202,7 @@ class TaskScheduler:
         kept as it is; once every sent update is applied, the state is yielded, then the signal raised."""
         for task in self.queue.running.values():
             self.workers[task.worker].stop.remote()
-        while self.tasks:
+        while self.queue.running:
             self._next(self.tasks)
         yield self.checkpoint()
         raise signal()
@@ -221,16 +221,11 @@ class TaskScheduler:
     def _on_task(self, task: Task, refs: list, modules: list, ref: Any) -> None:
         try:
             meta = self.ray.get(ref)
-        except self.ray.exceptions.RayActorError as exc:  # its worker died ray.task_retries + 1 times
-            raise DistributedError(f"task {task.id} lost its worker {self.ray_cfg.task_retries + 1} times "
-                                   f"(ray.task_retries={self.ray_cfg.task_retries}): {exc}") from None
+        except self.ray.exceptions.RayTaskError:
+            raise  # the task itself failed (a bug or bad data): not something a retry heals
+        except self.ray.exceptions.RayError as exc:
+            return self._requeue(task, exc)
         self.free.append(task.worker)
-        if meta["restarted"]:
-            self.requeues += 1
-            echo(f"[train] worker {task.worker} died and Ray restarted it; {task.id} ran on the new one "
-                 f"(from the task's start, when the worker died during it)")
-            self.records.append(("requeue", None, {"task": task.id, "path": task.path, "worker": task.worker,
-                                                   "reason": "worker restarted"}))
         if meta["steps"] < task.steps - task.done:
             return self._pause(task, meta["steps"], refs, modules)
         self.paused.pop(task.path, None)
@@ -246,10 +241,31 @@ class TaskScheduler:
         base = self.paused[task.path]["base"] if task.path in self.paused else self.ray.get(modules)
         task.done += steps
         self.paused[task.path] = {"index": task.index, "steps": task.steps, "done": task.done, "start": dict(task.start),
-                                  "base": base}
+                                  "attempt": task.attempt, "base": base}
         self.inner[task.path], self.partial[task.path] = refs[1], refs[2]
         self.queue.paused(task)
         echo(f"[train] {task.id} stopped after {task.done} of its {task.steps} steps; --resume continues it there")
+
+    def _requeue(self, task: Task, exc: Exception) -> None:
+        """The task's worker died (killed, preempted, out of memory): the task goes back to the queue with the
+        path's previous AdamW state; the worker, which Ray restarts, is free again once it answers a probe."""
+        never_ran = isinstance(exc, self.ray.exceptions.ActorUnavailableError)  # sent while it was restarting
+        self.tasks[self.workers[task.worker].pid.options(max_task_retries=-1).remote()] = partial(self._on_probe, task.worker)
+        if not never_ran and task.attempt >= self.ray_cfg.task_retries:
+            raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
+                                   f"(ray.task_retries={self.ray_cfg.task_retries}): {type(exc).__name__}") from None
+        self.queue.failed(task, count=not never_ran)
+        self.requeues += 1
+        echo(f"[train] worker {task.worker} died during {task.id}: re-queued")
+        self.records.append(("requeue", None, {"task": task.id, "path": task.path, "worker": task.worker,
+                                               "attempt": task.attempt, "reason": "worker"}))
+
+    def _on_probe(self, worker: int, ref: Any) -> None:
+        try:
+            self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            raise DistributedError(f"worker {worker} died and Ray could not restart it: {exc}") from None
+        self.free.append(worker)
 
     def _on_push(self, task: Task, module: int, waiting: set[int], result: dict, ref: Any) -> None:
         if (update := self.ray.get(ref)) is not None:  # None: the executor had applied it before it restarted
@@ -261,7 +277,7 @@ class TaskScheduler:
         self.inner[task.path] = result["inner"]
         self.queue.applied(task)
         self.records.append(("task", self.queue.completed, {
-            "task": task.id, "path": task.path, "worker": task.worker, "steps": task.steps,
+            "task": task.id, "path": task.path, "worker": task.worker, "steps": task.steps, "attempt": task.attempt,
             **{k: result[k] for k in ("loss", "tokens", "seconds", "compute_seconds", "tokens_per_s", "lr", "staleness")},
             "steps_done": self.queue.steps_done, "elapsed": time.perf_counter() - self.start}))
         every = self.ray_cfg.checkpoint_every or self.topology.num_paths
@@ -304,7 +320,7 @@ class TaskScheduler:
         return any(r["event"] == "checkpoint" and r.get("step") == index for r in records)
 
     def log(self, metrics: MetricsLogger, index: int, reports: list, info: dict, checkpoint_name: str) -> None:
-        """The completed tasks (and re-run ones) since the last checkpoint, then the checkpoint: one append."""
+        """The completed tasks (and re-queues) since the last checkpoint, then the checkpoint: one append."""
         with metrics.together():
             for event, step, values in reports:
                 metrics.log(event, step=step, **values)
@@ -316,7 +332,7 @@ class TaskScheduler:
                     inner_steps=self.queue.steps_done, requeues=self.requeues, staleness=summary,
                     worker_speeds=self.speeds)
         echo(f"[train] {self.queue.completed} tasks, {self.queue.steps_done} inner steps in {wall:.1f}s; "
-             f"staleness mean {summary['mean']:.2f} max {summary['max']}; {self.requeues} run again")
+             f"staleness mean {summary['mean']:.2f} max {summary['max']}; {self.requeues} re-queued")
 
     def state_dict(self) -> dict:  # the stopped tasks' base modules are the sync component's TASK_BASE part
         paused = {p: {k: v for k, v in task.items() if k != "base"} for p, task in self.paused.items()}
