@@ -8,6 +8,7 @@
     dipaco eval     --config configs/demo.yaml            per-path validation perplexity -> eval.json
     dipaco report   --config configs/demo.yaml            table of every evaluated model of the run
     dipaco eval     --config ... --reroute-every 128,64,32 test-time re-routing every W tokens
+    dipaco eval     --config ... --corpus news.jsonl      per-path perplexity on any corpus -> eval_news.json
     dipaco generate --run runs/demo "prompt"             route the prompt, run its one path
     dipaco export   --run runs/demo --path 3 --out DIR    a path as a standalone HF model directory
     dipaco serve    --run runs/demo --port 8000           HTTP API: /v1/route, /v1/generate, /v1/paths
@@ -64,7 +65,11 @@ def _cmd_reroute(run: Run, args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(run: Run, args: argparse.Namespace) -> None:
-    if args.reroute_every:
+    if args.corpus is not None:
+        if args.pretrained or args.reroute_every:
+            raise DipacoError("--corpus scores an experiment's routed paths; drop --pretrained and --reroute-every")
+        run.evaluate_corpus(args.corpus, checkpoint=args.checkpoint)
+    elif args.reroute_every:
         from dipaco.eval.reroute_eval import parse_every
 
         if args.pretrained:
@@ -196,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reroute-every", metavar="W[,W...]",
                    help="test-time re-routing: perplexity with the path re-chosen every W tokens (e.g. 128,64,32), "
                         "next to once-per-document routing -> reroute_eval.json")
+    p.add_argument("--corpus", metavar="SOURCE",
+                   help="score this corpus instead of the validation split: a file, directory or glob that "
+                        "data.corpus could name, read with the run's data keys, routed by the run's router "
+                        "-> train/<name>/eval_<corpus name>.json")
     p.set_defaults(func=_cmd_eval)
 
     p = _command(sub, "report", "print a table of every evaluated model in the run directory")

@@ -16,7 +16,7 @@ value fails before any job starts, with one error naming its key.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from dipaco.comm.world import DistEnv, World, check_dist, check_same_config, det
 from dipaco.config import Config, config_diff, flatten, merge_config, to_yaml
 from dipaco.data.corpus import numpy_column
 from dipaco.data.packing import DocumentTokens, PackedShard
-from dipaco.data.prepare import Prepared, check_data, check_tokenizer, load_prepared, prepare
+from dipaco.data.prepare import Prepared, check_data, check_tokenizer, corpus_spec, load_prepared, prepare
 from dipaco.errors import ConfigError, DataError
 from dipaco.eval.evaluate import (
     EvalJob,
@@ -130,7 +130,7 @@ class Run:
         llama = path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len)
         return load_pretrained(RunDir(cfg.run.dir).pretrain, llama)
 
-    def eval_job(self, prepared: Prepared) -> EvalJob:
+    def eval_job(self, prepared: Prepared | None = None) -> EvalJob:
         """Evaluation of the experiment as it was trained: its spec, not this config, gives the model's shape,
         topology, lengths and routing rule."""
         cfg = self.cfg
@@ -234,6 +234,23 @@ class Run:
     def evaluate(self, checkpoint: str | None = None) -> dict:
         prepared = self.prepared()
         return evaluate_experiment(self.eval_job(prepared), prepared, checkpoint)
+
+    def evaluate_corpus(self, source: str, checkpoint: str | None = None) -> dict:
+        """`dipaco eval --corpus`: the experiment on the documents of ``source``, read with this config's data keys.
+        The prepared data is not read (only the experiment's tokenizer), so ``data.text_field`` and the other
+        reading keys may name the other corpus's columns."""
+        from dipaco.data.tokenizer import load_tokenizer
+        from dipaco.eval.corpus_eval import CorpusJob, evaluate_corpus
+
+        cfg = self.cfg
+        spec = self.trained_spec()
+        tokenizer = load_tokenizer(RunDir(cfg.run.dir).root / spec.tokenizer.dir)
+        spec.check_tokenizer(tokenizer)
+        llama = path_llama_config(cfg.model, tokenizer, cfg.data.seq_len)
+        corpus = CorpusJob(corpus_spec(replace(cfg.data, corpus=source)), tokenizer,
+                           featurizer=lambda: load_pretrained(RunDir(cfg.run.dir).pretrain, llama),
+                           route_precision=cfg.route.precision, route_batch_size=cfg.route.batch_size)
+        return evaluate_corpus(self.eval_job(), corpus, checkpoint)
 
     def evaluate_pretrained(self) -> dict:
         cfg = self.cfg

@@ -75,7 +75,8 @@ def check_eval(section: EvalConfig) -> None:
         raise ConfigError(f"eval.every: must be >= 0 (0: no validation during training), got {section.every}")
 
 
-def _summary(scores: Scores, n_docs: int) -> dict:
+def _summary(scores: Scores, n_docs: int, what: str = "validation") -> dict:
+    """``what``: the documents' name in the reason for a null perplexity ("validation", "corpus")."""
     out: dict[str, int | float | str] = {
         "docs": n_docs,
         "scored_tokens": int(scores.tokens.sum()),
@@ -83,8 +84,8 @@ def _summary(scores: Scores, n_docs: int) -> dict:
         "ppl": scores.perplexity,
     }
     if not out["scored_tokens"]:  # eval.json writes the NaN as null, with this reason beside it
-        out["ppl_null_reason"] = ("no validation document is routed to this path" if not n_docs else
-                                  f"no scored tokens: the {n_docs} validation documents routed here end within "
+        out["ppl_null_reason"] = (f"no {what} document is routed to this path" if not n_docs else
+                                  f"no scored tokens: the {n_docs} {what} documents routed here end within "
                                   "the routing prefix")
     return out
 
@@ -128,28 +129,46 @@ def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None
     """Scores every path of the experiment's newest (or given) checkpoint on its routed validation docs."""
     check_eval(job.eval)
     exp_dir, ckpt = experiment_checkpoint(job.run_dir, job.name, job.routed, checkpoint)
+    val = validation_split(job.eval, prepared)
+    routes = assign_paths(val, job.topology.num_paths, job.sharding, job.seed, job.shard_column)
+    report = score_routed(job, ckpt, RoutedDocs(DocumentTokens(val), routes, prepared.tokenizer.pad_token_id))
+    write_report(report, exp_dir / REPORT)
+    print_path_table(report)
+    return report
+
+
+@dataclass(frozen=True)
+class RoutedDocs:
+    """Documents to score, each with the path that routing gave it."""
+
+    tokens: DocumentTokens
+    routes: np.ndarray  # row -> path
+    pad_token_id: int
+    what: str = "validation"  # the documents' name in the report ("validation", "corpus")
+
+
+def score_routed(job: EvalJob, ckpt: Path, docs: RoutedDocs) -> dict:
+    """The report of every path of checkpoint ``ckpt`` scored on the documents routed to it, and overall:
+    the one scoring of `dipaco eval`, for the validation split and for any other corpus."""
     topology = job.topology
     bank = read_bank(ckpt, topology, job.llama)
-    val = validation_split(job.eval, prepared)
-    tokens = DocumentTokens(val)
-    routes = assign_paths(val, topology.num_paths, job.sharding, job.seed, job.shard_column)
-
     model = build_model(job.llama, device=job.device)
-    scoring = Scoring(job.seq_len, job.prefix_tokens, job.eval.batch_size, prepared.tokenizer.pad_token_id,
+    scoring = Scoring(job.seq_len, job.prefix_tokens, job.eval.batch_size, docs.pad_token_id,
                       resolve_precision(job.eval.precision, job.device, "eval.precision"))
     per_path, nll_total, tok_total = [], 0.0, 0
-    bar = tqdm(total=_windows(tokens, len(val), job.seq_len, job.prefix_tokens), desc=f"eval {job.name}",
+    n_docs = len(docs.routes)
+    bar = tqdm(total=_windows(docs.tokens, n_docs, job.seq_len, job.prefix_tokens), desc=f"eval {job.name}",
                unit="window", disable=not job.progress, dynamic_ncols=True, leave=False)
     for p in range(topology.num_paths):
-        members = np.flatnonzero(routes == p)
+        members = np.flatnonzero(docs.routes == p)
         bar.set_postfix(path=p)
-        scores = score_rows(load_eval_path(job, bank, p, model), tokens, members, scoring, bar.update)
+        scores = score_rows(load_eval_path(job, bank, p, model), docs.tokens, members, scoring, bar.update)
         per_path.append({"path": p, "modules": [topology.modules[m].name for m in topology.path_modules(p)],
-                         **_summary(scores, members.size)})
+                         **_summary(scores, members.size, docs.what)})
         nll_total += float(scores.nll.sum())
         tok_total += int(scores.tokens.sum())
     bar.close()
-    report = {
+    return {
         "experiment": job.name,
         "checkpoint": ckpt.name + (" (early-stopped paths)" if job.eval.early_stopping else ""),
         "topology": topology.describe(),
@@ -159,12 +178,9 @@ def evaluate_experiment(job: EvalJob, prepared: Prepared, checkpoint: str | None
         "steps_per_path": int(ckpt.name.split("_")[-1]) * job.inner_steps,
         "prefix_tokens": job.prefix_tokens,
         "paths": per_path,
-        "overall": {"docs": len(val), "scored_tokens": tok_total, "nll": nll_total,
+        "overall": {"docs": n_docs, "scored_tokens": tok_total, "nll": nll_total,
                     "ppl": math.exp(nll_total / tok_total) if tok_total else float("nan")},
     }
-    _write(report, exp_dir / REPORT)
-    print_path_table(report)
-    return report
 
 
 @dataclass(frozen=True)
@@ -204,13 +220,14 @@ def evaluate_pretrained(job: PretrainedEval, model: PreTrainedModel, prepared: P
         "prefix_tokens": prefix_tokens,
         "overall": _summary(scores, len(val)),
     }
-    _write(report, RunDir(run_dir).pretrain / REPORT)
+    write_report(report, RunDir(run_dir).pretrain / REPORT)
     echo(f"[eval] pretrained dense model: validation ppl {report['overall']['ppl']:.2f} "
          f"on {report['overall']['scored_tokens']:,} tokens")
     return report
 
 
-def _write(report: dict, path: Path) -> None:
+def write_report(report: dict, path: Path) -> None:
+    """An eval report as JSON, written atomically (NaN as null)."""
     write_text(path, json_text.dumps(report, indent=2))
 
 
