@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, List, Literal, Optional, get_args, get_type_hints
+from typing import Any, Dict, List, Literal, Optional, get_args, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -67,15 +67,28 @@ class TokenizerConfig:
 
 @dataclass
 class ModelConfig:
-    """Architecture of one path (every path is a LlamaForCausalLM of this shape)."""
+    """Architecture of one path (every path is a LlamaForCausalLM of this shape).
 
+    With ``init_from`` the shape keys (:data:`SHAPE_KEYS`) come from that checkpoint: a key left unset takes
+    the checkpoint's value, and one given that contradicts it is an error (dipaco.model.source)."""
+
+    # a Llama-architecture checkpoint (a local HF directory or a hub name): the run's dense init, tokenizer and shape
+    init_from: Optional[str] = None
     num_layers: int = 4
     hidden_size: int = 128
     intermediate_size: int = 384
     num_heads: int = 4
     num_kv_heads: Optional[int] = None  # None = num_heads (no grouped-query attention)
+    head_dim: Optional[int] = None  # None = hidden_size / num_heads
+    vocab_size: Optional[int] = None  # the embedding's rows; None = the tokenizer's size
+    max_positions: Optional[int] = None  # max_position_embeddings; None = data.seq_len
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # rope_type and its parameters, as in a HF config (Llama 3.x: {rope_type: llama3, factor: 32.0, ...}); None = plain RoPE
+    rope_scaling: Optional[Dict[str, Any]] = None
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    mlp_bias: bool = False
     init_std: float = 0.02
     attention: Literal["sdpa", "eager"] = "sdpa"  # sdpa: flash / memory-efficient kernels on CUDA
     activation_checkpointing: bool = False  # recompute each block in the backward pass: less memory, ~1/3 more compute
@@ -124,6 +137,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # 0 disables clipping
     batch_size: int = 16  # sequences per step
+    # sequences per forward/backward pass: a step accumulates batch_size / micro_batch_size of them; None = batch_size
+    micro_batch_size: Optional[int] = None
 
 
 @dataclass
@@ -308,6 +323,25 @@ class Config:
 
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+# The model keys that change a path's math: an imported checkpoint (model.init_from) sets every one of them.
+SHAPE_KEYS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+              "max_positions", "tie_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "attention_bias", "mlp_bias")
+
+
+def given_keys(path: str | Path | None, overrides: list[str] | None, section: str) -> set[str]:
+    """The keys of ``section`` that the YAML file or the dotlist overrides set (whatever their values): what a
+    user asked for, as opposed to the schema's defaults."""
+    given: set[str] = set()
+    if path is not None:
+        doc = _read_yaml(Path(path))
+        part = doc.get(section)
+        if isinstance(part, DictConfig):
+            given |= {str(k) for k in part.keys()}
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if key.startswith(section + "."):
+            given.add(key[len(section) + 1:].split(".", 1)[0])
+    return given
 
 
 def merge_config(path: str | Path | None = None, overrides: list[str] | None = None,

@@ -29,7 +29,7 @@ from dipaco.checkpoint.state import TrainingState
 from dipaco.checkpoint.store import CONFIG, CheckpointManager, resolve_checkpoint
 from dipaco.comm.placement import check_world_size, module_writers, paths_by_rank
 from dipaco.comm.world import DistEnv, World, check_dist, check_same_config, detect_env, init_world, rank_device
-from dipaco.config import Config, config_diff, flatten, merge_config, to_yaml
+from dipaco.config import Config, ModelConfig, config_diff, flatten, given_keys, merge_config, to_yaml
 from dipaco.data.corpus import numpy_column
 from dipaco.data.packing import DocumentTokens, PackedShard
 from dipaco.data.prepare import Prepared, check_data, check_tokenizer, corpus_spec, load_prepared, prepare
@@ -47,7 +47,8 @@ from dipaco.eval.reroute_eval import reroute_evaluate
 from dipaco.metrics import echo
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model, check_model
-from dipaco.model.pretrained import load_pretrained, path_llama_config
+from dipaco.model.pretrained import check_vocabulary, load_pretrained, path_llama_config
+from dipaco.model.source import resolve_init_from
 from dipaco.model.scoring import Scoring
 from dipaco.model.topology import Topology, check_topology, topology_from_config
 from dipaco.paths.early_stopping import PathEarlyStopping, early_stopping_holdout
@@ -79,6 +80,7 @@ from dipaco.train.trainer import CheckpointPolicy, Trainer, check_train
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Schema defaults <- YAML file <- dotlist overrides, then every component's check."""
     cfg = merge_config(path, overrides)
+    cfg.model, cfg.tokenizer = resolve_init_from(cfg.model, cfg.tokenizer, given_keys(path, overrides, "model"))
     check_config(cfg)
     return cfg
 
@@ -86,6 +88,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """A copy of ``cfg`` with dotlist overrides applied and checked (for scripts and tests)."""
     changed = merge_config(None, overrides, base=cfg)
+    changed.model, changed.tokenizer = resolve_init_from(changed.model, changed.tokenizer,
+                                                         given_keys(None, overrides, "model"))
     check_config(changed)
     return changed
 
@@ -96,7 +100,7 @@ def check_config(cfg: Config) -> None:
     check_run(cfg.run)
     check_data(cfg.data)
     check_tokenizer(cfg.tokenizer)
-    check_model(cfg.model)
+    check_model(cfg.model, cfg.data.seq_len)
     check_topology(cfg.topology)
     check_pretrain(cfg.pretrain)
     check_train(cfg.train)
@@ -152,7 +156,8 @@ class Run:
         declared = {"train.sharding": (cfg.train.sharding, spec.sharding.rule),
                     "data.seq_len": (cfg.data.seq_len, spec.seq_len),
                     "data.prefix_tokens": (cfg.data.prefix_tokens, spec.prefix_tokens),
-                    **{f"model.{k}": (v, spec.model.get(k)) for k, v in asdict(cfg.model).items()},
+                    # a key the spec predates had its default then
+                    **{f"model.{k}": (v, spec.model.get(k, getattr(ModelConfig, k))) for k, v in asdict(cfg.model).items()},
                     "topology": (self.topology().describe(), spec.build_topology().describe())}
         differ = [f"{key}={mine} against {key}={theirs}" for key, (mine, theirs) in declared.items() if mine != theirs]
         if differ:
@@ -163,6 +168,8 @@ class Run:
     # --- the jobs -----------------------------------------------------------------------------------------
     def prepare(self) -> dict:
         cfg = self.cfg
+        if cfg.model.init_from is not None:  # before anything is written: the checkpoint's tokenizer fits its embedding
+            check_vocabulary(len(load_tokenizer(cfg.tokenizer.path or cfg.model.init_from)), cfg.model)
         return prepare(cfg.run.dir, cfg.data, cfg.tokenizer, to_yaml(cfg), progress=cfg.run.progress)
 
     def pretrain(self, resume: bool = False) -> None:

@@ -122,16 +122,24 @@ def train_tokenizer(
 
 
 def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerFast:
-    """Load a tokenizer saved by `train_tokenizer` (or any local HF tokenizer directory), offline."""
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
+    """Load a tokenizer saved by `train_tokenizer`, any local HF tokenizer directory (offline), or a hub model's
+    (``org/name``: through the hub's download and cache). One without a pad token pads with its EOS token, so
+    no id changes and the vocabulary does not grow."""
+    local = Path(path)
+    if local.is_dir() and not (local / "tokenizer.json").is_file():
+        raise DataError(f"{path} is not a tokenizer directory (no tokenizer.json in it)")
+    if not local.is_dir() and (local.exists() or str(path).count("/") != 1):
         raise DataError(f"{path} is not a tokenizer directory (no tokenizer.json in it)")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as e:  # a corrupt json or config surfaces as many exception types
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=local.is_dir())
+    except Exception as e:  # a corrupt json or config, or the hub's errors, surface as many exception types
         raise DataError(f"cannot load the tokenizer in {path}: {e}") from e
-    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
-        raise DataError(f"the tokenizer in {path} has no EOS or PAD token; train one with train_tokenizer")
+    if not isinstance(tokenizer, transformers.PreTrainedTokenizerFast) and not hasattr(tokenizer, "backend_tokenizer"):
+        raise DataError(f"the tokenizer in {path} is not a fast (Rust) tokenizer; dipaco needs its tokenizer.json")
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"the tokenizer in {path} has no EOS token; documents are separated by EOS")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere: EOS serves, no id is added
     return tokenizer
 
 

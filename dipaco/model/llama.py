@@ -18,37 +18,54 @@ from dipaco.errors import ConfigError
 from dipaco.model.topology import EMBEDDING, HEAD, Part, Topology
 
 
-def check_model(cfg: ModelConfig) -> None:
-    """The ``model`` section: a Llama these numbers can build."""
+def check_model(cfg: ModelConfig, seq_len: int | None = None) -> None:
+    """The ``model`` section: a Llama these numbers can build (``seq_len``: data.seq_len, which must fit its positions)."""
     for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"model.{key}: must be > 0, got {getattr(cfg, key)}")
-    if cfg.hidden_size % cfg.num_heads:
+    for key in ("head_dim", "vocab_size", "max_positions"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
+            raise ConfigError(f"model.{key}: must be > 0 or null, got {getattr(cfg, key)}")
+    if cfg.head_dim is None and cfg.hidden_size % cfg.num_heads:
         raise ConfigError(f"model.hidden_size: {cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
     if cfg.num_kv_heads is not None and (cfg.num_kv_heads <= 0 or cfg.num_heads % cfg.num_kv_heads):
         raise ConfigError(f"model.num_kv_heads: must be > 0 and divide model.num_heads={cfg.num_heads}, "
                           f"got {cfg.num_kv_heads}")
-    for key in ("rope_theta", "init_std"):
+    for key in ("rope_theta", "init_std", "rms_norm_eps"):
         value = getattr(cfg, key)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"model.{key}: must be a finite number > 0, got {value}")
+    if cfg.rope_scaling is not None and not isinstance(cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")), str):
+        raise ConfigError(f"model.rope_scaling: needs a rope_type (llama3, linear, dynamic, yarn, ...), got {cfg.rope_scaling}")
+    if seq_len is not None and cfg.max_positions is not None and seq_len > cfg.max_positions:
+        where = f" (the maximum positions of {cfg.init_from})" if cfg.init_from else ""
+        raise ConfigError(f"data.seq_len: {seq_len} is above model.max_positions={cfg.max_positions}{where}")
 
 
 def llama_config(cfg: ModelConfig, vocab_size: int, max_positions: int, eos_id: int, pad_id: int) -> LlamaConfig:
+    """A path's HF config; ``vocab_size`` and ``max_positions`` (the tokenizer's size, data.seq_len) apply where
+    ``model.vocab_size`` and ``model.max_positions`` are unset."""
+    rope_scaling = dict(cfg.rope_scaling) if cfg.rope_scaling is not None else None
     return LlamaConfig(
-        vocab_size=vocab_size,
+        vocab_size=cfg.vocab_size or vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-        max_position_embeddings=max_positions,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_positions or max_positions,
         rope_theta=cfg.rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=cfg.rms_norm_eps,
+        attention_bias=cfg.attention_bias,
+        mlp_bias=cfg.mlp_bias,
         initializer_range=cfg.init_std,
         tie_word_embeddings=cfg.tie_embeddings,
         bos_token_id=None,
         eos_token_id=eos_id,
-        pad_token_id=pad_id,
+        # a tokenizer that pads with EOS (dipaco.data.tokenizer.load_tokenizer): no padding_idx, which would freeze EOS's row
+        pad_token_id=None if pad_id == eos_id else pad_id,
         use_cache=False,
         attn_implementation=cfg.attention,  # sdpa: flash / memory-efficient attention kernels on CUDA
     )

@@ -25,7 +25,16 @@ WEIGHTS, SHARD_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 def path_llama_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> LlamaConfig:
     """The ``LlamaConfig`` of every path: ``model.*`` with the run's vocabulary and sequence length."""
+    check_vocabulary(len(tokenizer), model)
     return llama_config(model, len(tokenizer), seq_len, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def check_vocabulary(tokens: int, model: ModelConfig) -> None:
+    """A tokenizer of ``tokens`` ids must fit the embedding (``model.vocab_size`` rows, where set)."""
+    if model.vocab_size is not None and tokens > model.vocab_size:
+        source = f" of {model.init_from}" if model.init_from else ""
+        raise DataError(f"the tokenizer has {tokens:,} tokens, more than the {model.vocab_size:,} rows of the "
+                        f"embedding{source} (model.vocab_size): ids past the embedding have no vector")
 
 
 def load_pretrained(directory: str | Path, want: LlamaConfig, hint: str = "run `dipaco pretrain` first") -> LlamaForCausalLM:

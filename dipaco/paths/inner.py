@@ -39,6 +39,9 @@ def check_optim(key: str, optim: OptimConfig) -> None:
         raise ConfigError(f"{key}.warmup_steps: must be >= 0, got {optim.warmup_steps}")
     if optim.batch_size <= 0:
         raise ConfigError(f"{key}.batch_size: must be > 0, got {optim.batch_size}")
+    micro = optim.micro_batch_size
+    if micro is not None and (micro <= 0 or optim.batch_size % micro):
+        raise ConfigError(f"{key}.micro_batch_size: must be > 0 and divide {key}.batch_size={optim.batch_size}, got {micro}")
 
 
 @dataclass
@@ -211,15 +214,22 @@ class InnerLoop:
         self.to_device = PinnedCopy(self.device)
 
     def train_step(self) -> torch.Tensor:
+        """One AdamW step on the sampler's next batch, accumulated over micro-batches of ``micro_batch_size`` rows.
+
+        Every row is a packed sequence whose every position is a target, so the batch's mean loss is the mean
+        of equal-sized micro-batches' means: each is weighted by its share of the rows."""
         batch = self.to_device(self.sampler.next_batch())
-        with self.options.precision.autocast():
-            loss = self.forward(input_ids=batch, labels=batch).loss
+        micro = self.cfg.micro_batch_size or len(batch)
+        loss = torch.zeros((), device=self.device)
+        for rows in batch.split(micro):
+            with self.options.precision.autocast():
+                part = self.forward(input_ids=rows, labels=rows).loss * (len(rows) / len(batch))
+            (part if self.scaler is None else self.scaler.scale(part)).backward()
+            loss += part.detach()
         if self.scaler is None:
-            loss.backward()
             self._clip()
             self.optimizer.step()
         else:
-            self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             self._clip()
             self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
@@ -227,7 +237,7 @@ class InnerLoop:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return loss.detach()
+        return loss
 
     def _clip(self) -> None:
         if self.cfg.grad_clip > 0:

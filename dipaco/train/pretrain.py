@@ -1,5 +1,8 @@
 """`dipaco pretrain`: the dense, path-sized model trained on all training data.
 
+With ``model.init_from`` it starts from that checkpoint's weights (:mod:`dipaco.model.source`) and continues
+its training on the corpus for ``pretrain.steps`` steps (0: the checkpoint as it is).
+
 Its weights initialise every module of the bank (the DiPaCo paper pretrains 24k of 88k steps
 this way). It is saved with ``save_pretrained`` (safetensors) together with the tokenizer, so the
 directory is a standard HF model that routing can featurize with (:mod:`dipaco.model.pretrained`
@@ -22,6 +25,7 @@ from dipaco.errors import ConfigError
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.model.llama import build_model
 from dipaco.model.pretrained import path_llama_config
+from dipaco.model.source import import_weights
 from dipaco.paths.factory import DENSE, LoopSettings, PathLoops
 from dipaco.paths.inner import InnerLoop, InnerStats, check_optim
 from dipaco.route.shards import build_shards
@@ -77,6 +81,9 @@ def pretrain(job: PretrainJob, prepared: Prepared) -> None:
     everything = np.zeros(len(prepared.train), dtype=np.int64)  # one shard: all training docs
     sequences = build_shards(prepared.train, everything, 1, job.seq_len, prepared.tokenizer.eos_token_id)[0]
     model = build_model(path_llama_config(job.model, prepared.tokenizer, job.seq_len), seed=run.seed, device=device)
+    if job.model.init_from is not None:  # continue the open model's training on this corpus, as the paper does
+        import_weights(model, job.model.init_from)
+        echo(f"[pretrain] initialised from {job.model.init_from}")
     steps = section.steps
     settings = LoopSettings.from_config(section, job.model, steps, "pretrain")
     loop = PathLoops({DENSE: sequences}, settings, run.seed).build(DENSE, model, device)
