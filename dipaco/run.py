@@ -33,6 +33,7 @@ from dipaco.config import Config, ModelConfig, config_diff, flatten, given_keys,
 from dipaco.data.corpus import numpy_column
 from dipaco.data.packing import DocumentTokens, PackedShard
 from dipaco.data.prepare import Prepared, check_data, check_tokenizer, corpus_spec, load_prepared, prepare
+from dipaco.data.tokenizer import load_tokenizer
 from dipaco.errors import ConfigError, DataError
 from dipaco.eval.evaluate import (
     EvalJob,

@@ -334,7 +334,8 @@ def final_bank(cfg: Config, name: str) -> dict[str, torch.Tensor]:
     return load_bank_state(ckpt)
 
 
-E2E = ("train.rounds=3", "train.inner_steps=8", "dist.check_replicas=true", "dist.timeout_s=60")
+# micro_batch_size: each rank's path steps accumulate micro-batches, as one process's do
+E2E = ("train.rounds=3", "train.inner_steps=8", "dist.check_replicas=true", "dist.timeout_s=60", "train.optim.micro_batch_size=4")
 
 
 @pytest.fixture(scope="module")
@@ -354,7 +355,8 @@ def two_ranks(prepared_run, tmp_path_factory):
 
 def test_one_and_two_ranks_train_the_same_bank(two_ranks):
     cfg, _, out = two_ranks
-    single = Run(replace(cfg, train=replace(cfg.train, name="single", rounds=3, inner_steps=8))).train()
+    single = Run(replace(cfg, train=replace(cfg.train, name="single", rounds=3, inner_steps=8,
+                                            optim=replace(cfg.train.optim, micro_batch_size=4)))).train()
     a, b = final_bank(cfg, "single"), final_bank(cfg, "two")
     assert a.keys() == b.keys()
     for k in a:  # equal up to the order of the fp32 additions (docs/guide.md: Multi-worker training)

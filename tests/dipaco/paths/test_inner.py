@@ -134,3 +134,49 @@ def test_batches_reach_the_gpu_from_pinned_buffers_without_a_pageable_copy():
     assert all(buffer.is_pinned() for buffer, _ in copy.slots) and len(copy.slots) == 2
     names = {e.key for e in prof.key_averages()}
     assert not any("Pageable" in name for name in names), sorted(n for n in names if "Memcpy" in n)
+
+
+def _accumulating_loop(micro: int | None, batch: int = 8, model=None) -> InnerLoop:
+    optim = OptimConfig(lr=3e-3, warmup_steps=2, batch_size=batch, micro_batch_size=micro)
+    options = InnerOptions(resolve_precision("fp32", "cpu"))
+    return InnerLoop(model or tiny_model(), ShardSampler(sequences(), batch, seed=3), optim, 40, "cpu", options)
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_micro_batches_give_the_step_of_the_one_large_batch(micro):
+    whole, parts = _accumulating_loop(None), _accumulating_loop(micro)
+    a, b = whole.run(6), parts.run(6)
+    assert b.tokens == a.tokens and parts.sampler.state_dict() == whole.sampler.state_dict()  # the same rows, in order
+    assert abs(a.loss - b.loss) < 1e-5
+    for (name, p), q in zip(whole.model.named_parameters(), parts.model.parameters()):
+        assert torch.allclose(p, q, atol=2e-5, rtol=0), name
+    # and accumulating changes the step at all: one micro-batch of the step alone gives another model
+    alone = _accumulating_loop(None, batch=micro)
+    alone.run(6)
+    assert any(not torch.allclose(p, q, atol=2e-5) for p, q in zip(alone.model.parameters(), parts.model.parameters()))
+
+
+def test_micro_batches_resume_bit_exactly():
+    straight = _accumulating_loop(2)
+    straight.run(8)
+    first = _accumulating_loop(2)
+    first.run(3)
+    state = copy.deepcopy(first.state_dict())
+    weights = params(first.model)
+    second = _accumulating_loop(2, model=tiny_model(seed=5))
+    with torch.no_grad():
+        for name, p in second.model.named_parameters():
+            p.copy_(weights[name])
+    second.load_state_dict(state)
+    second.run(5)
+    for (name, p), q in zip(straight.model.named_parameters(), second.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("micro", [0, 3, 16])
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused(micro):
+    from dipaco.errors import ConfigError
+    from dipaco.paths.inner import check_optim
+
+    with pytest.raises(ConfigError, match=f"train.optim.micro_batch_size: must be > 0 and divide train.optim.batch_size=8, got {micro}"):
+        check_optim("train.optim", OptimConfig(batch_size=8, micro_batch_size=micro))

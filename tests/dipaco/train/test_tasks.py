@@ -273,9 +273,10 @@ def test_an_executor_killed_as_a_run_checkpoint_starts_loses_nothing(ray_session
 
 def test_rounds_schedule_reproduces_diloco(ray_session, run_cfg, tmp_path):
     """ray.schedule=rounds with the default delay applies the same outer steps as outer.sync=diloco,
-    per-module outer lrs included (a larger embedding/head step, the sqrt(paths) rescale)."""
+    per-module outer lrs included (a larger embedding/head step, the sqrt(paths) rescale), and a path step
+    accumulated over micro-batches on the Ray workers as in one process."""
 
-    per_module = ["outer.embedding_head_lr_scale=1.5", "outer.rescale=sqrt_paths"]
+    per_module = ["outer.embedding_head_lr_scale=1.5", "outer.rescale=sqrt_paths", "train.optim.micro_batch_size=2"]
     ray_exp = Run(with_overrides(run_cfg, "ray.schedule=rounds", "train.name=on_ray", *per_module)).train()
     sync_exp = Run(apply_overrides(run_cfg, ["train.name=diloco", *per_module])).train()
     on_ray = load_bank_state(CheckpointManager(ray_exp.dir / "checkpoints").latest())
