@@ -20,6 +20,7 @@ import os
 import socket
 
 from dipaco.errors import DipacoError
+from dipaco.serve.openai_api import error_body, is_openai_path
 
 TOKEN_ENV = "DIPACO_SERVE_TOKEN"
 OPEN_PATHS = frozenset({"/healthz"})  # a load balancer's health check carries no credentials
@@ -75,13 +76,16 @@ class BearerToken:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope["headers"]):
-            await self._unauthorized(send)
+            await self._unauthorized(scope, send)
             return
         await self.app(scope, receive, send)
 
     @staticmethod
-    async def _unauthorized(send) -> None:
-        body = json.dumps({"detail": "missing or wrong token: send 'Authorization: Bearer <token>'"}).encode()
+    async def _unauthorized(scope, send) -> None:
+        message = "missing or wrong token: send 'Authorization: Bearer <token>'"
+        content = (error_body(401, message, code="invalid_api_key") if is_openai_path(scope["path"])
+                   else {"detail": message})
+        body = json.dumps(content).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b'Bearer realm="dipaco"')]})

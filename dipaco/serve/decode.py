@@ -21,9 +21,16 @@ How a row is computed, and why it matches HF ``generate``:
   processors (temperature, top-k, top-p) and draw from their own ``torch.Generator``, seeded per request,
   on their own row of logits only. A row's draws therefore do not depend on what else is in the batch:
   a seeded request samples the same tokens batched or alone as long as its logits are the same.
-- A row ends at its EOS (``stop``), at its own ``max_new_tokens`` (``length``), or when its client has
-  gone (``cancelled``). It is reported at once (``on_finish``) and dropped from the cache
-  (``batch_select_indices``), so the others continue without it and it never waits for the longest row.
+- A row ends at its EOS (``stop``), at its own ``max_new_tokens`` (``length``), when its own ``stop``
+  check says so (a stop string: ``stop``), or when its client has gone (``cancelled``). It is reported at
+  once (``on_finish``) and dropped from the cache (``batch_select_indices``), so the others continue without
+  it and it never waits for the longest row.
+
+- Log-probabilities (the completions API's ``logprobs`` / ``echo``): a row with ``logprobs`` set records the
+  model's log-probability of each token it takes and of its ``logprobs`` most likely alternatives, from the
+  raw logits (before temperature or top-k/top-p). A row with ``prompt_logprobs`` records them for its prompt
+  tokens too: its prefill keeps every position's logits, not only the last. Such a row may ask for no new
+  tokens (``max_new_tokens=0``): it ends after the prefill.
 
 What batching can change: a padded row attends over more (masked) columns and its matrix products run
 at another batch size, so its logits can differ from the lone row's in the last bits of float32; a
@@ -105,12 +112,22 @@ def sampling_processors(temperature: float, top_p: float, top_k: int, seed: int,
 
 
 # --- one request's decoding state ------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenScore:
+    """A token's log-probability under the model and its ``k`` most likely alternatives (token id, log-prob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass(eq=False)
 class DecodeRow:
     """One prompt in a batch: its tokens, its own stopping rule and its own token choice.
 
     ``processors`` is None for greedy decoding; otherwise the row's sampling processors
-    (:func:`sampling_processors`), whose last one draws the token.
+    (:func:`sampling_processors`), whose last one draws the token. ``logprobs``: record a
+    :class:`TokenScore` (with that many alternatives) of every token taken, and of every prompt token
+    after the first with ``prompt_logprobs``. ``stop(row)``, asked after each token, ends the row when true.
     """
 
     prompt_ids: list[int]
@@ -118,7 +135,13 @@ class DecodeRow:
     processors: LogitsProcessorList | None = None
     min_new_tokens: int = 0  # EOS is suppressed until this many tokens exist (benchmarks force lengths)
     on_finish: Callable[[DecodeRow], None] | None = None  # called once, from the decoding thread, as the row ends
+    logprobs: int | None = None  # None: no log-probabilities; k >= 0: each token's and its k best alternatives'
+    prompt_logprobs: bool = False  # the prompt tokens' log-probabilities too (the prefill keeps every position)
+    stop: Callable[[DecodeRow], bool] | None = None  # a stop string has appeared (asked after every token)
+    on_token: Callable[[DecodeRow], None] | None = None  # after each token taken, from the decoding thread (streaming)
     tokens: list[int] = field(default_factory=list)
+    token_scores: list[TokenScore] = field(default_factory=list)  # one per token taken, with ``logprobs``
+    prompt_scores: list[TokenScore] = field(default_factory=list)  # prompt tokens 1..n-1, with ``prompt_logprobs``
     finish_reason: str | None = None
     batch_size: int = 0  # rows prefilled together with this one (itself included)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -126,8 +149,11 @@ class DecodeRow:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise DipacoError("the prompt is empty: it has no tokens to continue")
-        if self.max_new_tokens < 1:
-            raise DipacoError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise DipacoError("prompt_logprobs needs logprobs (how many alternatives to record)")
+        least = 0 if self.prompt_logprobs else 1  # scoring the prompt alone is a whole answer
+        if self.max_new_tokens < least:
+            raise DipacoError(f"max_new_tokens must be >= {least}, got {self.max_new_tokens}")
 
     def cancel(self) -> None:
         """The client is gone: the row stops at the next step (or never starts)."""
@@ -215,12 +241,32 @@ def new_cache(model) -> DynamicCache:
         return DynamicCache()
 
 
-def _last_logits(model, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-    """float32 logits of each row's last position. An all-ones mask is passed as None, as ``generate`` does."""
+def _logits(model, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
+            keep: int = 1) -> torch.Tensor:
+    """float32 logits [B, keep, V] of each row's last ``keep`` positions (0: all of them). An all-ones mask
+    is passed as None, as ``generate`` does."""
     attention_mask = None if bool(mask.all()) else mask
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1, **{CACHE_KWARG: cache})
-    return out.logits[:, -1].to(dtype=torch.float32, copy=True)
+                logits_to_keep=keep, **{CACHE_KWARG: cache})
+    return out.logits.to(dtype=torch.float32, copy=True)
+
+
+def _last_logits(model, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """float32 logits of each row's last position."""
+    return _logits(model, input_ids, mask, positions, cache)[:, -1]
+
+
+def token_scores(logprobs: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenScore]:
+    """The :class:`TokenScore` of ``tokens[i]`` under the log-probabilities ``logprobs[i]`` ([N, V]), with
+    its ``k`` best alternatives."""
+    if not len(tokens):
+        return []
+    index = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
+    if k <= 0:
+        return [TokenScore(lp, []) for lp in chosen]
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [TokenScore(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 def left_padded(rows: Sequence[DecodeRow], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -233,6 +279,18 @@ def left_padded(rows: Sequence[DecodeRow], pad_token_id: int, device) -> tuple[t
         mask[i, width - len(row.prompt_ids):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # padding at 0, as generate's masked_fill
     return ids.to(device), mask.to(device), positions.to(device)
+
+
+def _score_prompts(rows: Sequence[DecodeRow], logits: torch.Tensor) -> None:
+    """Records the prompt tokens' scores of the rows that ask for them, from the prefill's logits [B, W, V]
+    of the left-padded prompts (row i's prompt fills its last ``len(prompt)`` columns)."""
+    width = logits.shape[1]
+    for i, row in enumerate(rows):
+        if row.prompt_logprobs:
+            n = len(row.prompt_ids)
+            # The logits at column c predict the token at c + 1: prompt tokens 1..n-1.
+            logprobs = torch.log_softmax(logits[i, width - n:width - 1], dim=-1)
+            row.prompt_scores = token_scores(logprobs, row.prompt_ids[1:], row.logprobs or 0)
 
 
 def _choose(rows: list[DecodeRow], logits: torch.Tensor, eos_token_id: int) -> list[int]:
@@ -256,17 +314,40 @@ def _prefill(model, rows: list[DecodeRow], pad_token_id: int, on_step: OnStep | 
     cache = new_cache(model)
     if on_step is not None:
         on_step(len(rows))
-    logits = _last_logits(model, ids, mask, positions, cache)
-    return _Running(list(rows), cache, mask, positions[:, -1], logits)
+    # Every position's logits only when a row scores its prompt (B x W x V floats); else the last one's.
+    every = any(row.prompt_logprobs for row in rows)
+    logits = _logits(model, ids, mask, positions, cache, keep=0 if every else 1)
+    if every:
+        _score_prompts(rows, logits)
+    running = _Running(list(rows), cache, mask, positions[:, -1], logits[:, -1].contiguous())
+    going = [i for i, row in enumerate(rows) if row.max_new_tokens > 0]
+    if len(going) < len(rows):  # rows that only score their prompt end here
+        for row in rows:
+            if row.max_new_tokens == 0:
+                row.batch_size = len(rows)
+                row.finish(FINISH_LENGTH)
+        running.keep(going)
+        running.logits = running.logits[going]
+    return running
 
 
 def _take_tokens(running: _Running, eos_token_id: int) -> list[int]:
     """Chooses every row's next token, finishes the rows it ends, keeps the others; their tokens, in order."""
+    if not running.rows:
+        return []
+    scored = [i for i, row in enumerate(running.rows) if row.logprobs is not None]
+    # From the raw logits, before _choose suppresses an early EOS in place: the model's own probabilities.
+    logprobs = torch.log_softmax(running.logits[scored], dim=-1)
     tokens = _choose(running.rows, running.logits, eos_token_id)
+    for j, i in enumerate(scored):
+        row = running.rows[i]
+        row.token_scores.extend(token_scores(logprobs[j:j + 1], [tokens[i]], row.logprobs or 0))
     keep = []
     for i, (row, token) in enumerate(zip(running.rows, tokens)):
         row.tokens.append(token)
-        if token == eos_token_id:
+        if row.on_token is not None:
+            row.on_token(row)
+        if token == eos_token_id or (row.stop is not None and row.stop(row)):
             row.finish(FINISH_STOP)
         elif len(row.tokens) >= row.max_new_tokens:
             row.finish(FINISH_LENGTH)

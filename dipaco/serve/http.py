@@ -6,6 +6,8 @@
     POST /v1/generate   {"prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "path"}
                         -> {"path", "scores", "text", "prompt_tokens", "completion_tokens",
                             "latency_ms", "finish_reason", "seed", "batch_size"}
+    POST /v1/completions  OpenAI's completions API (dipaco.serve.openai_api), on /v1/generate's code path
+    GET  /v1/models     OpenAI's model list: the served experiment
     GET  /metrics       Prometheus text format (dipaco.serve.metrics)
 
 Requests are strict Pydantic models: a missing or mistyped field (``"5"`` or ``true`` for a number, a
@@ -14,7 +16,8 @@ number that is NaN or infinite (JSON's ``NaN``/``Infinity`` literals, or ``1e999
 names the problem; so are a prompt longer than ``max_prompt_tokens`` tokens, ``max_new_tokens``
 above the server's cap, and a prompt plus ``max_new_tokens`` beyond the model's ``data.seq_len``
 positions. A request the experiment cannot answer (routing without a router, an empty prompt) is
-a 400.
+a 400. The OpenAI endpoints answer every error in OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``, with 400 where this API says 422.
 
 Hardening (a request costs the server at most what a valid one can):
 
@@ -49,16 +52,21 @@ Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 # No `from __future__ import annotations`: FastAPI reads the endpoint annotations at runtime,
 # and the request models are local to create_app.
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import socket
 import sys
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dipaco.errors import DipacoError
 from dipaco.metrics import echo
+from dipaco.serve import openai_api as oa
 from dipaco.serve.auth import BearerToken, check_exposure
 from dipaco.serve.batching import (
     DEFAULT_BATCH_WAIT_MS,
@@ -75,7 +83,7 @@ from dipaco.serve.connections import (
     guarded_protocol,
 )
 from dipaco.serve.metrics import ACCESS_LOGGER, CLIENT_GONE, AccessLog, ServeMetrics
-from dipaco.serve.pipeline import DEFAULT_CACHE_SIZE, Pipeline
+from dipaco.serve.pipeline import DEFAULT_CACHE_SIZE, Pipeline, PlannedGeneration, Scored
 
 DEFAULT_NEW_TOKENS = 32  # when a request does not say (never above the cap nor past the model's positions)
 JSON_BYTES_PER_BYTE = 6  # the longest JSON spelling of one UTF-8 byte of a string: "\\u00XX" (or 12 for 4)
@@ -130,16 +138,22 @@ class BodyLimit:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
 
-    async def _timed_out(self, send) -> None:
-        body = json.dumps({"detail": f"the request body did not arrive within {self.timeout_s:g} s"}).encode()
+    @staticmethod
+    def _error(scope, status: int, message: str) -> bytes:
+        """The error's body in the shape of the endpoint's API (OpenAI's or dipaco's own)."""
+        content = oa.error_body(status, message) if oa.is_openai_path(scope["path"]) else {"detail": message}
+        return json.dumps(content).encode()
+
+    async def _timed_out(self, scope, send) -> None:
+        body = self._error(scope, 408, f"the request body did not arrive within {self.timeout_s:g} s")
         await send({"type": "http.response.start", "status": 408,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _too_large(self, send) -> None:
-        body = json.dumps({"detail": f"the request body is larger than this server's limit of {self.max_bytes} "
-                                     f"bytes (max_body_bytes)"}).encode()
+    async def _too_large(self, scope, send) -> None:
+        body = self._error(scope, 413, f"the request body is larger than this server's limit of {self.max_bytes} "
+                                       f"bytes (max_body_bytes)")
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -155,7 +169,7 @@ class BodyLimit:
                 except ValueError:
                     declared = 0  # the HTTP server refuses a malformed length before it gets here
                 if declared > self.max_bytes:
-                    await self._too_large(send)
+                    await self._too_large(scope, send)
                     return
         chunks, size = [], 0
         deadline = asyncio.get_running_loop().time() + self.timeout_s
@@ -163,14 +177,14 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
             except asyncio.TimeoutError:
-                await self._timed_out(send)
+                await self._timed_out(scope, send)
                 return
             if message["type"] != "http.request":  # the client went away
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._too_large(send)
+                await self._too_large(scope, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -210,22 +224,27 @@ async def client_gone(receive) -> None:
         pass
 
 
-async def answer_unless_gone(batcher: PathBatcher, ticket: Ticket, receive):
-    """The ticket's result; None when the client disconnects first, whose row is then cancelled."""
-    answer = asyncio.wrap_future(ticket.future)
-    # Retrieved here so an answer nobody awaits any more (its client left) is not reported as lost.
-    answer.add_done_callback(lambda f: f.cancelled() or f.exception())
+async def answers_unless_gone(batcher: PathBatcher, tickets: list[Ticket], receive) -> list | None:
+    """The tickets' results, in order; None when the client disconnects first, whose rows are then
+    cancelled (so are the others when one fails)."""
+    answers = [asyncio.wrap_future(ticket.future) for ticket in tickets]
+    for answer in answers:
+        # Retrieved here so an answer nobody awaits any more (its client left) is not reported as lost.
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception())
+    every: asyncio.Future = asyncio.gather(*answers)
     gone = asyncio.ensure_future(client_gone(receive))
     try:
-        done, _ = await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # the handler itself was cancelled (shutdown): its row must not run on
-        batcher.cancel(ticket)
+        done, _ = await asyncio.wait({every, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if every in done:
+            return every.result()
+    except BaseException:  # a row failed, or the handler itself was cancelled (shutdown): none may run on
+        for ticket in tickets:
+            batcher.cancel(ticket)
         raise
     finally:
         gone.cancel()
-    if answer in done:
-        return answer.result()
-    batcher.cancel(ticket)
+    for ticket in tickets:
+        batcher.cancel(ticket)
     return None
 
 
@@ -240,6 +259,16 @@ class AppOptions:
     max_batch: int = DEFAULT_MAX_BATCH
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS
     decode_workers: int = DEFAULT_DECODE_WORKERS
+    max_prompts: int = DEFAULT_MAX_BATCH  # prompts in one completions request (each is a row of a batch)
+
+
+class RequestError(Exception):
+    """A request refused while it is planned: the status, the message and the field at fault; answered as
+    ``{"detail"}`` on dipaco's own endpoints and in OpenAI's shape on OpenAI's."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
 
 
 @dataclass(frozen=True)
@@ -277,9 +306,11 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     from fastapi import FastAPI, HTTPException, Request, Response
     from fastapi.concurrency import run_in_threadpool
     from fastapi.encoders import jsonable_encoder
+    from fastapi.exception_handlers import http_exception_handler
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field, field_validator
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     options = options or AppOptions()
     max_prompt_tokens, max_new_tokens_cap = options.max_prompt_tokens, options.max_new_tokens_cap
@@ -311,11 +342,12 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         @field_validator("*", mode="after")
         @classmethod
         def valid_unicode(cls, value):
-            if isinstance(value, str):
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise ValueError("not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)") from None
+            for text in value if isinstance(value, list) else [value]:  # a list of strings: each of them
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ValueError("not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)") from None
             return value
 
     class RouteRequest(Strict):
@@ -358,15 +390,36 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if oa.is_openai_path(request.url.path):
+            return openai_error(oa.validation_error(json_safe(jsonable_encoder(exc.errors()))))
         # FastAPI's own handler echoes the input, which may be NaN or a lone surrogate: strict JSON
         # cannot encode those, and the 422 would become a 500 with the connection dropped.
         return JSONResponse(status_code=422, content={"detail": json_safe(jsonable_encoder(exc.errors()))})
 
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
+        if oa.is_openai_path(request.url.path):  # OpenAI says 400 for what FastAPI calls 422
+            return openai_error(oa.OpenAIError(400 if exc.status == 422 else exc.status, exc.message, exc.param))
+        return JSONResponse(status_code=exc.status, content={"detail": exc.message})
+
+    @app.exception_handler(oa.OpenAIError)
+    async def openai_refused(request: Request, exc: oa.OpenAIError) -> JSONResponse:
+        return openai_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if oa.is_openai_path(request.url.path):  # 404/405 of a route, 499, 503
+            return openai_error(oa.OpenAIError(exc.status_code, str(exc.detail)), exc.headers)
+        return await http_exception_handler(request, exc)
+
+    def openai_error(exc: oa.OpenAIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content=exc.body(), headers=headers)
+
     def check_prompt_chars(field: str, text: str) -> None:
         if len(text) > max_prompt_chars:
-            raise HTTPException(422, f"{field}: {len(text)} characters is more than a text within this server's cap of "
-                                     f"{max_prompt_tokens} tokens can have (at most {max_prompt_chars} characters: "
-                                     f"{pipeline.max_token_chars} per token)")
+            raise RequestError(422, f"{field}: {len(text)} characters is more than a text within this server's cap of "
+                                    f"{max_prompt_tokens} tokens can have (at most {max_prompt_chars} characters: "
+                                    f"{pipeline.max_token_chars} per token)", param="prompt")
 
     def bad_request(exc: DipacoError) -> HTTPException:
         return HTTPException(status_code=400, detail=str(exc))
@@ -399,41 +452,140 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         request.state.dipaco_path = path
         return RouteResponse(path=path, scores=scores)
 
-    def plan(req: GenerateRequest):
-        """Every check, tokenizing and routing: a request over a limit is refused here, before any batch."""
-        if req.max_new_tokens is not None and req.max_new_tokens > max_new_tokens_cap:
-            raise HTTPException(422, f"max_new_tokens={req.max_new_tokens} is above this server's cap of {max_new_tokens_cap}")
-        if req.path is not None and req.path >= pipeline.num_paths:
-            raise HTTPException(422, f"path={req.path} does not exist: this experiment has paths 0..{pipeline.num_paths - 1}")
-        check_prompt_chars("prompt", req.prompt)  # before tokenizing: bounds what is tokenized
-        ids = pipeline.encode(req.prompt)
+    def plan(prompt: str | list[int], max_new_tokens: int | None, names: tuple[str, str] = ("prompt", "max_new_tokens"),
+             default_new: int = default_new_tokens, path: int | None = None, scoring: Scored | None = None,
+             **sampling) -> PlannedGeneration:
+        """Every check, tokenizing and routing of one prompt (a text, or token ids already checked against the
+        vocabulary): a request over a limit is refused here, before any batch. ``names``: the request's names
+        of the prompt and the new tokens, for the messages."""
+        field, new_field = names
+        least = 0 if scoring is not None and scoring.prompt_logprobs else 1
+        if max_new_tokens is not None and max_new_tokens > max_new_tokens_cap:
+            raise RequestError(422, f"{new_field}={max_new_tokens} is above this server's cap of {max_new_tokens_cap}",
+                               param=new_field)
+        if path is not None and path >= pipeline.num_paths:
+            raise RequestError(422, f"path={path} does not exist: this experiment has paths 0..{pipeline.num_paths - 1}",
+                               param="path")
+        if isinstance(prompt, str):
+            check_prompt_chars(field, prompt)  # before tokenizing: bounds what is tokenized
+            ids = pipeline.encode(prompt)
+        else:
+            ids, prompt = prompt, ""  # routing reads the ids
         n_prompt = len(ids)
         if n_prompt > max_prompt_tokens:
-            raise HTTPException(422, f"prompt: {n_prompt} tokens, above this server's cap of {max_prompt_tokens}")
+            raise RequestError(422, f"{field}: {n_prompt} tokens, above this server's cap of {max_prompt_tokens}",
+                               param="prompt")
         room = seq_len - n_prompt
-        max_new_tokens = min(default_new_tokens, room) if req.max_new_tokens is None else req.max_new_tokens
-        if max_new_tokens < 1 or max_new_tokens > room:
-            raise HTTPException(422, f"max_new_tokens: the prompt's {n_prompt} tokens plus {max(max_new_tokens, 1)} new "
-                                     f"tokens do not fit the model's data.seq_len={seq_len} positions")
+        new_tokens = min(default_new, room) if max_new_tokens is None else max_new_tokens
+        if new_tokens < least or new_tokens > room:
+            raise RequestError(422, f"{new_field}: the prompt's {n_prompt} tokens plus {max(new_tokens, least)} new "
+                                    f"tokens do not fit the model's data.seq_len={seq_len} positions", param=new_field)
         try:
-            return pipeline.plan(req.prompt, max_new_tokens=max_new_tokens, temperature=req.temperature,
-                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed, path=req.path, ids=ids)
+            return pipeline.plan(prompt, max_new_tokens=new_tokens, path=path, ids=ids, scoring=scoring, **sampling)
         except DipacoError as exc:
-            raise bad_request(exc) from None
+            raise RequestError(400, str(exc), param="prompt") from None
+
+    async def decoded(planned: list[PlannedGeneration], request: Request, result=None) -> list:
+        """``planned`` decoded in their paths' batches: ``result(planned)(row)`` of each (the row itself by
+        default), in order. A client gone first is a 499 (its rows cancelled), a server shutting down a 503."""
+        tickets: list[Ticket] = []
+        try:
+            for one in planned:
+                tickets.append(batcher.submit(one.path, one.row, result=(lambda row: row) if result is None else result(one)))
+            answers = await answers_unless_gone(batcher, tickets, request.receive)
+        except DipacoError as exc:  # the server is shutting down
+            for ticket in tickets:
+                batcher.cancel(ticket)
+            raise HTTPException(503, str(exc)) from None
+        if answers is None:
+            raise HTTPException(CLIENT_GONE, "the client closed its connection before the answer")
+        return answers
 
     @app.post("/v1/generate", response_model=GenerateResponse)
     async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
-        planned = await run_in_threadpool(plan, req)
+        planned = await run_in_threadpool(plan, req.prompt, req.max_new_tokens, temperature=req.temperature,
+                                          top_p=req.top_p, top_k=req.top_k, seed=req.seed, path=req.path)
         request.state.dipaco_path = planned.path
-        try:
-            ticket = batcher.submit(planned.path, planned.row, result=lambda row: pipeline.finish(planned))
-            result = await answer_unless_gone(batcher, ticket, request.receive)
-        except DipacoError as exc:  # the server is shutting down
-            raise HTTPException(503, str(exc)) from None
-        if result is None:
-            raise HTTPException(CLIENT_GONE, "the client closed its connection before the answer")
+        [result] = await decoded([planned], request, result=lambda one: lambda row: pipeline.finish(one))
         request.state.batch_size = result.batch_size
         return GenerateResponse(**vars(result))
+
+    # --- OpenAI's API (dipaco.serve.openai_api): the same plan, batches and limits ---------------------
+    CompletionRequest = oa.request_model(Strict)
+    model_card = oa.model_card(pipeline.experiment, int(time.time()))
+
+    @app.get(oa.MODELS)
+    def models() -> dict:
+        return {"object": "list", "data": [model_card]}
+
+    @app.get(oa.MODELS + "/{model}")
+    def model(model: str) -> dict:
+        if model != pipeline.experiment:
+            raise oa.OpenAIError(404, f"model {model!r} is not served here", param="model", code="model_not_found")
+        return model_card
+
+    def plan_completion(req) -> tuple[list[PlannedGeneration], tuple[str, ...]]:
+        prompts = oa.prompts_of(req.prompt, options.max_prompts)
+        oa.check_supported(req, pipeline.experiment, len(prompts))
+        stops = oa.stops_of(req.stop)
+        scoring = Scored(logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None, stop=stops)
+        planned = []
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not isinstance(prompt, str):
+                oa.check_token_ids(prompt, pipeline.vocab_size, where)
+            planned.append(plan(prompt, req.max_tokens, names=(where, "max_tokens"), default_new=oa.DEFAULT_MAX_TOKENS,
+                                scoring=scoring, temperature=req.temperature, top_p=req.top_p, seed=req.seed))
+        return planned, stops
+
+    @app.post(oa.COMPLETIONS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:  # type: ignore[valid-type]
+        req: Any = body  # built at run time: mypy cannot see its fields
+        planned, stops = await run_in_threadpool(plan_completion, req)
+        request.state.dipaco_path = planned[0].path if len({p.path for p in planned}) == 1 else None
+        if req.stream:
+            return StreamingResponse(stream_completion(planned[0], stops, request), media_type="text/event-stream")
+        rows = await decoded(planned, request)
+        request.state.batch_size = max(row.batch_size for row in rows)
+        choices = [oa.Decoded(i, row, one.path) for i, (row, one) in enumerate(zip(rows, planned))]
+        answer = await run_in_threadpool(oa.completion, pipeline, choices, pipeline.experiment, req.echo, req.logprobs,
+                                         stops)
+        return JSONResponse(answer)
+
+    async def stream_completion(planned: PlannedGeneration, stops: tuple[str, ...], request: Request):
+        """The choice's text as it decodes, one event per token that adds final text, then the finish and
+        ``[DONE]``. Tokens reach the event loop in order, before the row's end (one FIFO of callbacks)."""
+        loop = asyncio.get_running_loop()
+        arrived: asyncio.Queue[int | None] = asyncio.Queue()
+
+        def notify(value: int | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is listening
+                loop.call_soon_threadsafe(arrived.put_nowait, value)
+
+        row = planned.row
+        row.on_token = lambda r: notify(len(r.tokens))
+        try:
+            ticket = batcher.submit(planned.path, row)
+        except DipacoError as exc:
+            raise HTTPException(503, str(exc)) from None
+        ticket.future.add_done_callback(lambda f: notify(None))
+        cid, created, text = oa.completion_id(), int(time.time()), oa.TextStream(stops)
+        try:
+            while (n := await arrived.get()) is not None:
+                delta, _ = text.delta(pipeline.decode(row.tokens[:n]))
+                if delta:
+                    yield oa.sse(oa.chunk(cid, created, pipeline.experiment, delta, None, planned.path))
+            if ticket.future.cancelled() or ticket.future.exception() is not None:
+                failure = "cancelled" if ticket.future.cancelled() else str(ticket.future.exception())
+                yield oa.sse(oa.error_body(503, f"the completion did not finish: {failure}"))
+            else:
+                delta, stopped = text.delta(pipeline.decode(row.tokens), final=True)
+                request.state.batch_size = row.batch_size
+                yield oa.sse(oa.chunk(cid, created, pipeline.experiment, delta, oa.finish_reason(row, stopped), planned.path))
+            yield oa.DONE
+        finally:  # the client left mid-stream (the response was cancelled): its row stops at the next step
+            if not ticket.future.done():
+                batcher.cancel(ticket)
 
     # Outermost last: the access log sees every answer (401s and 413s included); the token is checked
     # before any body is read.

@@ -39,7 +39,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,10 +227,11 @@ class Sampling:
     seed: int | None = None
     min_new_tokens: int = 0
 
-    def check(self) -> None:
-        """A value out of range is a DipacoError naming it."""
-        if self.max_new_tokens < 1:
-            raise DipacoError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    def check(self, least_new_tokens: int = 1) -> None:
+        """A value out of range is a DipacoError naming it. ``least_new_tokens``: 0 where the prompt's
+        log-probabilities alone are an answer (echo)."""
+        if self.max_new_tokens < least_new_tokens:
+            raise DipacoError(f"max_new_tokens must be >= {least_new_tokens}, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise DipacoError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
                               f"got {self.min_new_tokens}")
@@ -240,6 +241,19 @@ class Sampling:
             raise DipacoError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise DipacoError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What a row records and obeys beyond sampling (the completions API's ``logprobs``, ``echo``, ``stop``).
+
+    ``logprobs``: each new token's log-probability with that many alternatives (None: none);
+    ``prompt_logprobs``: the prompt tokens' too, which lets ``max_new_tokens`` be 0; ``stop``: strings
+    that end the completion as soon as its text holds one."""
+
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -271,6 +285,8 @@ class Pipeline:
         self._tokenizer_pool: list = []  # free copies; a caller takes one, tokenizes, puts it back
         self._tokenizer_pool_lock = threading.Lock()  # held only to take or put back a copy
         self.max_token_chars = max_token_chars(self.tokenizer)
+        # Token ids a prompt may hold: those of both the tokenizer and the model's embedding.
+        self.vocab_size = min(len(self.tokenizer), int(loaded.llama_config().vocab_size))
         self._router_lock = threading.Lock()
 
     @classmethod
@@ -390,6 +406,19 @@ class Pipeline:
         with self._own_tokenizer() as tokenizer:
             return tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text, special tokens spelt out (a partial UTF-8 character reads as U+FFFD)."""
+        with self._own_tokenizer() as tokenizer:
+            return list(tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False))
+
+    def text_offsets(self, ids: Sequence[int]) -> list[int]:
+        """Where each token starts in ``decode(ids)``: the length of the text of the tokens before it. One
+        decode per prefix (n(n+1)/2 tokens in all, n <= the model's positions), which is exact where a
+        character spans tokens; the characters a prefix ends inside of are not counted."""
+        with self._own_tokenizer() as tokenizer:
+            texts = tokenizer.batch_decode([list(ids[:i]) for i in range(len(ids))], skip_special_tokens=True)
+        return [len(t.rstrip("\ufffd")) for t in texts]
+
     def routing_prefix_tokens(self) -> int | None:
         """How many leading tokens of a text the router reads (None: all of them, or no router)."""
         if self.router is None:
@@ -451,13 +480,15 @@ class Pipeline:
 
     # --- generation ----------------------------------------------------------------------------
     def plan(self, prompt: str, path: int | None = None, ids: list[int] | None = None,
-             **sampling: Any) -> PlannedGeneration:
+             scoring: Scored | None = None, **sampling: Any) -> PlannedGeneration:
         """Checks the arguments, tokenizes ``prompt`` (unless its ``ids`` are given), routes it (unless
         ``path`` is given) and builds its decoding row; nothing runs the model but the router.
-        ``sampling``: the fields of :class:`Sampling` (an unknown one is a TypeError)."""
+        ``sampling``: the fields of :class:`Sampling` (an unknown one is a TypeError); ``scoring``: the
+        log-probabilities and stop strings the row records and obeys (:class:`Scored`)."""
         start = time.perf_counter()
         how = Sampling(**sampling)
-        how.check()
+        scoring = scoring or Scored()
+        how.check(least_new_tokens=0 if scoring.prompt_logprobs else 1)
         seed = how.seed
         if ids is None:
             ids = self.encode(prompt)
@@ -476,8 +507,25 @@ class Pipeline:
             processors = sampling_processors(how.temperature, how.top_p, how.top_k, seed, self.device)
         else:
             seed = None
-        row = DecodeRow(list(ids), how.max_new_tokens, processors, min_new_tokens=how.min_new_tokens)
+        row = DecodeRow(list(ids), how.max_new_tokens, processors, min_new_tokens=how.min_new_tokens,
+                        logprobs=scoring.logprobs, prompt_logprobs=scoring.prompt_logprobs,
+                        stop=self.stop_check(scoring.stop))
         return PlannedGeneration(path, scores, seed, row, start)
+
+    def stop_check(self, stop: Sequence[str]) -> Callable[[DecodeRow], bool] | None:
+        """A row's ``stop``: whether one of the ``stop`` strings is in its completion's text. Asked after every
+        token, so only the tail that a newly completed stop string can span is decoded: a string of c
+        characters has at most 4c UTF-8 bytes, and every token is at least one byte."""
+        if not stop:
+            return None
+        strings = tuple(stop)
+        tail = 4 * max(len(s) for s in strings) + 1
+
+        def stopped(row: DecodeRow) -> bool:
+            text = self.decode(row.tokens[-tail:])
+            return any(s in text for s in strings)
+
+        return stopped
 
     def run_batch(self, path: int, rows: Sequence[DecodeRow], admit: Admit | None = None,
                   on_step: OnStep | None = None) -> None:

@@ -1,0 +1,301 @@
+"""OpenAI's completions API over dipaco serving: the request schema, its checks and the answers' shapes.
+
+    POST /v1/completions  {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+                           "stream", "logprobs", "echo"}  ->  a ``text_completion`` object, or server-sent
+                          ``text_completion`` chunks ending with ``data: [DONE]`` (``stream: true``)
+    GET  /v1/models       the served experiment, as OpenAI's model list
+
+This module only translates: ``dipaco.serve.http`` plans, batches and decodes a completion's prompts on
+the code path of ``/v1/generate`` (its caps, routing, batching per path and token) and calls the
+functions here to read the request and to write the answer.
+
+- ``prompt`` is a string, a list of strings, a list of token ids or a list of lists of token ids (what
+  lm-evaluation-harness sends). Each prompt is one choice (``n`` is 1), routed on its own prefix; the
+  choice names its path in an extra field, ``path``.
+- ``logprobs: k`` (0..``MAX_LOGPROBS``) returns each token's log-probability and its ``k`` most likely
+  alternatives (plus the token itself) under the path's model, from its raw logits. With ``echo: true``
+  the prompt's tokens come first (the first one has none: ``null``), and ``max_tokens: 0`` scores the
+  prompt alone: lm-eval's loglikelihood requests. ``text_offset`` counts characters of the returned
+  ``text``.
+- ``stop``: up to ``MAX_STOP`` strings; the completion ends before the first one that appears.
+- Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``, with 4xx statuses.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # the answers read rows; importing torch is left to the decoding modules
+    from dipaco.serve.decode import DecodeRow, TokenScore
+
+FINISH_STOP = "stop"  # dipaco.serve.decode's name for a row ended by its EOS or a stop string
+
+COMPLETIONS, MODELS = "/v1/completions", "/v1/models"
+MAX_LOGPROBS = 5  # OpenAI's own cap on ``logprobs``
+MAX_STOP = 16  # stop strings per request (OpenAI takes 4; lm-eval tasks list more, plus the EOS string)
+MAX_STOP_CHARS = 256  # characters per stop string: each is searched for after every token
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default ``max_tokens``
+OWNER = "dipaco"
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether an HTTP path belongs to the OpenAI API (its errors take OpenAI's shape)."""
+    return path == COMPLETIONS or path == MODELS or path.startswith(MODELS + "/")
+
+
+def error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+class OpenAIError(Exception):
+    """A request the completions API refuses: its status, message and the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def validation_error(errors: list[dict]) -> OpenAIError:
+    """One 400 from pydantic's errors: the first few, each naming its field (a union's alternatives each
+    report an error: only the first of a field is kept)."""
+    seen: dict[str, str] = {}
+    for err in errors:
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        field = loc[0] if loc and not loc[0].isdigit() else ""
+        if field in seen:
+            continue
+        message = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            message = "this field is not supported by this server"
+        elif field == "prompt":  # one error per alternative of the union: name them all at once
+            message = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+        seen[field] = f"{field}: {message}" if field else message
+    parts = list(seen.values())
+    first = next(iter(seen), "") or None
+    return OpenAIError(400, "; ".join(parts[:3]) or "invalid request", param=first)
+
+
+def request_model(base: Any) -> Any:
+    """The pydantic model of a completions request, on ``base`` (the server's strict model: unknown fields,
+    coercion, NaN and lone surrogates refused). Numbers take OpenAI's ranges and defaults."""
+    from pydantic import Field
+
+    class CompletionRequest(base):
+        model: str
+        prompt: str | list[str] | list[int] | list[list[int]]
+        max_tokens: int | None = Field(None, ge=0, description=f"default {DEFAULT_MAX_TOKENS}; 0 with echo")
+        temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy decoding")
+        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        n: int = Field(1, ge=1)
+        best_of: int | None = Field(None, ge=1)
+        stop: str | list[str] | None = None
+        seed: int | None = Field(None, ge=0, lt=2**63)
+        stream: bool = False
+        logprobs: int | None = Field(None, ge=0)
+        echo: bool = False
+
+    return CompletionRequest
+
+
+# --- reading a request -----------------------------------------------------------------------------
+Prompt = str | list[int]
+
+
+def prompts_of(prompt: Any, max_prompts: int) -> list[Prompt]:
+    """The request's prompts, one per choice: a string, or a list of token ids."""
+    if isinstance(prompt, str):
+        prompts: list[Prompt] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise OpenAIError(400, "prompt: the list is empty", param="prompt")
+    if len(prompts) > max_prompts:
+        raise OpenAIError(400, f"prompt: {len(prompts)} prompts, above this server's limit of {max_prompts} per request",
+                          param="prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise OpenAIError(400, f"{where}: empty (no tokens to continue)", param="prompt")
+    return prompts
+
+
+def check_token_ids(prompt: list[int], vocab_size: int, where: str) -> None:
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise OpenAIError(400, f"{where}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+
+
+def stops_of(stop: str | list[str] | None) -> tuple[str, ...]:
+    strings = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    if len(strings) > MAX_STOP:
+        raise OpenAIError(400, f"stop: {len(strings)} strings, above this server's limit of {MAX_STOP}", param="stop")
+    for s in strings:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise OpenAIError(400, f"stop: every string must have 1..{MAX_STOP_CHARS} characters", param="stop")
+    return tuple(strings)
+
+
+def check_supported(req: Any, model: str, n_prompts: int) -> None:
+    """Refuses what this server does not do, each with its field named."""
+    if req.model != model:
+        raise OpenAIError(404, f"model: {req.model!r} is not served here; this server serves {model!r} (GET /v1/models)",
+                          param="model", code="model_not_found")
+    if req.n != 1:
+        raise OpenAIError(400, f"n: only n=1 is supported (one completion per prompt), got {req.n}", param="n")
+    if req.best_of not in (None, 1):
+        raise OpenAIError(400, f"best_of: only best_of=1 is supported, got {req.best_of}", param="best_of")
+    if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
+        raise OpenAIError(400, f"logprobs: at most {MAX_LOGPROBS}, got {req.logprobs}", param="logprobs")
+    if req.max_tokens == 0 and not (req.echo and req.logprobs is not None):
+        raise OpenAIError(400, "max_tokens: 0 is only supported with echo and logprobs (scoring the prompt)",
+                          param="max_tokens")
+    if req.stream and (req.echo or req.logprobs is not None):
+        raise OpenAIError(400, "stream: not supported together with echo or logprobs", param="stream")
+    if req.stream and n_prompts > 1:
+        raise OpenAIError(400, "stream: supported for one prompt per request", param="stream")
+
+
+# --- writing the answer ----------------------------------------------------------------------------
+def completion_id() -> str:
+    return "cmpl-" + secrets.token_hex(12)
+
+
+def model_card(model: str, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": OWNER}
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """``text`` up to the first stop string in it (excluded), and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A finished choice: its index, the row that decoded it and its path."""
+
+    index: int
+    row: DecodeRow
+    path: int
+
+
+class Detokenizer(Protocol):
+    """What the answer needs from the pipeline's tokenizer (``Pipeline`` has these methods)."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_texts(self, ids: list[int]) -> list[str]: ...
+
+    def text_offsets(self, ids: list[int]) -> list[int]: ...
+
+
+def finish_reason(row: DecodeRow, stopped: bool) -> str:
+    return "stop" if stopped or row.finish_reason == FINISH_STOP else "length"
+
+
+def _top(tokenizer: Detokenizer, score: TokenScore, token: int) -> dict[str, float]:
+    """The alternatives and the token itself, by text (tokens of one text keep the best log-probability)."""
+    pairs = [*score.top, (token, score.logprob)]
+    texts = tokenizer.token_texts([t for t, _ in pairs])
+    top: dict[str, float] = {}
+    for text, (_, lp) in zip(texts, pairs):
+        top[text] = max(lp, top.get(text, lp))
+    return top
+
+
+def logprobs_of(tokenizer: Detokenizer, d: Decoded, echo: bool, cut: int | None) -> dict:
+    """OpenAI's ``logprobs`` object of a choice: the echoed prompt's tokens (the first without a score),
+    then the completion's; ``cut``: where a stop string ended the text (the tokens from there are left out)."""
+    row = d.row
+    prompt = row.prompt_ids if echo else []
+    ids = prompt + row.tokens
+    scores: list[TokenScore | None] = ([None, *row.prompt_scores] if echo else []) + list(row.token_scores)
+    offsets = tokenizer.text_offsets(ids)
+    if cut is not None:
+        keep = len(prompt) + sum(1 for o in offsets[len(prompt):] if o < cut)
+        ids, scores, offsets = ids[:keep], scores[:keep], offsets[:keep]
+    return {"tokens": tokenizer.token_texts(ids),
+            "token_logprobs": [None if s is None else s.logprob for s in scores],
+            "top_logprobs": [None if s is None else _top(tokenizer, s, t) for s, t in zip(scores, ids)],
+            "text_offset": offsets}
+
+
+def choice(tokenizer: Detokenizer, d: Decoded, echo: bool, logprobs: int | None, stops: tuple[str, ...]) -> dict:
+    completion, stopped = cut_at_stop(tokenizer.decode(d.row.tokens), stops)
+    # With echo, the text (and the offsets) are those of the tokens: a token-id prompt has no other spelling.
+    text = (tokenizer.decode(d.row.prompt_ids) + completion) if echo else completion
+    cut = len(text) if stopped else None
+    return {"index": d.index, "text": text,
+            "logprobs": None if logprobs is None else logprobs_of(tokenizer, d, echo, cut),
+            "finish_reason": finish_reason(d.row, stopped), "path": d.path}
+
+
+def completion(tokenizer: Detokenizer, decoded: list[Decoded], model: str, echo: bool, logprobs: int | None,
+               stops: tuple[str, ...]) -> dict:
+    """The ``text_completion`` object of finished choices."""
+    prompt_tokens = sum(len(d.row.prompt_ids) for d in decoded)
+    completion_tokens = sum(len(d.row.tokens) for d in decoded)
+    return {"id": completion_id(), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice(tokenizer, d, echo, logprobs, stops) for d in decoded],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+# --- streaming -------------------------------------------------------------------------------------
+def sse(data: dict | str) -> bytes:
+    """One server-sent event (``data: ...`` and a blank line)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+DONE = sse("[DONE]")
+
+
+class TextStream:
+    """The text deltas of a streamed choice: sends only what is final. It holds back a trailing U+FFFD
+    (a character whose bytes are still arriving) and any tail that may begin a stop string, and ends the
+    text before a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.sent = 0
+
+    def _held(self, text: str) -> int:
+        held = len(text) - len(text.rstrip("\ufffd"))
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    held = max(held, n)
+                    break
+        return held
+
+    def delta(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """The text not sent yet of the completion so far, ``text``; and whether a stop string ended it."""
+        text, stopped = cut_at_stop(text, self.stops)
+        if not (final or stopped):
+            text = text[: len(text) - self._held(text)]
+        out = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return out, stopped
+
+
+def chunk(cid: str, created: int, model: str, text: str, finish: str | None, path: int) -> dict:
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "path": path}]}
