@@ -307,6 +307,17 @@ class EvalConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where metrics go besides ``metrics.jsonl`` (and TensorBoard, when installed); checked in ``dipaco.metrics``."""
+
+    wandb: bool = False  # also log every metrics.jsonl record to Weights & Biases (pip install 'dipaco[wandb]')
+    wandb_project: str = "dipaco"
+    wandb_run_name: Optional[str] = None  # null: <job>/<experiment>, e.g. train/dipaco_2x2
+    wandb_tags: List[str] = field(default_factory=list)
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None  # null: W&B's own (WANDB_MODE, else online)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -320,6 +331,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     route: RouteConfig = field(default_factory=RouteConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
@@ -456,6 +468,7 @@ RESUME_MUTABLE = (
     "train.compile", "train.offload_inactive", "model.activation_checkpointing",  # how fast, not what
     "train.diagnostics",  # what is logged, not what is computed
     "ray.address", "ray.num_cpus",  # where the Ray workers run, not what they compute
+    "metrics.",  # where metrics are logged, not what is computed
 )
 
 

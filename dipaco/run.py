@@ -45,7 +45,7 @@ from dipaco.eval.evaluate import (
 )
 from dipaco.eval.report import comparison_table
 from dipaco.eval.reroute_eval import reroute_evaluate
-from dipaco.metrics import echo
+from dipaco.metrics import WandbRun, check_metrics, echo, tracking
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model, check_model
 from dipaco.model.pretrained import check_vocabulary, load_pretrained, path_llama_config
@@ -109,6 +109,7 @@ def check_config(cfg: Config) -> None:
     check_ray(cfg.ray, cfg.train, cfg.outer, cfg.dist, list(ASYNC_SYNCS), cfg.eval.every)
     check_route(cfg.route, cfg.data.prefix_tokens)
     check_eval(cfg.eval)
+    check_metrics(cfg.metrics)
     if cfg.route.em_rounds:
         check_em(cfg.route, cfg.train, topology_from_config(cfg.topology, cfg.model.num_layers).num_paths)
 
@@ -183,7 +184,15 @@ class Run:
             if diff:
                 raise ConfigError(f"cannot resume the pretraining in {saved.parent}: the config changed ({'; '.join(diff)})")
         job = PretrainJob(cfg.run, cfg.pretrain, cfg.model, cfg.data.seq_len, cfg.train.log_every, to_yaml(cfg), resume)
-        pretrain(job, self.prepared(routed=False))
+        with tracking(self.wandb_run("pretrain", RunDir(cfg.run.dir).root / "pretrain.wandb_id", resume)):
+            pretrain(job, self.prepared(routed=False))
+
+    def wandb_run(self, job: str, id_file: Path, resume: bool) -> WandbRun:
+        """The W&B run of a job (``metrics.wandb``): named ``<job>/<experiment>`` unless metrics.wandb_run_name
+        says otherwise, with this resolved config as its config; ``id_file`` keeps its id for ``resume``."""
+        cfg = self.cfg
+        name = job if job == "pretrain" else f"{job}/{cfg.train.name}"
+        return WandbRun(cfg.metrics, name, asdict(cfg), Path(cfg.run.dir), id_file, resume)
 
     def route(self) -> dict:
         cfg = self.cfg
@@ -228,14 +237,17 @@ class Run:
             assert trainer is not None
             return trainer.train(resume, resume_from, until_round)
 
+        wandb_run = self.wandb_run("train", RunDir(cfg.run.dir).experiment(cfg.train.name) / "wandb_id",
+                                   resume or resume_from is not None)
         try:
-            if cfg.route.em_rounds:  # EM-style re-sharding: segments up to each point, re-route, continue
-                exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
-                plan = EMPlan(points=list(cfg.route.em_rounds), rounds=cfg.train.rounds, run_dir=Path(cfg.run.dir),
-                              exp_dir=exp_dir, check_resume=self.check_resume,
-                              reroute=lambda ckpt: self.reroute(str(ckpt), device=str(world.device), hint=False))
-                return train_em(plan, world, resume, resume_from, until_round, segment)
-            return segment(resume, resume_from, until_round)
+            with tracking(wandb_run):  # rank 0 (the Ray driver) logs the metrics, so it alone starts the W&B run
+                if cfg.route.em_rounds:  # EM-style re-sharding: segments up to each point, re-route, continue
+                    exp_dir = RunDir(cfg.run.dir).experiment(cfg.train.name)
+                    plan = EMPlan(points=list(cfg.route.em_rounds), rounds=cfg.train.rounds, run_dir=Path(cfg.run.dir),
+                                  exp_dir=exp_dir, check_resume=self.check_resume,
+                                  reroute=lambda ckpt: self.reroute(str(ckpt), device=str(world.device), hint=False))
+                    return train_em(plan, world, resume, resume_from, until_round, segment)
+                return segment(resume, resume_from, until_round)
         finally:
             world.close()
 
@@ -247,7 +259,6 @@ class Run:
         """`dipaco eval --corpus`: the experiment on the documents of ``source``, read with this config's data keys.
         The prepared data is not read (only the experiment's tokenizer), so ``data.text_field`` and the other
         reading keys may name the other corpus's columns."""
-        from dipaco.data.tokenizer import load_tokenizer
         from dipaco.eval.corpus_eval import CorpusJob, evaluate_corpus
 
         cfg = self.cfg

@@ -1,6 +1,8 @@
 """metrics.jsonl never holds half a record: a torn last line (a crash mid-write) is left out by the reader
 and cut away when the log is opened again; a line that is not a record elsewhere is an error naming it."""
 
+import json
+
 import pytest
 
 from dipaco.errors import DataError
@@ -71,3 +73,92 @@ def test_records_logged_together_land_all_or_none(tmp_path, monkeypatch):
         log.log("outer", step=2, round=2)
     log.close()
     assert [r["event"] for r in read_metrics(tmp_path / "metrics.jsonl")] == ["outer", "path", "outer"]
+
+
+# --- Weights & Biases, in its offline mode: nothing leaves the machine -------------------------------------
+
+
+def _wandb_records(run_dir):
+    """The records of an offline W&B run, read back by W&B's own reader of its transaction log (.wandb)."""
+    import subprocess
+    import sys
+
+    [log] = run_dir.glob("run-*.wandb")
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def _expected_history(metrics_file):
+    """What the W&B sink logs of each metrics.jsonl record: its numbers as E/K (E/K/pathP, E/K/SUB), E/step."""
+    from dipaco.metrics import _scalars
+
+    expected = []
+    for record in read_metrics(metrics_file):
+        values = {k: v for k, v in record.items() if k not in ("event", "time", "step")}
+        item = dict(_scalars(record["event"], values))
+        if "step" in record:
+            item[f"{record['event']}/step"] = record["step"]
+        if item:
+            expected.append(item)
+    return expected
+
+
+def test_pretrain_and_train_log_their_metrics_and_config_to_an_offline_wandb_run(run_cfg, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # the wandb extra (dev includes it)
+    import math
+
+    from dipaco.run import Run, apply_overrides
+    from dipaco.run_dir import RunDir
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = apply_overrides(run_cfg, ["metrics.wandb=true", "metrics.wandb_project=dipaco-test",
+                                    "metrics.wandb_tags=[tiny,offline]", "train.rounds=2"])
+    Run(cfg).pretrain()
+    Run(cfg).train()
+
+    runs = {}
+    for directory in sorted((tmp_path / "wb" / "wandb").glob("offline-run-*")):
+        records = _wandb_records(directory)
+        [run] = [r["run"] for r in records if r.get("type") == "run"]
+        runs[run["display_name"]] = (run, [r["history"]["item"] for r in records if r.get("type") == "history"])
+    assert set(runs) == {"pretrain", f"train/{cfg.train.name}"}
+    logs = {"pretrain": RunDir(cfg.run.dir).pretrain / "metrics.jsonl",
+            f"train/{cfg.train.name}": RunDir(cfg.run.dir).experiment(cfg.train.name) / "metrics.jsonl"}
+    for name, (run, history) in runs.items():
+        assert run["project"] == "dipaco-test" and run["tags"] == ["tiny", "offline"]
+        config = run["config"]["update"]  # the reader gives each config key's value as JSON
+        assert config["train"]["name"] == cfg.train.name and config["metrics"]["wandb"] is True
+        assert config["train"]["rounds"] == 2 and config["model"]["hidden_size"] == cfg.model.hidden_size
+        logged = [{k: v for k, v in item.items() if not k.startswith("_")} for item in history]
+        expected = _expected_history(logs[name])
+        assert len(logged) == len(expected) > 0
+        for got, want in zip(logged, expected):
+            assert got.keys() == want.keys()
+            assert all(math.isclose(got[k], want[k], rel_tol=1e-9) for k in want)
+    train_keys = set().union(*(item.keys() for item in runs[f"train/{cfg.train.name}"][1]))
+    assert {"outer/step", "path/step", "path/loss/path0"} <= train_keys
+
+
+def test_wandb_without_the_package_is_one_clear_error(run_cfg, monkeypatch):
+    import sys
+
+    from dipaco.errors import ConfigError
+    from dipaco.run import Run, apply_overrides
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what Python does when the package is not installed
+    with pytest.raises(ConfigError, match=r"metrics\.wandb=true needs the wandb package: pip install 'dipaco\[wandb\]'"):
+        Run(apply_overrides(run_cfg, ["metrics.wandb=true"])).pretrain()
+
+
+@pytest.mark.parametrize("override, key", [("metrics.wandb_project=' '", "metrics.wandb_project"),
+                                           (f"metrics.wandb_tags=[{'x' * 65}]", "metrics.wandb_tags"),
+                                           ("metrics.wandb_mode=sometimes", "metrics.wandb_mode")])
+def test_a_bad_metrics_key_is_named(override, key):
+    from dipaco.errors import ConfigError
+    from dipaco.run import load_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
