@@ -9,9 +9,37 @@ from dipaco.run import load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
+# SmolLM2-135M's config.json as its model card ships it: its shipped config resolves against these numbers here,
+# where nothing downloads (the weights are an empty safetensors file: resolving reads only headers).
+SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 576,
+                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000, "rope_scaling": None,
+                "tie_word_embeddings": True, "vocab_size": 49152, "attention_bias": False, "bos_token_id": 0,
+                "eos_token_id": 0}
+HUB_CONFIGS = {"HuggingFaceTB/SmolLM2-135M": SMOLLM2_135M}
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
-def test_shipped_configs_load(name):
-    assert isinstance(load_config(CONFIGS / name), Config)
+def test_shipped_configs_load(name, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from dipaco.config import merge_config
+
+    source = merge_config(CONFIGS / name).model.init_from
+    overrides = []
+    if source is not None:
+        (tmp_path / "config.json").write_text(json.dumps(HUB_CONFIGS[source]))
+        save_file({}, str(tmp_path / "model.safetensors"))
+        overrides = [f"model.init_from={tmp_path}"]
+    cfg = load_config(CONFIGS / name, overrides)
+    assert isinstance(cfg, Config)
+    if source == "HuggingFaceTB/SmolLM2-135M":
+        assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_kv_heads, cfg.model.head_dim) == (30, 576, 3, 64)
+        assert cfg.model.tie_embeddings and cfg.model.rms_norm_eps == 1e-5 and cfg.model.vocab_size == 49152
+        assert cfg.train.optim.batch_size * cfg.data.seq_len == 512 * 1024  # the paper's path step, by accumulation
+        assert cfg.train.optim.batch_size // cfg.train.optim.micro_batch_size == 16
 
 
 def test_overrides_apply():
