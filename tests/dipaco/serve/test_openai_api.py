@@ -1,0 +1,278 @@
+"""`/v1/completions` and `/v1/models` through OpenAI's own Python client (and plain HTTP where the client
+cannot send a bad request), against the app served as `dipaco serve` serves it on loopback."""
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_serve import PROMPTS, needs_web, running
+
+from dipaco.data.packing import eval_windows
+from dipaco.model.scoring import Scoring, score_documents, window_nll
+from dipaco.serve.http import AppOptions, create_app
+from dipaco.serve.openai_api import MAX_LOGPROBS
+from dipaco.serve.pipeline import Pipeline
+
+MAX_PROMPT_TOKENS = 48
+MAX_NEW_TOKENS_CAP = 24
+MAX_PROMPTS = 4
+TOKEN = "s3cret-token"
+
+
+def needs_openai():
+    needs_web()
+    return pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def pipe(served_run):
+    return Pipeline.from_run(served_run.run.dir)
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    """The app with a token and small caps; yields its port."""
+    needs_openai()
+    caps = AppOptions(max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens_cap=MAX_NEW_TOKENS_CAP, max_prompts=MAX_PROMPTS,
+                      batch_wait_ms=50)
+    with running(create_app(pipe, caps, token=TOKEN)) as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = needs_openai()
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+def post(port: int, body, path: str = "/v1/completions", token: str | None = TOKEN) -> tuple[int, dict]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    conn.request("POST", path, body=body if isinstance(body, (bytes, str)) else json.dumps(body), headers=headers)
+    resp = conn.getresponse()
+    status, data = resp.status, json.loads(resp.read())
+    conn.close()
+    return status, data
+
+
+def test_models_lists_the_served_experiment(client, pipe):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [pipe.experiment]
+    assert client.models.retrieve(pipe.experiment).owned_by == "dipaco"
+
+
+def test_a_completion_is_generate_on_the_routed_path(client, pipe, server):
+    out = client.completions.create(model=pipe.experiment, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    status, generated = post(server, {"prompt": PROMPTS[0], "max_new_tokens": 6}, path="/v1/generate")
+    assert status == 200
+    [choice] = out.choices
+    assert choice.text == generated["text"] and choice.finish_reason == "length"
+    assert choice.path == generated["path"] == pipe.route(PROMPTS[0])[0]  # the extra field names the path
+    assert out.model == pipe.experiment and out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert out.usage.prompt_tokens == len(pipe.encode(PROMPTS[0])) and out.usage.completion_tokens == 6
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 6
+
+
+def test_token_id_prompts_equal_their_texts(client, pipe):
+    texts = PROMPTS[:3]
+    by_text = client.completions.create(model=pipe.experiment, prompt=texts, max_tokens=5, temperature=0)
+    by_ids = client.completions.create(model=pipe.experiment, prompt=[pipe.encode(t) for t in texts], max_tokens=5,
+                                       temperature=0)
+    single = client.completions.create(model=pipe.experiment, prompt=pipe.encode(texts[1]), max_tokens=5, temperature=0)
+    assert [c.index for c in by_ids.choices] == [0, 1, 2]
+    assert [c.text for c in by_ids.choices] == [c.text for c in by_text.choices]
+    assert [c.path for c in by_ids.choices] == [pipe.route(t)[0] for t in texts]
+    assert single.choices[0].text == by_ids.choices[1].text
+
+
+def test_seeded_sampling_repeats(client, pipe):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=pipe.experiment, prompt=PROMPTS[2], max_tokens=8, temperature=1.5,
+                                         top_p=0.9, seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(6)}) > 1  # the seed matters (6 seeds of 8 tokens cannot all agree by chance)
+
+
+def test_streaming_sends_the_same_text_then_done(client, pipe, server):
+    whole = client.completions.create(model=pipe.experiment, prompt=PROMPTS[3], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=pipe.experiment, prompt=PROMPTS[3], max_tokens=10, temperature=0,
+                                            stream=True))
+    assert len(chunks) >= 2 and all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert {c.choices[0].path for c in chunks} == {whole.choices[0].path}
+    # The wire format itself: server-sent events, the last one [DONE].
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": pipe.experiment, "prompt": PROMPTS[3], "max_tokens": 3,
+                                                        "stream": True}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    assert resp.getheader("content-type").startswith("text/event-stream")
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_a_stop_string_ends_the_completion_before_it(client, pipe):
+    prompt = PROMPTS[4]
+    full = client.completions.create(model=pipe.experiment, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    assert len(full) >= 4
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    expected = full[: full.index(stop)]
+    cut = client.completions.create(model=pipe.experiment, prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "\x00"])
+    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < 16  # decoding stopped there, not after max_tokens
+    streamed = client.completions.create(model=pipe.experiment, prompt=prompt, max_tokens=16, temperature=0, stop=stop,
+                                         stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def dipaco_token_logprobs(pipe: Pipeline, path: int, ids: list[int]) -> list[float]:
+    """Each token's log-probability after the first, by dipaco's own scoring (dipaco.model.scoring) on ``path``."""
+    model = pipe.cache.get(path).model
+    windows = eval_windows([ids], pipe.spec.seq_len, prefix_tokens=0)
+    [(_, _, nll)] = list(window_nll(model, windows, batch_size=1, pad_id=pipe.tokenizer.pad_token_id))
+    return (-nll[0, : len(ids) - 1]).tolist()
+
+
+def test_echo_logprobs_equal_dipaco_scoring(client, pipe):
+    text = PROMPTS[5] + " and the results were published on Monday"
+    ids = pipe.encode(text)
+    out = client.completions.create(model=pipe.experiment, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    [choice] = out.choices
+    lp = choice.logprobs
+    path = pipe.route(text)[0]
+    assert choice.path == path and choice.text == text and out.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(dipaco_token_logprobs(pipe, path, ids), abs=1e-4)
+    # The sum is dipaco's document score with the first token as context.
+    scores = score_documents(pipe.cache.get(path).model, [ids],
+                             Scoring(pipe.spec.seq_len, 1, 1, pipe.tokenizer.pad_token_id))
+    assert sum(lp.token_logprobs[1:]) == pytest.approx(-float(scores.nll[0]), abs=1e-3)
+    # The tokens spell the text at their offsets; each position's alternatives hold the token itself.
+    assert "".join(lp.tokens) == text
+    assert all(text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == value and len(top) <= 3 and max(top.values()) >= value
+
+
+def test_echo_with_a_new_token_is_what_lm_eval_asks(client, pipe):
+    """lm-eval's loglikelihood request: echo, logprobs=1, max_tokens=1; the prompt's part equals max_tokens=0's."""
+    ids = pipe.encode(PROMPTS[6])
+    scored = client.completions.create(model=pipe.experiment, prompt=[ids], max_tokens=0, echo=True, logprobs=1)
+    plus_one = client.completions.create(model=pipe.experiment, prompt=[ids], max_tokens=1, echo=True, logprobs=1,
+                                         temperature=0, seed=1234)
+    a, b = scored.choices[0].logprobs, plus_one.choices[0].logprobs
+    assert len(b.token_logprobs) == len(ids) + 1 and b.token_logprobs[0] is None
+    assert b.token_logprobs[1:-1] == pytest.approx(a.token_logprobs[1:], abs=1e-5)
+    assert b.token_logprobs[-1] == max(b.top_logprobs[-1].values())  # greedy: the best token
+    assert plus_one.choices[0].text.startswith(scored.choices[0].text)
+
+
+def batch_rows(port: int) -> tuple[float, float]:
+    """(forward passes, rows decoded) so far, from the server's /metrics."""
+    import http.client
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    text = conn.getresponse().read().decode()
+    conn.close()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return (sum(s.value for s in samples if s.name == "dipaco_batch_size_count"),
+            sum(s.value for s in samples if s.name == "dipaco_batch_size_sum"))
+
+
+def test_completions_share_generates_batches(client, pipe, server):
+    """Concurrent completions and generate requests of one path decode in the same batches."""
+    path = pipe.route(PROMPTS[0])[0]
+    same = [p for p in PROMPTS if pipe.route(p)[0] == path]
+    passes0, rows0 = batch_rows(server)
+    barrier = threading.Barrier(4)
+
+    def completion(i: int) -> str:
+        barrier.wait()
+        if i % 2:
+            return post(server, {"prompt": same[i % len(same)], "max_new_tokens": 8}, path="/v1/generate")[1]["text"]
+        return client.completions.create(model=pipe.experiment, prompt=same[i % len(same)], max_tokens=8,
+                                         temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(completion, range(4)))
+    passes1, rows1 = batch_rows(server)
+    assert all(texts)
+    assert (rows1 - rows0) / (passes1 - passes0) > 1.0  # rows per forward pass: requests shared passes
+
+
+BAD = [  # (body, status, param)
+    ({"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ({"model": None, "prompt": "a", "n": 2}, 400, "n"),
+    ({"model": None, "prompt": "a", "best_of": 3}, 400, "best_of"),
+    ({"model": None, "prompt": "a", "logprobs": MAX_LOGPROBS + 1}, 400, "logprobs"),
+    ({"model": None, "prompt": ["a"] * (MAX_PROMPTS + 1)}, 400, "prompt"),
+    ({"model": None, "prompt": [[1, 2], [10**6]]}, 400, "prompt"),
+    ({"model": None, "prompt": [-1]}, 400, "prompt"),
+    ({"model": None, "prompt": []}, 400, "prompt"),
+    ({"model": None, "prompt": [[]]}, 400, "prompt"),
+    ({"model": None, "prompt": ""}, 400, "prompt"),
+    ({"model": None, "prompt": [1, "a"]}, 400, "prompt"),
+    ({"model": None, "prompt": 5}, 400, "prompt"),
+    ({"model": None, "prompt": [7] * (MAX_PROMPT_TOKENS + 1)}, 400, "prompt"),
+    ({"model": None, "prompt": "a", "max_tokens": MAX_NEW_TOKENS_CAP + 1}, 400, "max_tokens"),
+    ({"model": None, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": None, "prompt": "a", "stream": True, "echo": True}, 400, "stream"),
+    ({"model": None, "prompt": "a", "stream": True, "logprobs": 1}, 400, "stream"),
+    ({"model": None, "prompt": ["a", "b"], "stream": True}, 400, "stream"),
+    ({"model": None, "prompt": "a", "suffix": "b"}, 400, "suffix"),
+    ({"model": None, "prompt": "a", "temperature": 3}, 400, "temperature"),
+    ({"model": None, "prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": None, "prompt": "a", "stop": [""]}, 400, "stop"),
+    ({"model": None, "prompt": "a", "stop": ["x"] * 17}, 400, "stop"),
+    ({"model": None, "prompt": ["\ud800"]}, 400, "prompt"),
+    ({"prompt": "a"}, 400, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_errors(server, pipe, body, status, param):
+    if body.get("model", "") is None:
+        body = {**body, "model": pipe.experiment}
+    got, data = post(server, json.dumps(body, ensure_ascii=True).encode())
+    assert (got, data["error"]["param"]) == (status, param), data
+    assert set(data["error"]) == {"message", "type", "param", "code"} and data["error"]["message"]
+    assert data["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_the_client_raises_openais_exceptions(client, pipe, server):
+    openai = needs_openai()
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="text-davinci-003", prompt="a")
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.completions.create(model=pipe.experiment, prompt="a", n=2)
+    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=pipe.experiment, prompt="a")
+    status, data = post(server, b"{not json")
+    assert status == 400 and data["error"]["type"] == "invalid_request_error"
+    status, data = post(server, {"model": pipe.experiment, "prompt": "a"}, token=None)
+    assert status == 401 and data["error"]["code"] == "invalid_api_key"
+    status, data = post(server, "x" * 10**6)
+    assert status == 413 and "max_body_bytes" in data["error"]["message"]
+
+
+def test_nan_and_infinity_are_refused_not_500(server, pipe):
+    for raw in (b'{"model": "%s", "prompt": "a", "temperature": NaN}', b'{"model": "%s", "prompt": "a", "top_p": 1e999}'):
+        status, data = post(server, raw % pipe.experiment.encode())
+        assert status == 400 and data["error"]["param"] in ("temperature", "top_p")
