@@ -162,3 +162,22 @@ def test_a_bad_metrics_key_is_named(override, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])
+
+
+def test_a_resumed_train_continues_its_wandb_run(run_cfg, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from dipaco.run import Run, apply_overrides
+    from dipaco.run_dir import RunDir
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = apply_overrides(run_cfg, ["metrics.wandb=true", "train.rounds=2"])
+    Run(cfg).train(until_round=1)
+    Run(cfg).train(resume=True)
+    run_id = (RunDir(cfg.run.dir).experiment(cfg.train.name) / "wandb_id").read_text().strip()
+    segments = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert [d.name.rsplit("-", 1)[1] for d in segments] == [run_id, run_id]  # one W&B run, in two segments
+    rounds = [[item["outer/step"] for r in _wandb_records(d) if r.get("type") == "history"
+               for item in [r["history"]["item"]] if "outer/step" in item] for d in segments]
+    assert rounds == [[1], [2]]
