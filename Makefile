@@ -55,7 +55,7 @@ clean-demo:
 	rm -rf $(RUN_DIR)
 
 # The one-command GPU check of issue 35 (scripts/gpu_check.py --help): throughput, the CUDA code paths and a
-# quality mini-regime within 11 minutes (two device calls: docs/notes/2026-11-27-gpu-check.md). CPU dry run: make gpu-check GPU_CHECK_ARGS="--device cpu --tiny".
+# quality mini-regime within 700 s (two device calls: docs/notes/2026-11-27-gpu-check.md). CPU dry run: make gpu-check GPU_CHECK_ARGS="--device cpu --tiny".
 # No `install` prerequisite: on a GPU machine without the venv, make gpu-check PY=python3.
 .PHONY: gpu-check
 gpu-check:

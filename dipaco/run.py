@@ -49,8 +49,8 @@ from dipaco.metrics import WandbRun, check_metrics, echo, tracking
 from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model, check_model
 from dipaco.model.pretrained import check_vocabulary, load_pretrained, path_llama_config
-from dipaco.model.source import resolve_init_from
 from dipaco.model.scoring import Scoring
+from dipaco.model.source import resolve_init_from
 from dipaco.model.topology import Topology, check_topology, topology_from_config
 from dipaco.paths.early_stopping import PathEarlyStopping, early_stopping_holdout
 from dipaco.paths.factory import LoopSettings, PathLoops

@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 WHEELS_SCRIPT = REPO / "scripts" / "gpu_wheels.sh"
 CUDA_PATH_CHECKS = ("fused_adamw", "bf16_autocast", "activation_checkpointing", "fp16_gradscaler_resume",
-                    "offload_swap", "nccl_single_rank", "compile_no_recompile", "round_shares", "ray_one_task")
+                    "offload_swap", "nccl_single_rank", "compile_no_recompile", "round_shares", "ray_one_task",
+                    "open_model")
 
 pytestmark = pytest.mark.slow  # it trains tiny models end to end (quality rows, a 2x2 round)
 
@@ -91,6 +92,9 @@ def test_the_cuda_path_assertions_hold_on_their_cpu_forms(dry_run):
     for key in ("outer_share", "checkpoint_share", "not_inner_share", "not_inner_share_at_100"):
         assert 0 <= rounds[key] <= 1, key
     assert rounds["outer_share"] + rounds["checkpoint_share"] <= rounds["not_inner_share"] + 1e-3
+    opened = v["open_model"]  # issue 58: an imported Llama checkpoint gives its logits, then trains compiled
+    assert opened["max_abs_logit_diff"] <= 1e-5 and opened["tokens_per_s"] > 0
+    assert opened["shape"]["rms_norm_eps"] == 1e-5 and opened["shape"]["rope_scaling"]["rope_type"] == "llama3"
     swaps = v["offload_swap"]["swap_s_per_path"]
     assert len(swaps) == 4 and all(s > 0 for s in swaps.values())
     assert v["nccl_single_rank"]["backend"] == "gloo" and "nccl needs CUDA" in v["nccl_single_rank"]["nccl_refused_on_cpu"]

@@ -29,7 +29,8 @@ VARIANTS = {
 
 def _resolved(source: Path, *overrides: str) -> tuple[ModelConfig, TokenizerConfig]:
     cfg = merge_config(None, [f"model.init_from={source}", *overrides])
-    return resolve_init_from(cfg.model, cfg.tokenizer, {o.split("=")[0].split(".")[1] for o in overrides if o.startswith("model.")})
+    given = {o.split("=")[0].split(".")[1] for o in overrides if o.startswith("model.")}
+    return resolve_init_from(cfg.model, cfg.tokenizer, given)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

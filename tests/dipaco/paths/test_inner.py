@@ -178,5 +178,6 @@ def test_a_micro_batch_that_does_not_divide_the_batch_is_refused(micro):
     from dipaco.errors import ConfigError
     from dipaco.paths.inner import check_optim
 
-    with pytest.raises(ConfigError, match=f"train.optim.micro_batch_size: must be > 0 and divide train.optim.batch_size=8, got {micro}"):
+    want = f"train.optim.micro_batch_size: must be > 0 and divide train.optim.batch_size=8, got {micro}"
+    with pytest.raises(ConfigError, match=want):
         check_optim("train.optim", OptimConfig(batch_size=8, micro_batch_size=micro))
