@@ -985,7 +985,8 @@ def check_open_model(ctx: Context) -> Check:
     ok = diff <= 1e-5 and math.isfinite(stats.loss)
     return Check("open_model", passed(ok), device.type,
                  f"imported {sum(p.numel() for p in imported.parameters()):,}-parameter Llama: max |logit diff| "
-                 f"{diff:.2e} (fp32); {steps} {loop.options.precision.name}{' compiled' if compiled else ''} steps at {tokens_per_s:,.0f} tok/s"
+                 f"{diff:.2e} (fp32); {steps} {loop.options.precision.name}{' compiled' if compiled else ''} steps at "
+                 f"{tokens_per_s:,.0f} tok/s"
                  + (f" (best hand-written loop at that shape: {best:,.0f})" if best else ""),
                  cpu_form="the same import and loop on the CPU at the tiny size, not compiled",
                  values={"max_abs_logit_diff": diff, "tokens_per_s": tokens_per_s, "best_tokens_per_s": best,
