@@ -119,6 +119,24 @@ def load_corpus(spec: CorpusSpec, work_dir: str | Path | None = None) -> dataset
     return load_corpus_with_stats(spec, work_dir)[0]
 
 
+def read_checked(spec: CorpusSpec, work: Path | None) -> tuple[datasets.Dataset, str, np.ndarray, np.ndarray]:
+    """Every document of the corpus, read, normalized and checked (UTF-8, the text column, empty documents,
+    duplicate ids) before any split: (the documents with their work columns, the split method, each document's
+    hash, the rows kept). `dipaco prepare` splits them; `dipaco eval --corpus` scores them all."""
+    _check_spec(spec)
+    docs, split_method = _normalized(_load_raw(spec, work), spec, work)
+    if work is not None and (work / _SOURCE).is_dir():  # the source's Arrow conversion is read once: free its disk now
+        shutil.rmtree(work / _SOURCE, ignore_errors=True)
+    hashes = numpy_column(docs, "hash")
+    keep = _handle_empty_docs(docs, numpy_column(docs, "empty"), spec)
+    _check_unique_ids(docs, hashes if len(keep) == len(hashes) else hashes[keep], keep)
+    return docs, split_method, hashes, keep
+
+
+def without_work_columns(docs: datasets.Dataset) -> datasets.Dataset:
+    return docs.remove_columns(_WORK_COLUMNS)
+
+
 def load_corpus_with_stats(
     spec: CorpusSpec, work_dir: str | Path | None = None
 ) -> tuple[datasets.DatasetDict, CorpusStats]:
@@ -127,15 +145,8 @@ def load_corpus_with_stats(
     ``work_dir``: where the normalized columns are written (Arrow files); without one they go to the
     datasets cache of the source, or stay in memory for an in-memory source.
     """
-    _check_spec(spec)
     work = None if work_dir is None else Path(work_dir)
-    docs, split_method = _normalized(_load_raw(spec, work), spec, work)
-    if work is not None and (work / _SOURCE).is_dir():  # the source's Arrow conversion is read once: free its disk now
-        shutil.rmtree(work / _SOURCE, ignore_errors=True)
-    hashes = numpy_column(docs, "hash")
-    empty = numpy_column(docs, "empty")
-    keep = _handle_empty_docs(docs, empty, spec)
-    _check_unique_ids(docs, hashes if len(keep) == len(hashes) else hashes[keep], keep)
+    docs, split_method, hashes, keep = read_checked(spec, work)
 
     if split_method == SPLIT_BY_HASH:
         # (h >> 32) / 2**32 < fraction, compared as (h >> 32) < fraction * 2**32: the same test (both
@@ -151,7 +162,7 @@ def load_corpus_with_stats(
         train, validation = _subsample(hashes, train, validation, spec.max_docs)
 
     fingerprint = _fingerprint(hashes, numpy_column(docs, "crc"), train, validation)
-    docs = docs.remove_columns(_WORK_COLUMNS)
+    docs = without_work_columns(docs)
     # The splits' row numbers go to files in the work dir (memory-mapped), not into memory: 8 bytes a document.
     corpus = datasets.DatasetDict({
         name: docs.select(rows, indices_cache_file_name=None if work is None else str(work / f"{name}-rows.arrow"),
@@ -160,7 +171,7 @@ def load_corpus_with_stats(
     stats = CorpusStats(
         n_train=len(train),
         n_validation=len(validation),
-        n_skipped_empty=int(empty.sum()) if spec.empty_docs == "skip" else 0,
+        n_skipped_empty=len(hashes) - len(keep),  # only empty documents are left out here (data.empty_docs=skip)
         n_dropped_max_docs=n_before - len(train) - len(validation),
         split_method=split_method,
         fingerprint=fingerprint,

@@ -32,8 +32,7 @@ import numpy as np
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dipaco.checkpoint.experiment import experiment_checkpoint
-from dipaco.data import corpus as corpus_reader
-from dipaco.data.corpus import CorpusSpec
+from dipaco.data.corpus import CorpusSpec, read_checked, without_work_columns
 from dipaco.data.packing import DocumentTokens
 from dipaco.data.reading import SplitReader
 from dipaco.data.tokenizer import TokenizeOptions, decode_batch, tokenize_to_disk
@@ -80,17 +79,11 @@ def read_documents(spec: CorpusSpec, work_dir: Path) -> datasets.Dataset:
     """Every document of the corpus (columns id, text[, label]), read and checked as `dipaco prepare` reads
     ``data.corpus`` (UTF-8, JSON lines, the text column, empty documents, duplicate ids) but not split: the
     steps of :func:`dipaco.data.corpus.load_corpus_with_stats` before its train/validation split."""
-    # The corpus module has no public unsplit reader; its own steps are called, not copied, so the checks
-    # and their messages cannot drift from prepare's.
     spec = replace(spec, split_field=None)  # every document is scored: no split column
-    corpus_reader._check_spec(spec)
-    docs, _ = corpus_reader._normalized(corpus_reader._load_raw(spec, work_dir), spec, work_dir)
-    hashes = corpus_reader.numpy_column(docs, "hash")
-    keep = corpus_reader._handle_empty_docs(docs, corpus_reader.numpy_column(docs, "empty"), spec)
-    corpus_reader._check_unique_ids(docs, hashes if len(keep) == len(hashes) else hashes[keep], keep)
+    docs, _, _, keep = read_checked(spec, work_dir)
     if not len(keep):
         raise DataError(f"corpus {spec.source!r} has no document to score")
-    docs = docs.remove_columns(corpus_reader._WORK_COLUMNS)
+    docs = without_work_columns(docs)
     return docs if len(keep) == len(docs) else docs.select(keep)
 
 
