@@ -39,6 +39,12 @@
    Reports their latency, how the server closed the held connections, and the longest any stayed open.
    Target: every valid request answered within 1 s.
 
+8. **APIs** (``--apis N``): the concurrency part's load (``N`` closed-loop clients, the batched server)
+   through ``/v1/generate``, ``/v1/completions`` and streamed ``/v1/completions`` (server-sent events,
+   the whole stream timed; ``stream_options.include_usage`` counts its tokens), one server, the three
+   interleaved in ``--rounds`` rounds of ``--seconds / rounds`` each (the order turned each round).
+   Reports tokens/s and p50/p99 of each. Target: completions within 10% of generate, both ways.
+
 With no ``--run`` it builds a small run first (configs/demo.yaml: BBC News, 4-layer d=128 paths,
 2x2 grid, LM-prefix k-means routing) with few training steps: quality is irrelevant to latency.
 
@@ -48,6 +54,7 @@ With no ``--run`` it builds a small run first (configs/demo.yaml: BBC News, 4-la
     python scripts/bench_serve.py --concurrency 16 --seconds 60 --agreement 200 --out bench_serve_batching.json
     python scripts/bench_serve.py --concurrency 16 --seconds 60 --pin-path 0 --out bench_serve_batching_path0.json
     python scripts/bench_serve.py --hold-idle 300 --nofile 256 --seconds 70 --out bench_serve_held.json
+    python scripts/bench_serve.py --apis 16 --seconds 60 --out bench_serve_apis.json
 """
 
 from __future__ import annotations
@@ -109,6 +116,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--agreement", type=int, help="part 6: this many prompts, batched against alone")
     p.add_argument("--hold-idle", type=int, help="part 7: hold this many idle / slow-header connections open")
     p.add_argument("--nofile", type=int, default=256, help="hold-idle: the server's ulimit -n")
+    p.add_argument("--apis", type=int, help="part 8: this many closed-loop clients through generate and completions")
+    p.add_argument("--rounds", type=int, default=3, help="apis: rounds of the three interleaved")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args()
 
@@ -551,9 +560,16 @@ def metric_by_label(samples: list, name: str, label: str) -> dict[str, float]:
     return {s.labels[label]: s.value for s in samples if s.name == name}
 
 
-def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float) -> dict:
+def generated_tokens(reply: bytes) -> int:
+    """The new tokens of a /v1/generate answer."""
+    return json.loads(reply)["completion_tokens"]
+
+
+def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float, endpoint: str = "/v1/generate",
+                tokens_of=generated_tokens, keep_latencies: bool = False) -> dict:
     """``clients`` threads, each on its own kept-alive connection, sending its next request as soon as the
-    last is answered, for ``seconds``. Request r of client c is ``bodies[(c + r * clients) % len(bodies)]``."""
+    last is answered (its whole body read), for ``seconds``. Request r of client c is
+    ``bodies[(c + r * clients) % len(bodies)]``; ``tokens_of(body)``: the new tokens of an answer."""
     lock = threading.Lock()
     latencies: list[float] = []
     tokens = [0]
@@ -568,9 +584,9 @@ def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float) ->
             r += 1
             start = time.perf_counter()
             try:
-                conn.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
+                conn.request("POST", endpoint, body=body, headers={"Content-Type": "application/json"})
                 resp = conn.getresponse()
-                reply = json.loads(resp.read())
+                reply = resp.read()
                 status = resp.status
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
@@ -583,7 +599,7 @@ def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float) ->
                 statuses[status] += 1
                 if status == 200:
                     latencies.append(elapsed)
-                    tokens[0] += reply["completion_tokens"]
+                    tokens[0] += tokens_of(reply)
         conn.close()
 
     start = time.perf_counter()
@@ -592,7 +608,8 @@ def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float) ->
     wall = time.perf_counter() - start
     return {"clients": clients, "wall_s": wall, "requests": len(latencies), "tokens": tokens[0],
             "tokens_per_s": tokens[0] / wall, "requests_per_s": len(latencies) / wall,
-            "statuses": {str(k): v for k, v in statuses.items()}, **(percentiles(latencies) if latencies else {})}
+            "statuses": {str(k): v for k, v in statuses.items()}, **(percentiles(latencies) if latencies else {}),
+            **({"latencies_ms": latencies} if keep_latencies else {})}
 
 
 def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float,
@@ -625,6 +642,61 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
     out["p99_ratio"] = b["p99_ms"] / u["p99_ms"] if "p99_ms" in u and "p99_ms" in b else None
     out["targets"] = {"throughput_ge_3x": (out["throughput_ratio"] or 0) >= 3.0,
                       "p99_no_worse": out["p99_ratio"] is not None and out["p99_ratio"] <= 1.0}
+    return out
+
+
+# --- part 8: the same load through /v1/generate and OpenAI's /v1/completions --------------------------
+def completion_tokens(reply: bytes) -> int:
+    """The new tokens of a /v1/completions answer, whole or streamed (its usage chunk, before [DONE])."""
+    if reply.startswith(b"data: "):
+        events = [e[len(b"data: "):] for e in reply.split(b"\n\n") if e.startswith(b"data: {")]
+        return json.loads(events[-1])["usage"]["completion_tokens"]
+    return json.loads(reply)["usage"]["completion_tokens"]
+
+
+def bench_apis(run: Path, experiment: str, prompts: list[str], clients: int, seconds: float, warmup_s: float,
+               new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float, rounds: int = 3) -> dict:
+    """Part 8: one batched server, the same closed-loop load through the three APIs, interleaved in ``rounds``."""
+    openai = {"model": experiment, "max_tokens": new_tokens, "temperature": 0}
+    apis = {  # name: (endpoint, request bodies, tokens of an answer)
+        "generate": ("/v1/generate", [{"prompt": p, "max_new_tokens": new_tokens} for p in prompts], generated_tokens),
+        "completions": ("/v1/completions", [{**openai, "prompt": p} for p in prompts], completion_tokens),
+        "completions_stream": ("/v1/completions", [{**openai, "prompt": p, "stream": True,
+                                                    "stream_options": {"include_usage": True}} for p in prompts],
+                               completion_tokens),
+    }
+    encoded = {name: (endpoint, [json.dumps(b).encode() for b in bodies], count)
+               for name, (endpoint, bodies, count) in apis.items()}
+    flags = ("--max-batch", str(max_batch), "--batch-wait-ms", str(batch_wait_ms))
+    runs: dict[str, list[dict]] = {name: [] for name in apis}
+    with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, _):
+        for endpoint, bodies, count in encoded.values():
+            closed_loop(port, bodies, clients, warmup_s, endpoint, count)
+        names = list(apis)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                endpoint, bodies, count = encoded[name]
+                runs[name].append(closed_loop(port, bodies, clients, seconds / rounds, endpoint, count, keep_latencies=True))
+    out: dict = {"clients": clients, "seconds": seconds, "rounds": rounds, "new_tokens": new_tokens,
+                 "server_flags": " ".join(flags)}
+    for name, parts in runs.items():
+        latencies = [ms for part in parts for ms in part.pop("latencies_ms")]
+        wall, tokens = sum(part["wall_s"] for part in parts), sum(part["tokens"] for part in parts)
+        statuses: Counter = Counter()
+        for part in parts:
+            statuses.update(part["statuses"])
+        out[name] = {"requests": len(latencies), "tokens": tokens, "tokens_per_s": tokens / wall,
+                     "statuses": dict(statuses), **(percentiles(latencies) if latencies else {})}
+        print(f"[bench] {name}, {clients} clients: {out[name]['tokens_per_s']:.0f} tok/s, "
+              f"p50 {out[name].get('p50_ms', 0):.0f} ms, p99 {out[name].get('p99_ms', 0):.0f} ms", flush=True)
+    base = out["generate"]
+    out["targets"] = {}
+    for name in ("completions", "completions_stream"):
+        row = out[name]
+        row["throughput_vs_generate"] = row["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+        row["p99_vs_generate"] = row["p99_ms"] / base["p99_ms"] if "p99_ms" in row and "p99_ms" in base else None
+        out["targets"][f"{name}_within_10pct"] = ((row["throughput_vs_generate"] or 0) >= 0.9
+                                                  and (row["p99_vs_generate"] or 2) <= 1.1)
     return out
 
 
@@ -828,7 +900,7 @@ def bench_hold_idle(run: Path, experiment: str | None, prompts: list[str], n: in
 
 
 def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[str]) -> None:
-    """Parts 5-7, those asked for, into one report."""
+    """Parts 5-8, those asked for, into one report."""
     report: dict = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
@@ -846,6 +918,10 @@ def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[
                                                   args.concurrency, args.seconds, args.warmup_seconds, args.new_tokens,
                                                   args.threads, args.max_batch, args.batch_wait_ms, args.decode_workers,
                                                   args.pin_path)
+    if args.apis:
+        report["apis"] = bench_apis(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
+                                    args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,
+                                    args.batch_wait_ms, args.rounds)
     if args.hold_idle:
         report["hold_idle"] = bench_hold_idle(run, pipe.experiment, prompts, args.hold_idle, args.nofile, args.seconds,
                                               args.threads)
@@ -892,7 +968,7 @@ def main() -> None:
                 Path(args.out).write_text(_dumps(report, indent=2))
                 print(f"[bench] wrote {args.out}")
             return
-        if args.concurrency or args.agreement or args.hold_idle:
+        if args.concurrency or args.agreement or args.hold_idle or args.apis:
             run_batching_parts(args, run, pipe, prompts)
             return
         timed = prompts[args.warmup:] or prompts

@@ -544,7 +544,8 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         planned, stops = await run_in_threadpool(plan_completion, req)
         request.state.dipaco_path = planned[0].path if len({p.path for p in planned}) == 1 else None
         if req.stream:
-            return StreamingResponse(stream_completion(planned[0], stops, request), media_type="text/event-stream")
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(stream_completion(planned[0], stops, request, usage), media_type="text/event-stream")
         rows = await decoded(planned, request)
         request.state.batch_size = max(row.batch_size for row in rows)
         choices = [oa.Decoded(i, row, one.path) for i, (row, one) in enumerate(zip(rows, planned))]
@@ -552,7 +553,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
                                          stops)
         return JSONResponse(answer)
 
-    async def stream_completion(planned: PlannedGeneration, stops: tuple[str, ...], request: Request):
+    async def stream_completion(planned: PlannedGeneration, stops: tuple[str, ...], request: Request, usage: bool):
         """The choice's text as it decodes, one event per token that adds final text, then the finish and
         ``[DONE]``. Tokens reach the event loop in order, before the row's end (one FIFO of callbacks)."""
         loop = asyncio.get_running_loop()
@@ -582,6 +583,8 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
                 delta, stopped = text.delta(pipeline.decode(row.tokens), final=True)
                 request.state.batch_size = row.batch_size
                 yield oa.sse(oa.chunk(cid, created, pipeline.experiment, delta, oa.finish_reason(row, stopped), planned.path))
+                if usage:
+                    yield oa.sse(oa.usage_chunk(cid, created, pipeline.experiment, row))
             yield oa.DONE
         finally:  # the client left mid-stream (the response was cancelled): its row stops at the next step
             if not ticket.future.done():

@@ -18,6 +18,7 @@ functions here to read the request and to write the answer.
   prompt alone: lm-eval's loglikelihood requests. ``text_offset`` counts characters of the returned
   ``text``.
 - ``stop``: up to ``MAX_STOP`` strings; the completion ends before the first one that appears.
+- ``stream_options: {"include_usage": true}`` ends a stream with a chunk of the token counts, as OpenAI's.
 - Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``, with 4xx statuses.
 """
 
@@ -96,6 +97,9 @@ def request_model(base: Any) -> Any:
     coercion, NaN and lone surrogates refused). Numbers take OpenAI's ranges and defaults."""
     from pydantic import Field
 
+    class StreamOptions(base):
+        include_usage: bool = False  # a last chunk with no choices and the request's token counts
+
     class CompletionRequest(base):
         model: str
         prompt: str | list[str] | list[int] | list[list[int]]
@@ -107,6 +111,7 @@ def request_model(base: Any) -> Any:
         stop: str | list[str] | None = None
         seed: int | None = Field(None, ge=0, lt=2**63)
         stream: bool = False
+        stream_options: StreamOptions | None = None
         logprobs: int | None = Field(None, ge=0)
         echo: bool = False
 
@@ -169,6 +174,8 @@ def check_supported(req: Any, model: str, n_prompts: int) -> None:
                           param="max_tokens")
     if req.stream and (req.echo or req.logprobs is not None):
         raise OpenAIError(400, "stream: not supported together with echo or logprobs", param="stream")
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(400, "stream_options: only with stream: true", param="stream_options")
     if req.stream and n_prompts > 1:
         raise OpenAIError(400, "stream: supported for one prompt per request", param="stream")
 
@@ -299,3 +306,10 @@ class TextStream:
 def chunk(cid: str, created: int, model: str, text: str, finish: str | None, path: int) -> dict:
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "path": path}]}
+
+
+def usage_chunk(cid: str, created: int, model: str, row: DecodeRow) -> dict:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the token counts."""
+    prompt, completion = len(row.prompt_ids), len(row.tokens)
+    return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}

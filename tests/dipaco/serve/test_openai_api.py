@@ -106,6 +106,10 @@ def test_streaming_sends_the_same_text_then_done(client, pipe, server):
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert {c.choices[0].path for c in chunks} == {whole.choices[0].path}
+    counted = list(client.completions.create(model=pipe.experiment, prompt=PROMPTS[3], max_tokens=10, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+    assert counted[-1].choices == [] and counted[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert counted[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     # The wire format itself: server-sent events, the last one [DONE].
     import http.client
 
@@ -234,6 +238,8 @@ BAD = [  # (body, status, param)
     ({"model": None, "prompt": "a", "stream": True, "echo": True}, 400, "stream"),
     ({"model": None, "prompt": "a", "stream": True, "logprobs": 1}, 400, "stream"),
     ({"model": None, "prompt": ["a", "b"], "stream": True}, 400, "stream"),
+    ({"model": None, "prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": None, "prompt": "a", "stream": True, "stream_options": {"usage": True}}, 400, "stream_options"),
     ({"model": None, "prompt": "a", "suffix": "b"}, 400, "suffix"),
     ({"model": None, "prompt": "a", "temperature": 3}, 400, "temperature"),
     ({"model": None, "prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
