@@ -89,6 +89,7 @@ DEFAULT_NEW_TOKENS = 32  # when a request does not say (never above the cap nor 
 JSON_BYTES_PER_BYTE = 6  # the longest JSON spelling of one UTF-8 byte of a string: "\\u00XX" (or 12 for 4)
 BODY_OVERHEAD_BYTES = 16 * 1024  # the other fields, keys and whitespace of a request
 ERROR_INPUT_CHARS = 200  # a 422 echoes at most this much of the offending input
+STREAM_INTERVAL_S = 0.05  # a streamed completion's events at most this often (the tokens between coalesce)
 
 
 def _import_web():
@@ -248,6 +249,50 @@ async def answers_unless_gone(batcher: PathBatcher, tickets: list[Ticket], recei
     return None
 
 
+class Wakeup:
+    """Wakes a coroutine from another thread, at most once per :meth:`wait`: the decoding thread calls
+    :meth:`poke` after every token of a streamed row; the first poke schedules a wake-up, and the others
+    cost nothing until the coroutine has woken and read what came (it reads after :meth:`wait` returns,
+    so it sees every token poked before). Between two wake-ups the coroutine waits ``interval_s`` unless
+    :meth:`finish` is called (the row has ended, the client has gone), so under load a stream's tokens
+    coalesce into fewer events: a loop callback, a chunk and a client read per token and per stream took
+    the decoding thread's CPU."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float = 0.0) -> None:
+        self.loop = loop
+        self.interval_s = interval_s
+        self.event = asyncio.Event()
+        self.finished = asyncio.Event()
+        self._pending = False  # poked since the last wait() returned
+        self._last = 0.0
+
+    def _call(self, callback) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is listening
+            self.loop.call_soon_threadsafe(callback)
+
+    def poke(self) -> None:
+        if not self._pending:
+            self._pending = True
+            self._call(self.event.set)
+
+    def finish(self) -> None:
+        self._call(self._finished)
+
+    def _finished(self) -> None:
+        self.finished.set()
+        self.event.set()
+
+    async def wait(self) -> None:
+        pause = self._last + self.interval_s - self.loop.time()
+        if pause > 0 and not self.finished.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.finished.wait(), pause)
+        await self.event.wait()
+        self.event.clear()
+        self._pending = False
+        self._last = self.loop.time()
+
+
 @dataclass(frozen=True)
 class AppOptions:
     """The request caps and batching of the application (``dipaco serve``'s flags of the same names)."""
@@ -308,7 +353,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     from fastapi.encoders import jsonable_encoder
     from fastapi.exception_handlers import http_exception_handler
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict, Field, field_validator
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -545,50 +590,82 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         request.state.dipaco_path = planned[0].path if len({p.path for p in planned}) == 1 else None
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(stream_completion(planned[0], stops, request, usage), media_type="text/event-stream")
+            return stream_completion(planned[0], stops, request, usage)
         rows = await decoded(planned, request)
         request.state.batch_size = max(row.batch_size for row in rows)
         choices = [oa.Decoded(i, row, one.path) for i, (row, one) in enumerate(zip(rows, planned))]
-        answer = await run_in_threadpool(oa.completion, pipeline, choices, pipeline.experiment, req.echo, req.logprobs,
-                                         stops)
+        args = (pipeline, choices, pipeline.experiment, req.echo, req.logprobs, stops)
+        if req.logprobs is None:  # the text alone: one short decode per choice, done here
+            answer = oa.completion(*args)
+        else:  # log-probabilities decode every prefix of the tokens: a thread's work
+            answer = await run_in_threadpool(oa.completion, *args)
         return JSONResponse(answer)
 
-    async def stream_completion(planned: PlannedGeneration, stops: tuple[str, ...], request: Request, usage: bool):
-        """The choice's text as it decodes, one event per token that adds final text, then the finish and
-        ``[DONE]``. Tokens reach the event loop in order, before the row's end (one FIFO of callbacks)."""
-        loop = asyncio.get_running_loop()
-        arrived: asyncio.Queue[int | None] = asyncio.Queue()
+    class EventStream(Response):
+        """A ``text/event-stream`` response of the byte strings ``events(gone)`` yields, each sent as it comes;
+        ``gone`` resolves when the client disconnects, and the events should then end. Starlette's
+        StreamingResponse watches for the disconnect with a task group of its own per response, the
+        streamed completion's own wake-ups (:class:`Wakeup`) see it here."""
 
-        def notify(value: int | None) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is listening
-                loop.call_soon_threadsafe(arrived.put_nowait, value)
+        def __init__(self, events) -> None:  # no body, no content-length: the events are the body
+            self.events = events
+            self.status_code = 200
+            self.background = None
+            self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
+        async def __call__(self, scope, receive, send) -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            gone = asyncio.ensure_future(client_gone(receive))
+            stream = self.events(gone)
+            try:
+                async for event in stream:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                gone.cancel()
+                await stream.aclose()  # its row is cancelled if it has not ended (shutdown)
+            if self.background is not None:
+                await self.background()
+
+    def stream_completion(planned: PlannedGeneration, stops: tuple[str, ...], request: Request, usage: bool) -> Response:
+        """Queues the row (a server shutting down is a 503 here, before any event) and streams its text as it
+        decodes: one event per wake-up that adds final text (the tokens decoded meanwhile), then the finish
+        (and the usage) with ``[DONE]``. A client that leaves cancels the row."""
         row = planned.row
-        row.on_token = lambda r: notify(len(r.tokens))
+        wakeup = Wakeup(asyncio.get_running_loop(), STREAM_INTERVAL_S)
+        row.on_token = lambda r: wakeup.poke()
         try:
             ticket = batcher.submit(planned.path, row)
         except DipacoError as exc:
             raise HTTPException(503, str(exc)) from None
-        ticket.future.add_done_callback(lambda f: notify(None))
-        cid, created, text = oa.completion_id(), int(time.time()), oa.TextStream(stops)
-        try:
-            while (n := await arrived.get()) is not None:
-                delta, _ = text.delta(pipeline.decode(row.tokens[:n]))
-                if delta:
-                    yield oa.sse(oa.chunk(cid, created, pipeline.experiment, delta, None, planned.path))
-            if ticket.future.cancelled() or ticket.future.exception() is not None:
-                failure = "cancelled" if ticket.future.cancelled() else str(ticket.future.exception())
-                yield oa.sse(oa.error_body(503, f"the completion did not finish: {failure}"))
-            else:
+        ticket.future.add_done_callback(lambda f: wakeup.finish())  # after the last token's poke
+        cid, created, text, model = oa.completion_id(), int(time.time()), oa.TextStream(stops), pipeline.experiment
+
+        async def events(gone: asyncio.Future):
+            gone.add_done_callback(lambda f: wakeup.finish())
+            try:
+                while not ticket.future.done():
+                    await wakeup.wait()
+                    if gone.done():
+                        return
+                    if ticket.future.done():
+                        break
+                    delta, _ = text.delta(pipeline.decode(list(row.tokens)))  # a copy: the decoding thread appends
+                    if delta:
+                        yield oa.sse(oa.chunk(cid, created, model, delta, None, planned.path))
+                if ticket.future.cancelled() or ticket.future.exception() is not None:
+                    failure = "cancelled" if ticket.future.cancelled() else str(ticket.future.exception())
+                    yield oa.sse(oa.error_body(503, f"the completion did not finish: {failure}")) + oa.DONE
+                    return
                 delta, stopped = text.delta(pipeline.decode(row.tokens), final=True)
                 request.state.batch_size = row.batch_size
-                yield oa.sse(oa.chunk(cid, created, pipeline.experiment, delta, oa.finish_reason(row, stopped), planned.path))
-                if usage:
-                    yield oa.sse(oa.usage_chunk(cid, created, pipeline.experiment, row))
-            yield oa.DONE
-        finally:  # the client left mid-stream (the response was cancelled): its row stops at the next step
-            if not ticket.future.done():
-                batcher.cancel(ticket)
+                last = oa.sse(oa.chunk(cid, created, model, delta, oa.finish_reason(row, stopped), planned.path))
+                yield last + (oa.sse(oa.usage_chunk(cid, created, model, row)) if usage else b"") + oa.DONE
+            finally:
+                if not ticket.future.done():
+                    batcher.cancel(ticket)
+
+        return EventStream(events)
 
     # Outermost last: the access log sees every answer (401s and 413s included); the token is checked
     # before any body is read.

@@ -2,7 +2,9 @@
 cannot send a bad request), against the app served as `dipaco serve` serves it on loopback."""
 
 import json
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -183,8 +185,8 @@ def test_echo_with_a_new_token_is_what_lm_eval_asks(client, pipe):
     assert plus_one.choices[0].text.startswith(scored.choices[0].text)
 
 
-def batch_rows(port: int) -> tuple[float, float]:
-    """(forward passes, rows decoded) so far, from the server's /metrics."""
+def metric(port: int, name: str) -> float:
+    """The sum of a metric's samples in the server's /metrics."""
     import http.client
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -193,9 +195,27 @@ def batch_rows(port: int) -> tuple[float, float]:
     conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
     text = conn.getresponse().read().decode()
     conn.close()
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-    return (sum(s.value for s in samples if s.name == "dipaco_batch_size_count"),
-            sum(s.value for s in samples if s.name == "dipaco_batch_size_sum"))
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def batch_rows(port: int) -> tuple[float, float]:
+    """(forward passes, rows decoded) so far."""
+    return metric(port, "dipaco_batch_size_count"), metric(port, "dipaco_batch_size_sum")
+
+
+def test_a_stream_whose_client_leaves_stops_decoding(client, pipe, server):
+    body = {"model": pipe.experiment, "prompt": PROMPTS[7], "max_tokens": MAX_NEW_TOKENS_CAP, "temperature": 0}
+    assert client.completions.create(**body).usage.completion_tokens == MAX_NEW_TOKENS_CAP  # no early EOS
+    before = metric(server, "dipaco_generated_tokens_total")
+    raw = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", server), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: " + str(len(raw)).encode()
+                     + b"\r\n\r\n" + raw)
+    # Gone while its row waited for a batch (batch_wait_ms=50): the row is dropped, not decoded to the end.
+    time.sleep(1.0)
+    assert metric(server, "dipaco_generated_tokens_total") - before < MAX_NEW_TOKENS_CAP
+    assert client.completions.create(**body).choices[0].text  # the server goes on
 
 
 def test_completions_share_generates_batches(client, pipe, server):
