@@ -11,7 +11,7 @@
     dipaco eval     --config ... --corpus news.jsonl      per-path perplexity on any corpus -> eval_news.json
     dipaco generate --run runs/demo "prompt"             route the prompt, run its one path
     dipaco export   --run runs/demo --path 3 --out DIR    a path as a standalone HF model directory
-    dipaco serve    --run runs/demo --port 8000           HTTP API: /v1/route, /v1/generate, /v1/paths
+    dipaco serve    --run runs/demo --port 8000           HTTP API: /v1/generate, /v1/completions (OpenAI), /v1/paths
     dipaco convert-spec --run runs/demo                   experiment.json for a run trained before specs
     dipaco config show [--config FILE] [key=value ...]    every key of the config and its value
 
@@ -123,7 +123,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     _spec_of_old_run(args)
     app = AppOptions(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_cap=args.max_new_tokens_cap,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s, max_batch=args.max_batch,
-                     batch_wait_ms=args.batch_wait_ms, decode_workers=args.decode_workers)
+                     batch_wait_ms=args.batch_wait_ms, decode_workers=args.decode_workers, max_prompts=args.max_prompts)
     serve(args.run, ServeOptions(host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
                                  cache_size=args.cache_size, device=args.device, precision=args.precision,
                                  token=resolve_token(args.token), allow_unauthenticated=args.allow_unauthenticated,
@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.set_defaults(func=_cmd_convert_spec)
 
-    p = _command(sub, "serve", "HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate, /metrics")
+    p = _command(sub, "serve", "HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate, OpenAI's "
+                               "/v1/completions and /v1/models, /metrics")
     _add_run_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="listening address; one that is not loopback needs --token (or --allow-unauthenticated)")
@@ -251,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a non-loopback --host without a token")
     p.add_argument("--max-batch", type=int, default=16,
                    help="requests of one path decoded together at most (1: no batching)")
+    p.add_argument("--max-prompts", type=int, default=16,
+                   help="prompts in one /v1/completions request at most (a list of prompts; each is one row)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long a path's first waiting request waits for others to join its batch")
     p.add_argument("--decode-workers", type=int, default=1,

@@ -370,6 +370,8 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         max_body_bytes = default_max_body_bytes(max_prompt_tokens, pipeline.max_token_chars)
     if max_body_bytes < 1:
         raise DipacoError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if options.max_prompts < 1:
+        raise DipacoError(f"--max-prompts must be >= 1, got {options.max_prompts}")
     if not (isinstance(batch_wait_ms, (int, float)) and math.isfinite(batch_wait_ms)):
         raise DipacoError(f"--batch-wait-ms must be a finite number of milliseconds, got {batch_wait_ms}")
     routing_prefix = pipeline.routing_prefix_tokens()

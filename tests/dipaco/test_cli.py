@@ -42,8 +42,8 @@ def test_serve_caps_default_to_the_models_positions_and_reach_the_server(capsys,
     assert "--max-body-bytes" in text and "default: the experiment's data.seq_len" in text
     seen = {}
     monkeypatch.setattr("dipaco.serve.http.serve", lambda run, options: seen.update(vars(options.app)))
-    assert main(["serve", "--run", "somewhere", "--max-body-bytes", "4096"]) in (0, None)
-    assert seen["max_body_bytes"] == 4096
+    assert main(["serve", "--run", "somewhere", "--max-body-bytes", "4096", "--max-prompts", "3"]) in (0, None)
+    assert seen["max_body_bytes"] == 4096 and seen["max_prompts"] == 3  # the completions endpoint's prompt-list cap
     assert seen["max_prompt_tokens"] is None and seen["max_new_tokens_cap"] is None  # the server picks seq_len
 
 

@@ -302,3 +302,11 @@ def test_nan_and_infinity_are_refused_not_500(server, pipe):
     for raw in (b'{"model": "%s", "prompt": "a", "temperature": NaN}', b'{"model": "%s", "prompt": "a", "top_p": 1e999}'):
         status, data = post(server, raw % pipe.experiment.encode())
         assert status == 400 and data["error"]["param"] in ("temperature", "top_p")
+
+
+def test_a_prompt_list_cap_below_one_is_refused_at_start(pipe):
+    needs_web()
+    from dipaco.errors import DipacoError
+
+    with pytest.raises(DipacoError, match="--max-prompts must be >= 1, got 0"):
+        create_app(pipe, AppOptions(max_prompts=0))
