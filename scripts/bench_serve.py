@@ -44,6 +44,12 @@
    the whole stream timed; ``stream_options.include_usage`` counts its tokens), one server, the three
    interleaved in ``--rounds`` rounds of ``--seconds / rounds`` each (the order turned each round).
    Reports tokens/s and p50/p99 of each. Target: completions within 10% of generate, both ways.
+9. **Soak** (``--soak N``): ``N`` closed-loop clients (sampled, temperature 0.8, prompts of 12-40 words cut
+   from validation texts) against one `dipaco serve` (``--max-batch``) for ``--seconds``, in windows of
+   ``--window`` seconds; the server's RSS and open descriptors (``/proc/PID``) sampled every ``--sample-every``
+   seconds. Reports p50/p99 and statuses per window, and RSS growth and slope (least squares) after
+   ``--settle`` seconds. Targets: RSS from ``--settle`` to the end grows <= 2%, every window's p99 within
+   20% of the first's, 0 responses of 500.
 
 With no ``--run`` it builds a small run first (configs/demo.yaml: BBC News, 4-layer d=128 paths,
 2x2 grid, LM-prefix k-means routing) with few training steps: quality is irrelevant to latency.
@@ -55,6 +61,7 @@ With no ``--run`` it builds a small run first (configs/demo.yaml: BBC News, 4-la
     python scripts/bench_serve.py --concurrency 16 --seconds 60 --pin-path 0 --out bench_serve_batching_path0.json
     python scripts/bench_serve.py --hold-idle 300 --nofile 256 --seconds 70 --out bench_serve_held.json
     python scripts/bench_serve.py --apis 16 --seconds 60 --out bench_serve_apis.json
+    python scripts/bench_serve.py --soak 16 --seconds 1800 --settle 300 --out bench_serve_soak.json
 """
 
 from __future__ import annotations
@@ -118,6 +125,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nofile", type=int, default=256, help="hold-idle: the server's ulimit -n")
     p.add_argument("--apis", type=int, help="part 8: this many closed-loop clients through generate and completions")
     p.add_argument("--rounds", type=int, default=3, help="apis: rounds of the three interleaved")
+    p.add_argument("--soak", type=int, help="part 9: this many closed-loop clients for --seconds, RSS and descriptors sampled")
+    p.add_argument("--window", type=float, default=60.0, help="soak: p50/p99 per window of this many seconds")
+    p.add_argument("--settle", type=float, default=300.0, help="soak: RSS growth and slope measured after this many seconds")
+    p.add_argument("--sample-every", type=float, default=10.0, help="soak: seconds between RSS / descriptor samples")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args()
 
@@ -700,6 +711,86 @@ def bench_apis(run: Path, experiment: str, prompts: list[str], clients: int, sec
     return out
 
 
+# --- part 9: soak: memory, descriptors and latency over a long closed-loop load --------------------------
+def word_prompts(pipe, n: int, low: int = 12, high: int = 40, seed: int = 0) -> list[str]:
+    """``n`` runs of ``low`` to ``high`` words from validation texts, each from a random place (fixed seed)."""
+    rng = np.random.default_rng(seed)
+    out: list[str] = []
+    for doc in validation_split(pipe)["input_ids"]:
+        words = pipe.decode(doc).split()
+        k = int(rng.integers(low, high + 1))
+        if len(words) >= k:
+            at = int(rng.integers(0, len(words) - k + 1))
+            out.append(" ".join(words[at:at + k]))
+        if len(out) == n:
+            break
+    return out
+
+
+class ProcSampler(threading.Thread):
+    """Every ``every`` seconds: (seconds since start, VmRSS in MB, open descriptors) of process ``pid``."""
+
+    def __init__(self, pid: int, every: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every, self.stop = pid, every, threading.Event()
+        self.samples: list[tuple[float, float, int | None]] = []
+        self.start_time = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            rss = rss_kb(self.pid).get("VmRSS")
+            if rss is not None:
+                self.samples.append((time.monotonic() - self.start_time, rss / 1024, server_descriptors(self.pid)))
+            if self.stop.wait(self.every):
+                return
+
+
+def bench_soak(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float, window_s: float,
+               settle_s: float, sample_s: float, new_tokens: int, threads: int | None, max_batch: int) -> dict:
+    """Part 9: one server, ``clients`` closed-loop clients for ``seconds`` in windows of ``window_s``. Each
+    window is a fresh ``closed_loop`` (its clients reconnect): a gap of a few ms, and latency per window."""
+    bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, "temperature": 0.8}).encode() for p in prompts]
+    flags = ("--max-batch", str(max_batch))
+    windows = []
+    with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, server):
+        sampler = ProcSampler(server.pid, sample_s)
+        sampler.start()
+        while (left := seconds - (time.monotonic() - sampler.start_time)) > 0.05:
+            row = closed_loop(port, bodies, clients, min(window_s, left))
+            row["end_s"] = time.monotonic() - sampler.start_time
+            windows.append(row)
+            print(f"[bench] soak {row['end_s']:.0f} s: {row['requests']} answers, p50 {row.get('p50_ms', 0):.0f} ms, "
+                  f"p99 {row.get('p99_ms', 0):.0f} ms, RSS {sampler.samples[-1][1]:.0f} MB, "
+                  f"{sampler.samples[-1][2]} descriptors", flush=True)
+        time.sleep(min(sample_s, 5.0))  # one sample after the load
+        sampler.stop.set()
+        sampler.join()
+    t, rss, fds = (np.array([s[i] for s in sampler.samples], dtype=float) for i in range(3))
+    late = t >= min(settle_s, t[-1])  # a run shorter than settle_s: its last sample alone
+    statuses: Counter = Counter()
+    for row in windows:
+        statuses.update(row["statuses"])
+    slope = float(np.polyfit(t[late], rss[late], 1)[0]) * 60 if late.sum() >= 2 else None
+    out = {"clients": clients, "seconds": seconds, "window_s": window_s, "settle_s": settle_s, "new_tokens": new_tokens,
+           "server_flags": " ".join(flags), "statuses": dict(statuses),
+           "responses_500": sum(v for k, v in statuses.items() if k.isdigit() and int(k) >= 500),
+           "windows": [{k: row.get(k) for k in ("end_s", "requests", "p50_ms", "p99_ms", "statuses")} for row in windows],
+           "samples": {"t_s": t.tolist(), "rss_mb": rss.tolist(), "fds": fds.tolist()},
+           "rss_mb": {"first": rss[0], "at_settle": rss[late][0], "end": rss[-1], "peak": rss.max(),
+                      "growth_after_settle": rss[-1] / rss[late][0] - 1, "slope_mb_per_min_after_settle": slope},
+           "fds": {"min": fds.min(), "max": fds.max()}}
+    p99 = [row["p99_ms"] for row in windows if "p99_ms" in row]
+    out["targets"] = {"rss_growth_after_settle_le_2pct": bool(out["rss_mb"]["growth_after_settle"] <= 0.02),
+                      "p99_within_20pct_of_first_window": bool(p99) and max(p99) <= 1.2 * p99[0],
+                      "no_500": out["responses_500"] == 0}
+    r = out["rss_mb"]
+    print(f"[bench] soak: RSS {r['first']:.0f} MB at start, {r['at_settle']:.0f} MB at {settle_s:g} s, {r['end']:.0f} MB "
+          f"at the end ({100 * r['growth_after_settle']:+.1f}%, {slope if slope is not None else float('nan'):.2f} "
+          f"MB/min after settling); descriptors {out['fds']['min']:.0f}-{out['fds']['max']:.0f}; statuses "
+          f"{dict(statuses)}; targets {out['targets']}", flush=True)
+    return out
+
+
 # --- part 6: batched against alone, token for token ----------------------------------------------------
 SAMPLING_CYCLE = ((0.7, 1.0, 0), (1.0, 0.95, 50), (1.3, 0.9, 0))  # (temperature, top_p, top_k) by row
 
@@ -922,6 +1013,10 @@ def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[
         report["apis"] = bench_apis(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
                                     args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,
                                     args.batch_wait_ms, args.rounds)
+    if args.soak:
+        report["soak"] = bench_soak(run, pipe.experiment, word_prompts(pipe, max(args.prompts, 200)), args.soak,
+                                    args.seconds, args.window, args.settle, args.sample_every, args.new_tokens,
+                                    args.threads, args.max_batch)
     if args.hold_idle:
         report["hold_idle"] = bench_hold_idle(run, pipe.experiment, prompts, args.hold_idle, args.nofile, args.seconds,
                                               args.threads)
@@ -968,7 +1063,7 @@ def main() -> None:
                 Path(args.out).write_text(_dumps(report, indent=2))
                 print(f"[bench] wrote {args.out}")
             return
-        if args.concurrency or args.agreement or args.hold_idle or args.apis:
+        if args.concurrency or args.agreement or args.hold_idle or args.apis or args.soak:
             run_batching_parts(args, run, pipe, prompts)
             return
         timed = prompts[args.warmup:] or prompts

@@ -53,6 +53,7 @@ Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 # and the request models are local to create_app.
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -60,6 +61,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,12 +85,13 @@ from dipaco.serve.connections import (
     guarded_protocol,
 )
 from dipaco.serve.metrics import ACCESS_LOGGER, CLIENT_GONE, AccessLog, ServeMetrics
-from dipaco.serve.pipeline import DEFAULT_CACHE_SIZE, Pipeline, PlannedGeneration, Scored
+from dipaco.serve.pipeline import DEFAULT_CACHE_SIZE, TOKENIZER_COPIES, Pipeline, PlannedGeneration, Scored
 
 DEFAULT_NEW_TOKENS = 32  # when a request does not say (never above the cap nor past the model's positions)
 JSON_BYTES_PER_BYTE = 6  # the longest JSON spelling of one UTF-8 byte of a string: "\\u00XX" (or 12 for 4)
 BODY_OVERHEAD_BYTES = 16 * 1024  # the other fields, keys and whitespace of a request
 ERROR_INPUT_CHARS = 200  # a 422 echoes at most this much of the offending input
+PLAN_THREADS = TOKENIZER_COPIES  # threads that plan requests (tokenize, route): one tokenizer copy each
 STREAM_INTERVAL_S = 0.05  # a streamed completion's events at most this often (the tokens between coalesce)
 
 
@@ -361,6 +364,14 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     max_prompt_tokens, max_new_tokens_cap = options.max_prompt_tokens, options.max_new_tokens_cap
     max_body_bytes, body_timeout_s = options.max_body_bytes, options.body_timeout_s
     max_batch, batch_wait_ms, decode_workers = options.max_batch, options.batch_wait_ms, options.decode_workers
+    # Planning (tokenizing, routing) runs on PLAN_THREADS long-lived threads, not starlette's pool of up to 40
+    # threads that come and go: each new thread drew glibc another malloc arena (up to 8 per core), and each arena
+    # kept its own high-water mark, so the server grew for minutes as the pool's threads turned over (issue 62).
+    planner = ThreadPoolExecutor(PLAN_THREADS, thread_name_prefix="dipaco-plan")
+
+    async def in_planner(fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(planner, functools.partial(fn, *args, **kwargs))
+
     seq_len = pipeline.spec.seq_len
     max_prompt_tokens, max_new_tokens_cap, notes = resolve_caps(seq_len, max_prompt_tokens, max_new_tokens_cap)
     for note in notes:
@@ -428,6 +439,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     async def lifespan(app):
         yield
         await run_in_threadpool(batcher.close)  # joins the workers: not on the event loop
+        planner.shutdown(wait=False)
 
     app = FastAPI(title="dipaco", summary="DiPaCo single-path inference: route a prompt, run one path", lifespan=lifespan)
     app.state.caps = {"max_prompt_tokens": max_prompt_tokens, "max_prompt_chars": max_prompt_chars,
@@ -550,8 +562,8 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
 
     @app.post("/v1/generate", response_model=GenerateResponse)
     async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
-        planned = await run_in_threadpool(plan, req.prompt, req.max_new_tokens, temperature=req.temperature,
-                                          top_p=req.top_p, top_k=req.top_k, seed=req.seed, path=req.path)
+        planned = await in_planner(plan, req.prompt, req.max_new_tokens, temperature=req.temperature,
+                                   top_p=req.top_p, top_k=req.top_k, seed=req.seed, path=req.path)
         request.state.dipaco_path = planned.path
         [result] = await decoded([planned], request, result=lambda one: lambda row: pipeline.finish(one))
         request.state.batch_size = result.batch_size
@@ -588,7 +600,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     @app.post(oa.COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request) -> Response:  # type: ignore[valid-type]
         req: Any = body  # built at run time: mypy cannot see its fields
-        planned, stops = await run_in_threadpool(plan_completion, req)
+        planned, stops = await in_planner(plan_completion, req)
         request.state.dipaco_path = planned[0].path if len({p.path for p in planned}) == 1 else None
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -600,7 +612,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         if req.logprobs is None:  # the text alone: one short decode per choice, done here
             answer = oa.completion(*args)
         else:  # log-probabilities decode every prefix of the tokens: a thread's work
-            answer = await run_in_threadpool(oa.completion, *args)
+            answer = await in_planner(oa.completion, *args)
         return JSONResponse(answer)
 
     class EventStream(Response):

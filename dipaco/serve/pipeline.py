@@ -22,8 +22,12 @@ the middle step (:mod:`dipaco.serve.batching`).
 Threads: composed paths live in an LRU cache; each cached model has its own lock, so two batches
 never decode on the same model instance at once, while batches of different paths run
 in parallel. Each call tokenizes with a copy of the tokenizer that no other call uses meanwhile (a
-fast tokenizer's settings are mutable shared state), taken from a pool that grows to the number of
-concurrent callers, so no lock is held while text is tokenized; the router's featurizer
+fast tokenizer's settings are mutable shared state), taken from a pool of at most ``TOKENIZER_COPIES``
+copies (a caller beyond them waits for a free one: tokenizing a prompt takes well under a millisecond),
+so no lock is held while text is tokenized. The bound is a memory bound: each copy keeps its own BPE
+word cache (the ``tokenizers`` library's, up to 10,000 words) for the server's life, a few MB a copy,
+and a pool that grew to every concurrent caller grew the server by that much per caller (issue 62,
+docs/notes/2026-11-27-serving-memory.md); the router's featurizer
 model is shared behind its own lock (it reads only the routing prefix).
 Sampling draws from a private ``torch.Generator`` per request, so a seeded request returns the
 same text whatever else runs concurrently.
@@ -71,6 +75,9 @@ from dipaco.serve.decode import (  # noqa: F401  (SeededSampler, SafeTemperature
 from routing.featurize import pool_prefix_states
 
 DEFAULT_CACHE_SIZE = 4
+# Tokenizer copies a Pipeline keeps: each holds a BPE word cache of up to 10,000 words for its life, so the pool,
+# not the number of concurrent callers, bounds that memory; 4 keep tokenizing off the critical path on a few cores.
+TOKENIZER_COPIES = 4
 EVAL_REPORT = "eval.json"
 
 
@@ -283,7 +290,8 @@ class Pipeline:
         self.cache = PathCache(self.bank, template, cache_size)
         self._tokenizer_template = copy.deepcopy(loaded.tokenizer)  # never used itself: only copied
         self._tokenizer_pool: list = []  # free copies; a caller takes one, tokenizes, puts it back
-        self._tokenizer_pool_lock = threading.Lock()  # held only to take or put back a copy
+        self._tokenizer_copies = 0  # copies made, at most TOKENIZER_COPIES (see the module's docstring)
+        self._tokenizer_free = threading.Condition()  # held only to take or put back a copy
         self.max_token_chars = max_token_chars(self.tokenizer)
         # Token ids a prompt may hold: those of both the tokenizer and the model's embedding.
         self.vocab_size = min(len(self.tokenizer), int(loaded.llama_config().vocab_size))
@@ -362,15 +370,20 @@ class Pipeline:
     @contextlib.contextmanager
     def _own_tokenizer(self):
         """A tokenizer no other caller uses until this one is done: tokenizing never waits on another request."""
-        with self._tokenizer_pool_lock:
+        with self._tokenizer_free:
+            while not self._tokenizer_pool and self._tokenizer_copies >= TOKENIZER_COPIES:
+                self._tokenizer_free.wait()  # a holder never waits on anything: it is back within a tokenize call
             tokenizer = self._tokenizer_pool.pop() if self._tokenizer_pool else None
-        if tokenizer is None:  # every copy is in use: one more (copying only reads the template)
+            if tokenizer is None:
+                self._tokenizer_copies += 1
+        if tokenizer is None:  # every copy is in use and there is room for one more (copying only reads the template)
             tokenizer = copy.deepcopy(self._tokenizer_template)
         try:
             yield tokenizer
         finally:
-            with self._tokenizer_pool_lock:
+            with self._tokenizer_free:
                 self._tokenizer_pool.append(tokenizer)
+                self._tokenizer_free.notify()
 
     def encode(self, text: str) -> list[int]:
         """Token ids as training saw them: no special tokens added."""

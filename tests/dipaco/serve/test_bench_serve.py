@@ -68,3 +68,17 @@ def test_apis_drive_one_load_through_generate_and_completions(bench, served_run)
     for name in ("completions", "completions_stream"):
         assert out[name]["throughput_vs_generate"] > 0 and out[name]["p99_vs_generate"] > 0
     assert set(out["targets"]) == {"completions_within_10pct", "completions_stream_within_10pct"}
+
+
+def test_soak_samples_memory_descriptors_and_latency_over_time(bench, served_run):
+    needs_web()
+    out = bench.bench_soak(Path(served_run.run.dir), None, PROMPTS, clients=3, seconds=3.0, window_s=1.0, settle_s=1.0,
+                           sample_s=0.3, new_tokens=4, threads=1, max_batch=8)
+    t, rss, fds = out["samples"]["t_s"], out["samples"]["rss_mb"], out["samples"]["fds"]
+    assert len(t) >= 5 and all(b > a for a, b in zip(t, t[1:])) and t[-1] >= 3.0  # sampled over the whole run
+    assert min(rss) > 10 and min(fds) > 0 and out["fds"]["max"] >= out["fds"]["min"] > 0
+    assert len(out["windows"]) >= 2 and all(w["requests"] > 0 for w in out["windows"])
+    assert all(w["p99_ms"] >= w["p50_ms"] > 0 for w in out["windows"])
+    assert out["responses_500"] == 0 and set(out["statuses"]) == {"200"}
+    assert out["rss_mb"]["slope_mb_per_min_after_settle"] is not None and out["rss_mb"]["peak"] >= out["rss_mb"]["end"]
+    assert set(out["targets"]) == {"rss_growth_after_settle_le_2pct", "p99_within_20pct_of_first_window", "no_500"}

@@ -207,3 +207,23 @@ def test_a_one_path_experiment_needs_no_path(served_run, tmp_path):
     Run(dense).train()
     out = Pipeline.from_run(run, experiment="dense").generate(PROMPTS[0], max_new_tokens=3)
     assert out.path == 0 and out.scores is None and out.completion_tokens > 0
+
+
+def test_concurrent_callers_share_at_most_tokenizer_copies(pipe):
+    """Each tokenizer copy keeps a BPE word cache for its life: the pool, not the callers, bounds them (issue 62)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dipaco.serve.pipeline import TOKENIZER_COPIES
+
+    callers, barrier = 4 * TOKENIZER_COPIES, threading.Barrier(4 * TOKENIZER_COPIES)
+    expected = pipe.encode(PROMPTS[0] * 20)
+
+    def call(i: int) -> list[int]:
+        barrier.wait()  # every caller at once: without the bound, one copy each
+        return pipe.encode(PROMPTS[0] * 20)
+
+    with ThreadPoolExecutor(callers) as pool:
+        results = list(pool.map(call, range(callers)))
+    assert all(r == expected for r in results)
+    assert 1 <= pipe._tokenizer_copies <= TOKENIZER_COPIES and len(pipe._tokenizer_pool) == pipe._tokenizer_copies
