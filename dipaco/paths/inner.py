@@ -219,13 +219,16 @@ class InnerLoop:
         Every row is a packed sequence whose every position is a target, so the batch's mean loss is the mean
         of equal-sized micro-batches' means: each is weighted by its share of the rows."""
         batch = self.to_device(self.sampler.next_batch())
-        micro = self.cfg.micro_batch_size or len(batch)
-        loss = torch.zeros((), device=self.device)
-        for rows in batch.split(micro):
+        passes = batch.split(self.cfg.micro_batch_size or len(batch))
+        loss: torch.Tensor | None = None
+        for rows in passes:
             with self.options.precision.autocast():
-                part = self.forward(input_ids=rows, labels=rows).loss * (len(rows) / len(batch))
+                part = self.forward(input_ids=rows, labels=rows).loss
+            if len(passes) > 1:  # one pass (no accumulation) leaves the loss and its graph as they were
+                part = part * (len(rows) / len(batch))
             (part if self.scaler is None else self.scaler.scale(part)).backward()
-            loss += part.detach()
+            loss = part.detach() if loss is None else loss + part.detach()
+        assert loss is not None
         if self.scaler is None:
             self._clip()
             self.optimizer.step()
