@@ -171,7 +171,7 @@ class Run:
     def prepare(self) -> dict:
         cfg = self.cfg
         if cfg.model.init_from is not None:  # before anything is written: the checkpoint's tokenizer fits its embedding
-            check_vocabulary(len(load_tokenizer(cfg.tokenizer.path or cfg.model.init_from)), cfg.model)
+            check_vocabulary(len(load_tokenizer(cfg.model.init_from)), cfg.model)  # resolved: tokenizer.path is it
         return prepare(cfg.run.dir, cfg.data, cfg.tokenizer, to_yaml(cfg), progress=cfg.run.progress)
 
     def pretrain(self, resume: bool = False) -> None:
