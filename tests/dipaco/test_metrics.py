@@ -177,7 +177,8 @@ def test_a_resumed_train_continues_its_wandb_run(run_cfg, tmp_path, monkeypatch)
     Run(cfg).train(resume=True)
     run_id = (RunDir(cfg.run.dir).experiment(cfg.train.name) / "wandb_id").read_text().strip()
     segments = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*"))
-    assert [d.name.rsplit("-", 1)[1] for d in segments] == [run_id, run_id]  # one W&B run, in two segments
+    # offline-run-<YYYYMMDD_HHMMSS>-<id>, and "-1" after it when both segments start in the same second
+    assert [d.name.split("-")[3] for d in segments] == [run_id, run_id]  # one W&B run, in two segments
     rounds = [[item["outer/step"] for r in _wandb_records(d) if r.get("type") == "history"
                for item in [r["history"]["item"]] if "outer/step" in item] for d in segments]
     assert rounds == [[1], [2]]
