@@ -41,9 +41,11 @@ demo: install
 # skipped end-to-end test into a failure (tests/e2e_guard.py). The suite runs in 2 pytest-xdist workers, a
 # test file each at a time (module fixtures run once), one torch thread each (tests/conftest.py): most of
 # its time is single-threaded (imports, subprocess start-up), so 2 workers on 2 cores took 644 s where one
-# took 905 s. `python -m pytest -n 0` runs it in one process.
+# took 905 s. `python -m pytest -n 0` runs it in one process. --max-worker-restart=0: a worker that dies fails
+# the run at once, naming its test; restarted, pytest-xdist 3.8's loadfile scheduler could wait forever for it.
+# pyproject.toml's `timeout` (pytest-timeout) fails a test that hangs, with every thread's stack.
 test: install
-	$(PY) -m pytest -q -rs -n 2 --dist loadfile
+	$(PY) -m pytest -q -rs -n 2 --dist loadfile --max-worker-restart=0
 
 # ruff (lint, import order), mypy (types), import-linter (the layers in pyproject.toml, lazy imports included)
 lint: install

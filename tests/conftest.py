@@ -23,6 +23,7 @@ from e2e_guard import (  # noqa: F401  (pytest finds hooks by name in this modul
     pytest_sessionfinish,
     pytest_sessionstart,
 )
+from signal_guard import pytest_runtest_setup, pytest_runtest_teardown  # noqa: F401  (hooks, as above)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -42,3 +43,12 @@ def sigint_from_a_terminal():
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
+def sigterm_by_default():
+    """SIGTERM with its default action, as in a fresh `dipaco` process: dipaco's handler installs itself
+    only over the default (never over one someone else installed), and that is the case these tests check."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, before)

@@ -34,7 +34,7 @@ def test_an_inherited_ignored_sigint_stays_ignored():
         signal.signal(signal.SIGINT, before)
 
 
-def test_sigterm_stops_training_as_ctrl_c_does_and_is_told_apart():
+def test_sigterm_stops_training_as_ctrl_c_does_and_is_told_apart(sigterm_by_default):
     before = signal.getsignal(signal.SIGTERM)
     with sigint_stops_training():
         with pytest.raises(Terminated):  # a KeyboardInterrupt: every Ctrl-C path handles it
@@ -46,7 +46,7 @@ def test_sigterm_stops_training_as_ctrl_c_does_and_is_told_apart():
     assert issubclass(Terminated, KeyboardInterrupt)
 
 
-def test_a_sigterm_handler_someone_else_installed_is_kept():
+def test_a_sigterm_handler_someone_else_installed_is_kept(sigterm_by_default):
     def theirs(signum, frame):
         pass
 

@@ -31,9 +31,15 @@ ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", "run.progress=false", 
 
 @pytest.fixture(scope="module")
 def ray_session():
+    import signal
+
+    # ray.init installs a SIGTERM handler that calls sys.exit and ray.shutdown leaves it: a later test that
+    # sends itself SIGTERM would end this pytest worker (tests/signal_guard.py).
+    before = signal.getsignal(signal.SIGTERM)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    signal.signal(signal.SIGTERM, before)
 
 
 def with_overrides(cfg: Config, *overrides: str) -> Config:
