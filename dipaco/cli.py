@@ -123,7 +123,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     _spec_of_old_run(args)
     app = AppOptions(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_cap=args.max_new_tokens_cap,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s, max_batch=args.max_batch,
-                     batch_wait_ms=args.batch_wait_ms, decode_workers=args.decode_workers, max_prompts=args.max_prompts)
+                     batch_wait_ms=args.batch_wait_ms, decode_workers=args.decode_workers, max_prompts=args.max_prompts,
+                     batching=args.batching)
     serve(args.run, ServeOptions(host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
                                  cache_size=args.cache_size, device=args.device, precision=args.precision,
                                  token=resolve_token(args.token), allow_unauthenticated=args.allow_unauthenticated,
@@ -250,8 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the DIPACO_SERVE_TOKEN environment variable (which other users cannot see in ps)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback --host without a token")
+    p.add_argument("--batching", choices=("module", "path"), default="module",
+                   help="module (default): requests of any paths decode together, each level's modules running once "
+                        "per step on the rows through them; path: only requests of one path together")
     p.add_argument("--max-batch", type=int, default=16,
-                   help="requests of one path decoded together at most (1: no batching)")
+                   help="requests decoded together at most (1: no batching)")
     p.add_argument("--max-prompts", type=int, default=16,
                    help="prompts in one /v1/completions request at most (a list of prompts; each is one row)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,

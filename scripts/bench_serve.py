@@ -21,18 +21,21 @@
    Targets: 0 responses of 500, 0 dropped connections, that p99 <= 2 s, RSS growth <= 10%.
 
 5. **Concurrency** (``--concurrency N``): ``N`` closed-loop clients (each sends its next request when
-   its answer arrives, on a kept-alive connection) for ``--seconds`` against `dipaco serve` unbatched
-   (``--max-batch 1``) and then batched (``--max-batch``, ``--batch-wait-ms``), in one run, each server
-   warmed up first. Prompts are validation texts cut to between half of ``--prompt-tokens`` and all of it
-   (so batches hold prompts of different lengths), greedy, ``--new-tokens`` each, routed (or all naming
-   ``--pin-path``: one model). Reports generated tokens/s, p50/p99 latency, and the mean batch size: rows
-   per forward pass, from the server's ``/metrics``. Target: batched throughput >= 3x unbatched at 16
-   clients, p99 no worse.
+   its answer arrives, on a kept-alive connection) for ``--seconds`` against one `dipaco serve` per mode of
+   ``--modes``, in turn, each warmed up first: ``unbatched`` (``--max-batch 1``), ``path`` (per-path
+   batching), ``module`` (module batching: rows of any paths, level by level) and ``pinned`` (module
+   batching, every request naming ``--pin-path``, default 0: one model). Prompts are validation texts cut to
+   between half of ``--prompt-tokens`` and all of it (so batches hold prompts of different lengths), greedy,
+   ``--new-tokens`` each. Reports generated tokens/s, p50/p99 latency, rows per forward pass and, under
+   module batching, rows per level module and the time per stage (embed, gather, blocks, scatter, head),
+   all from the server's ``/metrics``. Targets (issue 61, on a 4x4 grid: ``--grid 4x4``): module >= 3x
+   unbatched throughput and >= 0.8 of pinned, module p99 no worse than per-path batching.
 6. **Agreement** (``--agreement N``): in one process, N prompts decoded alone (batches of one) and in
-   batches (grouped by routed path, ``--max-batch`` at a time), through the server's own
-   ``Pipeline.run_batch``: greedy texts, then seeded samples with temperature, top-k and top-p differing
-   row to row. Names each prompt whose text differs, with the step where it diverges and the gap between
-   the two best logits there. Target: >= 99% of the greedy texts equal.
+   batches, through the server's own code: per path (``Pipeline.run_batch``, ``--max-batch`` rows of one
+   path at a time) and module-batched (``Pipeline.run_module_batch``: one running batch of up to
+   ``--max-batch`` rows of any paths, the next prompts joining as rows end); greedy texts, then seeded samples
+   with temperature, top-k and top-p differing row to row. Names each prompt whose text differs, with the step
+   where it diverges and the gap between the two best logits there. Target: >= 99% of the greedy texts equal.
 7. **Held connections** (``--hold-idle N``): `dipaco serve` under ``ulimit -n --nofile``; N connections
    held open for ``--seconds`` (half idle, half slow headers: a header line a second; each reopened as
    soon as the server closes it) while a valid request is sent every 0.25 s on a new connection.
@@ -58,7 +61,7 @@ With no ``--run`` it builds a small run first (configs/demo.yaml: BBC News, 4-la
     python scripts/bench_serve.py --run runs/demo --experiment dipaco_2x2
     python scripts/bench_serve.py --abuse --seconds 60 --out bench_serve_abuse.json
     python scripts/bench_serve.py --concurrency 16 --seconds 60 --agreement 200 --out bench_serve_batching.json
-    python scripts/bench_serve.py --concurrency 16 --seconds 60 --pin-path 0 --out bench_serve_batching_path0.json
+    python scripts/bench_serve.py --grid 4x4 --concurrency 16 --seconds 60 --agreement 200 --out bench_serve_modules.json
     python scripts/bench_serve.py --hold-idle 300 --nofile 256 --seconds 70 --out bench_serve_held.json
     python scripts/bench_serve.py --apis 16 --seconds 60 --out bench_serve_apis.json
     python scripts/bench_serve.py --soak 16 --seconds 1800 --settle 300 --out bench_serve_soak.json
@@ -119,7 +122,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=16, help="concurrency / agreement: the batched server's --max-batch")
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="concurrency: the batched server's --batch-wait-ms")
     p.add_argument("--decode-workers", type=int, default=1, help="concurrency: both servers' --decode-workers")
-    p.add_argument("--pin-path", type=int, help="concurrency: every request names this path instead of being routed")
+    p.add_argument("--pin-path", type=int, help="concurrency: the path the pinned mode's requests name (default 0)")
+    p.add_argument("--modes", default="unbatched,path,module,pinned",
+                   help=f"concurrency: the servers to compare, of {', '.join(SERVER_MODES)}")
+    p.add_argument("--grid", default="2x2", help="the grid of the run built when --run has none (e.g. 4x4: 16 paths)")
     p.add_argument("--agreement", type=int, help="part 6: this many prompts, batched against alone")
     p.add_argument("--hold-idle", type=int, help="part 7: hold this many idle / slow-header connections open")
     p.add_argument("--nofile", type=int, default=256, help="hold-idle: the server's ulimit -n")
@@ -133,8 +139,8 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build_run(run_dir: Path) -> Path:
-    """prepare -> pretrain -> route -> train (1 round of 5 steps) on the demo config."""
+def build_run(run_dir: Path, grid: str = "2x2") -> Path:
+    """prepare -> pretrain -> route -> train (1 round of 5 steps) on the demo config, with a ``grid`` topology."""
     from dipaco.run import Run, load_config
     from dipaco.runtime import quiet_library_progress_bars
 
@@ -143,6 +149,7 @@ def build_run(run_dir: Path) -> Path:
         f"run.dir={run_dir}", "run.progress=false", "pretrain.steps=30", "train.rounds=1", "train.inner_steps=5",
         # the path size the recorded figures used (the demo's own paths are smaller since issue 34)
         "model.num_layers=4", "model.hidden_size=128", "model.intermediate_size=384", "model.num_heads=4",
+        f"topology.preset=grid:{grid}", f"train.name=dipaco_{grid}",
     ])
     run = Run(cfg)
     for job in (run.prepare, run.pretrain, run.route, run.train, run.evaluate):
@@ -623,37 +630,87 @@ def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float, en
             **({"latencies_ms": latencies} if keep_latencies else {})}
 
 
+# The servers part 5 compares: (name, flags, every request on --pin-path (default 0) instead of routed).
+SERVER_MODES = {
+    "unbatched": (("--max-batch", "1", "--batching", "path"), False),
+    "path": (("--batching", "path"), False),  # per-path batching: rows of one path per forward pass
+    "module": (("--batching", "module"), False),  # module batching: rows of any paths, level by level
+    "pinned": (("--batching", "module"), True),  # module batching, every request naming one path
+}
+
+
 def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float,
                       warmup_s: float, new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float,
-                      decode_workers: int = 1, path: int | None = None) -> dict:
-    """Part 5: the same closed-loop load on `dipaco serve --max-batch 1`, then on the batched server.
-    ``path``: every request names it (one model) instead of being routed."""
-    pinned = {} if path is None else {"path": path}
-    bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, **pinned}).encode() for p in prompts]
+                      decode_workers: int = 1, path: int | None = None,
+                      modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned")) -> dict:
+    """Part 5: the same closed-loop load on one `dipaco serve` per mode (:data:`SERVER_MODES`), in turn.
+    ``path``: the path of the pinned mode (default 0)."""
     out: dict = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "prompts": len(prompts),
-                 "path": "routed" if path is None else path}
-    for name, batch in (("unbatched", 1), ("batched", max_batch)):
-        flags = ("--max-batch", str(batch), "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
+                 "pinned_path": path or 0}
+    for name in modes:
+        flags, pinned = SERVER_MODES[name]
+        named = {"path": path or 0} if pinned else {}
+        bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, **named}).encode() for p in prompts]
+        flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
+        if "--max-batch" not in flags:
+            flags = (*flags, "--max-batch", str(max_batch))
         with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, _):
             closed_loop(port, bodies, clients, warmup_s)
             before = scrape(port)
             row = closed_loop(port, bodies, clients, seconds)
             after = scrape(port)
-        batches = metric_total(after, "dipaco_batch_size_count") - metric_total(before, "dipaco_batch_size_count")
-        rows = metric_total(after, "dipaco_batch_size_sum") - metric_total(before, "dipaco_batch_size_sum")
-        row["batches"] = int(batches)  # forward passes: each decodes one batch of rows (a prefill or a step)
-        row["mean_batch_size"] = rows / batches if batches else None  # rows per forward pass
+        row.update(forward_passes(before, after))
         row["server_flags"] = " ".join(flags)
+        row["requests_name_a_path"] = pinned
         out[name] = row
+        module = f", {row['rows_per_module']:.1f} rows per module" if row.get("rows_per_module") else ""
         print(f"[bench] {name} ({row['server_flags']}), {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
-              f"p50 {row.get('p50_ms', 0):.0f} ms, p99 {row.get('p99_ms', 0):.0f} ms, mean batch {row['mean_batch_size']}",
-              flush=True)
-    u, b = out["unbatched"], out["batched"]
-    out["throughput_ratio"] = b["tokens_per_s"] / u["tokens_per_s"] if u["tokens_per_s"] else None
-    out["p99_ratio"] = b["p99_ms"] / u["p99_ms"] if "p99_ms" in u and "p99_ms" in b else None
-    out["targets"] = {"throughput_ge_3x": (out["throughput_ratio"] or 0) >= 3.0,
-                      "p99_no_worse": out["p99_ratio"] is not None and out["p99_ratio"] <= 1.0}
+              f"p50 {row.get('p50_ms', 0):.0f} ms, p99 {row.get('p99_ms', 0):.0f} ms, "
+              f"{row['mean_batch_size'] or 0:.1f} rows per pass{module}", flush=True)
+    out.update(concurrency_targets(out))
     return out
+
+
+def forward_passes(before: list, after: list) -> dict:
+    """What the server's forward passes held over a load, from its /metrics before and after: rows per pass,
+    and under module batching the rows per level module and the share of time per stage."""
+    def delta(name: str) -> float:
+        return metric_total(after, name) - metric_total(before, name)
+
+    passes, rows = delta("dipaco_batch_size_count"), delta("dipaco_batch_size_sum")
+    out: dict = {"batches": int(passes), "mean_batch_size": rows / passes if passes else None}
+    calls = delta("dipaco_module_calls_total")
+    if calls:
+        out["rows_per_module"] = delta("dipaco_module_rows_total") / calls
+        was = metric_by_label(before, "dipaco_module_seconds_total", "stage")
+        now = metric_by_label(after, "dipaco_module_seconds_total", "stage")
+        spent = {stage: now[stage] - was.get(stage, 0.0) for stage in now}
+        total = sum(spent.values())
+        out["module_seconds"] = spent
+        out["module_time_share"] = {stage: t / total for stage, t in spent.items()} if total else {}
+    return out
+
+
+def concurrency_targets(out: dict) -> dict:
+    """Throughput and p99 ratios between the modes measured, and issue 61's targets for module batching."""
+    def ratio(a: str, b: str, key: str) -> float | None:
+        if a in out and b in out and out[b].get(key):
+            return out[a][key] / out[b][key]
+        return None
+
+    ratios = {"path_vs_unbatched": ratio("path", "unbatched", "tokens_per_s"),
+              "module_vs_unbatched": ratio("module", "unbatched", "tokens_per_s"),
+              "module_vs_path": ratio("module", "path", "tokens_per_s"),
+              "module_vs_pinned": ratio("module", "pinned", "tokens_per_s"),
+              "module_p99_vs_path": ratio("module", "path", "p99_ms")}
+    targets = {}
+    if ratios["module_vs_unbatched"] is not None:
+        targets["module_ge_3x_unbatched"] = ratios["module_vs_unbatched"] >= 3.0
+    if ratios["module_vs_pinned"] is not None:
+        targets["module_ge_0.8_of_pinned"] = ratios["module_vs_pinned"] >= 0.8
+    if ratios["module_p99_vs_path"] is not None:
+        targets["module_p99_no_worse_than_path"] = ratios["module_p99_vs_path"] <= 1.0
+    return {"ratios": ratios, "targets": targets}
 
 
 # --- part 8: the same load through /v1/generate and OpenAI's /v1/completions --------------------------
@@ -795,8 +852,9 @@ def bench_soak(run: Path, experiment: str | None, prompts: list[str], clients: i
 SAMPLING_CYCLE = ((0.7, 1.0, 0), (1.0, 0.95, 50), (1.3, 0.9, 0))  # (temperature, top_p, top_k) by row
 
 
-def _decode_all(pipe, prompts: list[str], new_tokens: int, batch: int, sampled: bool) -> list:
-    """Plans every prompt, then decodes them in batches of up to ``batch`` rows of one path, in order."""
+def _decode_all(pipe, prompts: list[str], new_tokens: int, batch: int, sampled: bool, batching: str = "path") -> list:
+    """Plans every prompt, then decodes them in batches of up to ``batch`` rows: of one path at a time, in order
+    (``path``), or (``module``) one running batch of any paths that rows join, in order, as others end."""
     plans = []
     for i, prompt in enumerate(prompts):
         kwargs = {}
@@ -804,6 +862,17 @@ def _decode_all(pipe, prompts: list[str], new_tokens: int, batch: int, sampled: 
             temperature, top_p, top_k = SAMPLING_CYCLE[i % len(SAMPLING_CYCLE)]
             kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=1000 + i)
         plans.append(pipe.plan(prompt, max_new_tokens=new_tokens, **kwargs))
+    if batching == "module":
+        waiting = [plan.row for plan in plans]
+        first, waiting = waiting[:batch], waiting[batch:]
+
+        def admit(decoding: int) -> list:
+            nonlocal waiting
+            joining, waiting = waiting[:batch - decoding], waiting[batch - decoding:]
+            return joining
+
+        pipe.run_module_batch(-1, first, admit=admit)
+        return plans
     by_path: dict[int, list] = {}
     for plan in plans:
         by_path.setdefault(plan.path, []).append(plan)
@@ -823,35 +892,39 @@ def top2_gap(pipe, path: int, ids: list[int]) -> float:
 
 
 def bench_agreement(pipe, prompts: list[str], new_tokens: int, max_batch: int) -> dict:
-    """Part 6: each prompt alone and in batches, greedy and seeded-sampled; which texts differ, and where."""
+    """Part 6: each prompt alone and in batches (per path, and module-batched), greedy and seeded-sampled; which
+    texts differ, and where."""
     out: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "max_batch": max_batch}
     for mode in ("greedy", "seeded"):
         sampled = mode == "seeded"
         start = time.perf_counter()
         alone = _decode_all(pipe, prompts, new_tokens, 1, sampled)
         alone_s = time.perf_counter() - start
-        start = time.perf_counter()
-        batched = _decode_all(pipe, prompts, new_tokens, max_batch, sampled)
-        batched_s = time.perf_counter() - start
-        differ = []
-        for i, (a, b) in enumerate(zip(alone, batched)):
-            if pipe.decode(a.row.tokens) == pipe.decode(b.row.tokens):
-                continue
-            step = next((k for k, (x, y) in enumerate(zip(a.row.tokens, b.row.tokens)) if x != y),
-                        min(len(a.row.tokens), len(b.row.tokens)))
-            gap = top2_gap(pipe, a.path, a.row.prompt_ids + a.row.tokens[:step])
-            differ.append({"prompt": i, "path": a.path, "batch_size": b.row.batch_size, "diverges_at_token": step,
-                           "top2_logit_gap_there": gap, "prompt_text": prompts[i][:80]})
-        sizes = [p.row.batch_size for p in batched]
-        out[mode] = {"equal": len(prompts) - len(differ), "equal_fraction": 1 - len(differ) / len(prompts),
-                     "differ": differ, "mean_batch_size": float(np.mean(sizes)), "alone_s": alone_s,
-                     "batched_s": batched_s}
-        print(f"[bench] agreement {mode}: {len(prompts) - len(differ)}/{len(prompts)} texts equal batched and alone "
-              f"(mean batch {np.mean(sizes):.1f}; alone {alone_s:.1f} s, batched {batched_s:.1f} s)", flush=True)
-        for d in differ:
-            print(f"    prompt {d['prompt']} (path {d['path']}, batch of {d['batch_size']}): diverges at token "
-                  f"{d['diverges_at_token']}, top-2 logit gap {d['top2_logit_gap_there']:.2e}", flush=True)
-    out["targets"] = {"greedy_ge_99pct": out["greedy"]["equal_fraction"] >= 0.99}
+        out[mode] = {"alone_s": alone_s}
+        for batching in ("path", "module"):
+            start = time.perf_counter()
+            batched = _decode_all(pipe, prompts, new_tokens, max_batch, sampled, batching)
+            batched_s = time.perf_counter() - start
+            differ = []
+            for i, (a, b) in enumerate(zip(alone, batched)):
+                if pipe.decode(a.row.tokens) == pipe.decode(b.row.tokens):
+                    continue
+                step = next((k for k, (x, y) in enumerate(zip(a.row.tokens, b.row.tokens)) if x != y),
+                            min(len(a.row.tokens), len(b.row.tokens)))
+                gap = top2_gap(pipe, a.path, a.row.prompt_ids + a.row.tokens[:step])
+                differ.append({"prompt": i, "path": a.path, "batch_size": b.row.batch_size, "diverges_at_token": step,
+                               "top2_logit_gap_there": gap, "prompt_text": prompts[i][:80]})
+            sizes = [p.row.batch_size for p in batched]
+            out[mode][batching] = {"equal": len(prompts) - len(differ), "equal_fraction": 1 - len(differ) / len(prompts),
+                                   "differ": differ, "mean_batch_size": float(np.mean(sizes)), "batched_s": batched_s}
+            print(f"[bench] agreement {mode}, {batching} batching: {len(prompts) - len(differ)}/{len(prompts)} texts "
+                  f"equal batched and alone (mean batch {np.mean(sizes):.1f}; alone {alone_s:.1f} s, batched "
+                  f"{batched_s:.1f} s)", flush=True)
+            for d in differ:
+                print(f"    prompt {d['prompt']} (path {d['path']}, batch of {d['batch_size']}): diverges at token "
+                      f"{d['diverges_at_token']}, top-2 logit gap {d['top2_logit_gap_there']:.2e}", flush=True)
+    out["targets"] = {f"{batching}_greedy_ge_99pct": out["greedy"][batching]["equal_fraction"] >= 0.99
+                      for batching in ("path", "module")}
     return out
 
 
@@ -990,6 +1063,14 @@ def bench_hold_idle(run: Path, experiment: str | None, prompts: list[str], n: in
     return out
 
 
+def parse_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in SERVER_MODES]
+    if unknown or not modes:
+        raise SystemExit(f"--modes: {', '.join(unknown) or 'none given'}: choose from {', '.join(SERVER_MODES)}")
+    return modes
+
+
 def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[str]) -> None:
     """Parts 5-8, those asked for, into one report."""
     report: dict = {
@@ -1008,7 +1089,7 @@ def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[
         report["concurrency"] = bench_concurrency(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens),
                                                   args.concurrency, args.seconds, args.warmup_seconds, args.new_tokens,
                                                   args.threads, args.max_batch, args.batch_wait_ms, args.decode_workers,
-                                                  args.pin_path)
+                                                  args.pin_path, parse_modes(args.modes))
     if args.apis:
         report["apis"] = bench_apis(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
                                     args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,
@@ -1035,10 +1116,10 @@ def main() -> None:
     if args.run:
         run = Path(args.run)
         if not any((run / "train").glob("*/config.yaml")):
-            build_run(run)
+            build_run(run, args.grid)
     else:
         tmp = tempfile.TemporaryDirectory(prefix="bench_serve_")
-        run = build_run(Path(tmp.name) / "run")
+        run = build_run(Path(tmp.name) / "run", args.grid)
     try:
         pipe = Pipeline.from_run(run, experiment=args.experiment, cache_size=64)
         prompts = prompts_from_run(pipe, args.prompts + args.warmup, args.prompt_tokens)

@@ -7,9 +7,10 @@ calls ``sys.exit`` and ``ray.shutdown`` leaves it there, so a later SIGTERM test
 ("node down: Not properly terminated"), and pytest-xdist 3.8's loadfile scheduler then waited forever for
 the dead worker's files (CI ran out of time at 93%).
 
-Each test's SIGINT and SIGTERM handlers after its teardown (module fixtures included, which end in the
-teardown of the module's last test) must be the ones before its setup: a test that leaves another is an
-error at its teardown, naming the signal and the handler, and the handler it found is put back.
+A test module's SIGINT and SIGTERM handlers after its last test's teardown (its module fixtures end there) must
+be the ones before its first test's setup: a module that leaves another is an error at that teardown, naming
+the signal and the handler, and the handler it found is put back. (Per module, not per test: a module
+fixture such as a Ray session may hold a handler over several tests, as long as it puts it back.)
 
 Loaded by tests/conftest.py, which re-exports these hooks.
 """
@@ -25,15 +26,19 @@ _HANDLERS = pytest.StashKey[dict]()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    item.stash[_HANDLERS] = {s: signal.getsignal(s) for s in GUARDED}
+    if _HANDLERS not in item.session.stash:  # the module's first test: before its module fixtures
+        item.session.stash[_HANDLERS] = {s: signal.getsignal(s) for s in GUARDED}
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     result = yield
-    before = item.stash.get(_HANDLERS, None)
+    if nextitem is not None and nextitem.module is item.module:
+        return result
+    before = item.session.stash.get(_HANDLERS, None)
     if before is None:
         return result
+    del item.session.stash[_HANDLERS]
     changed = []
     for signum, handler in before.items():
         now = signal.getsignal(signum)
@@ -41,5 +46,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
             signal.signal(signum, handler)
             changed.append(f"{signal.Signals(signum).name} (left {now!r}, found {handler!r})")
     if changed:
-        raise AssertionError(f"the test left another signal handler behind; put back: {', '.join(changed)}")
+        raise AssertionError(f"{item.module.__name__ if item.module else item.nodeid} left another signal handler "
+                             f"behind; put back: {', '.join(changed)}")
     return result

@@ -1,5 +1,5 @@
-"""tests/signal_guard.py: a test that leaves another SIGTERM handler behind is an error, and the next test in
-the same worker finds the handler as before; under `make test`'s options a worker that dies names its test
+"""tests/signal_guard.py: a test module that leaves another SIGTERM handler behind is an error, and the next
+module in the same worker finds the handler as before; under `make test`'s options a worker that dies names its test
 and ends the run instead of hanging it.
 
 Each case runs pytest in a subprocess on a small test directory with the guard loaded as a plugin.
@@ -16,7 +16,6 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 LEAKS = '''
-import os
 import signal
 import sys
 
@@ -25,7 +24,16 @@ def test_leaves_a_sigterm_handler():  # as ray.init does, and ray.shutdown does 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
 
 
-def test_sends_itself_sigterm():
+def test_in_the_same_module():
+    pass
+'''
+
+SENDS = '''
+import os
+import signal
+
+
+def test_sends_itself_sigterm():  # in the next module, as tests/dipaco/test_runtime.py does
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     caught = []
     signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
@@ -34,6 +42,27 @@ def test_sends_itself_sigterm():
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert caught == [signal.SIGTERM]
+'''
+
+HOLDS = '''
+import signal
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def session():  # a module fixture that holds a handler over its tests and puts it back
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_one(session):
+    pass
+
+
+def test_two(session):
+    pass
 '''
 
 DIES = '''
@@ -64,12 +93,13 @@ def run_pytest(tmp_path: Path, files: dict[str, str], *options: str) -> subproce
 
 
 def test_a_leaked_sigterm_handler_is_an_error_and_is_put_back(tmp_path):
-    proc = run_pytest(tmp_path, {"test_leaks.py": LEAKS})
+    proc = run_pytest(tmp_path, {"test_a_holds.py": HOLDS, "test_b_leaks.py": LEAKS, "test_c_sends.py": SENDS})
     out = proc.stdout
     assert proc.returncode == 1, out
-    assert "ERROR test_leaks.py::test_leaves_a_sigterm_handler" in out, out
-    assert "the test left another signal handler behind; put back: SIGTERM" in out, out
-    assert "PASSED test_leaks.py::test_sends_itself_sigterm" in out, out
+    assert "ERROR test_b_leaks.py::test_in_the_same_module" in out, out  # at the module's end
+    assert "test_b_leaks left another signal handler behind; put back: SIGTERM" in out, out
+    assert "PASSED test_c_sends.py::test_sends_itself_sigterm" in out, out
+    assert "PASSED test_a_holds.py::test_two" in out and "ERROR test_a_holds" not in out, out
 
 
 def test_a_dead_worker_ends_the_run_naming_its_test(tmp_path):

@@ -19,6 +19,9 @@ short window are decoded together (:func:`dipaco.serve.decode.decode_batch`).
   and the worker moves on to the path whose oldest request has waited longest.
 - Each row still ends on its own (its EOS, its ``max_new_tokens``): its result is computed and its future
   resolved at once, from the worker, while the rest of its batch goes on.
+- ``one_queue=True`` (module batching, :mod:`dipaco.serve.module_batch`): requests of every path share one
+  queue, so a batch, and the rows joining it, hold any paths; each row keeps its own path (``DecodeRow.path``),
+  and ``run_batch`` is called with the queue's key, :data:`ALL_PATHS`. One worker decodes that queue at a time.
 - ``max_batch=1`` is the unbatched server: the same queues and workers, every batch one row, no waiting,
   nothing joining.
 - A request whose client has gone is cancelled: taken out of its queue, or dropped from its running
@@ -41,6 +44,9 @@ from dipaco.serve.decode import FINISH_CANCELLED, Admit, DecodeRow, OnStep
 DEFAULT_MAX_BATCH = 16
 DEFAULT_BATCH_WAIT_MS = 5.0
 DEFAULT_DECODE_WORKERS = 1
+BATCHING_MODES = ("module", "path")  # `dipaco serve --batching`
+DEFAULT_BATCHING = "module"
+ALL_PATHS = -1  # the queue of a one-queue batcher (module batching): requests of every path batch together
 
 
 class BatchObserver(Protocol):
@@ -70,7 +76,7 @@ class PathBatcher:
     def __init__(self, run_batch: Callable[[int, list[DecodeRow], Admit, OnStep | None], None],
                  max_batch: int = DEFAULT_MAX_BATCH,
                  batch_wait_s: float = DEFAULT_BATCH_WAIT_MS / 1000, workers: int = DEFAULT_DECODE_WORKERS,
-                 observer: BatchObserver | None = None) -> None:
+                 observer: BatchObserver | None = None, one_queue: bool = False) -> None:
         if max_batch < 1:
             raise DipacoError(f"--max-batch must be >= 1, got {max_batch}")
         if not batch_wait_s >= 0:
@@ -82,6 +88,7 @@ class PathBatcher:
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.observer = observer
+        self.one_queue = one_queue
         self._queues: dict[int, deque[Ticket]] = {}
         self._decoding: set[int] = set()  # paths a worker is decoding now
         self._waiting = 0
@@ -94,11 +101,12 @@ class PathBatcher:
     # --- the callers' side ----------------------------------------------------------------------
     def submit(self, path: int, row: DecodeRow, result: Callable[[DecodeRow], Any] = lambda row: row) -> Ticket:
         ticket = Ticket(path, row, result)
+        row.path = path  # a module batch runs each row on its own path
         row.on_finish = lambda finished: self._resolve(ticket)
         with self._cond:
             if self._closed:
                 raise DipacoError("the server is shutting down")
-            self._queues.setdefault(path, deque()).append(ticket)
+            self._queues.setdefault(self._queue_of(path), deque()).append(ticket)
             self._set_waiting(self._waiting + 1)
             self._cond.notify()
         return ticket
@@ -106,7 +114,7 @@ class PathBatcher:
     def cancel(self, ticket: Ticket) -> None:
         """The client is gone: out of its queue if it still waits, else dropped from its batch at the next step."""
         with self._cond:
-            queue = self._queues.get(ticket.path)
+            queue = self._queues.get(self._queue_of(ticket.path))
             if queue is not None and ticket in queue:
                 queue.remove(ticket)
                 self._set_waiting(self._waiting - 1)
@@ -138,6 +146,9 @@ class PathBatcher:
                 thread.join(timeout)
 
     # --- the workers' side ----------------------------------------------------------------------
+    def _queue_of(self, path: int) -> int:
+        return ALL_PATHS if self.one_queue else path
+
     def _set_waiting(self, n: int) -> None:
         self._waiting = n
         if self.observer is not None:

@@ -44,7 +44,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
@@ -133,6 +133,7 @@ class DecodeRow:
     prompt_ids: list[int]
     max_new_tokens: int
     processors: LogitsProcessorList | None = None
+    path: int = 0  # the path it decodes on: a module-batched decoder runs each row on its own path's modules
     min_new_tokens: int = 0  # EOS is suppressed until this many tokens exist (benchmarks force lengths)
     on_finish: Callable[[DecodeRow], None] | None = None  # called once, from the decoding thread, as the row ends
     logprobs: int | None = None  # None: no log-probabilities; k >= 0: each token's and its k best alternatives'
@@ -171,8 +172,99 @@ class DecodeRow:
 
 
 # --- the loop ---------------------------------------------------------------------------------------
-Admit = Callable[[int], list[DecodeRow]]  # rows decoding now -> rows to join them (of the same path)
+Admit = Callable[[int], list[DecodeRow]]  # rows decoding now -> rows to join them
 OnStep = Callable[[int], None]  # the rows of each forward pass
+
+
+class KVState(Protocol):
+    """The KV caches of a set of rows (row i of every tensor is row i of the batch) and the forward pass over them.
+
+    Every row's cache columns are right-aligned: a row's latest token sits in the last column, shorter rows are
+    left-padded (attention mask 0). ``forward`` appends the columns of ``input_ids`` to every row's cache."""
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        """float32 logits [B, keep, V] of each row's last ``keep`` positions (0: all); ``mask`` [B, T] covers the
+        cache's columns and the new ones, ``positions`` [B, q] are the new tokens' positions."""
+        ...
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keeps only the rows ``index`` (ascending), in that order."""
+        ...
+
+    def cut_left(self, columns: int) -> None:
+        """Drops the first ``columns`` columns of every row (padding in every row)."""
+        ...
+
+    def append(self, other: Any, width: int) -> None:
+        """Puts ``other``'s rows (a state of the same kind) after these, both left-padded to ``width`` columns."""
+        ...
+
+    @property
+    def joinable(self) -> bool:
+        """Whether rows can be cut and joined (transformers 5's cache layout); else the batch only shrinks by masking."""
+        ...
+
+
+class Decoder(Protocol):
+    """What decodes rows: the device and a fresh :class:`KVState` for a set of rows."""
+
+    device: torch.device
+
+    def new_state(self, rows: Sequence[DecodeRow]) -> KVState: ...
+
+
+class PathDecoder:
+    """One composed path, an HF ``LlamaForCausalLM``: every row runs the whole model (a per-path batch)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    def new_state(self, rows: Sequence[DecodeRow]) -> PathState:
+        return PathState(self.model, new_cache(self.model))
+
+
+@dataclass
+class PathState:
+    """A per-path batch's state: the model's own cache, its forward pass as ``generate`` calls it."""
+
+    model: Any
+    cache: Any
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        return _logits(self.model, input_ids, mask, positions, self.cache, keep)
+
+    def select(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
+
+    def cut_left(self, columns: int) -> None:
+        cut_cache_left(self.cache, columns)
+
+    def append(self, other: PathState, width: int) -> None:
+        join_caches(self.cache, other.cache, width)
+
+    @property
+    def joinable(self) -> bool:
+        return _cache_tensors(self.cache)
+
+
+def cut_cache_left(cache, columns: int) -> None:
+    """Drops the first ``columns`` columns of every layer of a transformers 5 cache."""
+    for layer in cache.layers:
+        layer.keys = layer.keys[..., columns:, :]
+        layer.values = layer.values[..., columns:, :]
+
+
+def join_caches(cache, other, width: int) -> None:
+    """``other``'s rows after ``cache``'s, every layer of both left-padded to ``width`` columns."""
+    for mine, theirs in zip(cache.layers, other.layers):
+        mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
+        mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+
+
+def as_decoder(model) -> Decoder:
+    """``model`` itself when it is a :class:`Decoder`, else a :class:`PathDecoder` of the HF model."""
+    return model if hasattr(model, "new_state") else PathDecoder(model)
 
 
 @dataclass
@@ -180,7 +272,7 @@ class _Running:
     """The rows decoding together and their tensors, aligned (row i is tensor row i)."""
 
     rows: list[DecodeRow]
-    cache: Any
+    state: KVState
     mask: torch.Tensor  # [B, T] 1 for a token, 0 for left padding; T = the cache's columns
     positions: torch.Tensor  # [B] the position of each row's last token
     logits: torch.Tensor  # [B, V] each row's next-token logits
@@ -191,27 +283,23 @@ class _Running:
         if not indices:
             return
         index = torch.tensor(indices, dtype=torch.long, device=self.mask.device)
-        self.cache.batch_select_indices(index)
+        self.state.select(index)
         self.mask = self.mask[index]
         self.positions = self.positions[index]
         # Columns that are padding in every remaining row (their longer prompts have ended) carry nothing:
         # cut them, so no row attends over dead columns and rows of one length left need no mask.
         pad_columns = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())
-        if pad_columns and _cache_tensors(self.cache):
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[..., pad_columns:, :]
-                layer.values = layer.values[..., pad_columns:, :]
+        if pad_columns and self.state.joinable:
+            self.state.cut_left(pad_columns)
             self.mask = self.mask[:, pad_columns:]
 
     def join(self, other: _Running) -> None:
         """Appends ``other``'s rows (prefilled apart): both caches and masks left-padded to the wider."""
         if not self.rows:
-            self.rows, self.cache, self.mask, self.positions = other.rows, other.cache, other.mask, other.positions
+            self.rows, self.state, self.mask, self.positions = other.rows, other.state, other.mask, other.positions
             return
         width = max(self.mask.shape[1], other.mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
-            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+        self.state.append(other.state, width)
         self.mask = torch.cat([_left_pad(self.mask, width, 1), _left_pad(other.mask, width, 1)])
         self.positions = torch.cat([self.positions, other.positions])
         self.rows = self.rows + other.rows
@@ -249,11 +337,6 @@ def _logits(model, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                 logits_to_keep=keep, **{CACHE_KWARG: cache})
     return out.logits.to(dtype=torch.float32, copy=True)
-
-
-def _last_logits(model, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-    """float32 logits of each row's last position."""
-    return _logits(model, input_ids, mask, positions, cache)[:, -1]
 
 
 def token_scores(logprobs: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenScore]:
@@ -307,19 +390,18 @@ def _choose(rows: list[DecodeRow], logits: torch.Tensor, eos_token_id: int) -> l
     return tokens
 
 
-def _prefill(model, rows: list[DecodeRow], pad_token_id: int, on_step: OnStep | None) -> _Running:
+def _prefill(decoder: Decoder, rows: list[DecodeRow], pad_token_id: int, on_step: OnStep | None) -> _Running:
     """One forward over the left-padded prompts of ``rows``, into a cache of their own."""
-    device = next(model.parameters()).device
-    ids, mask, positions = left_padded(rows, pad_token_id, device)
-    cache = new_cache(model)
+    ids, mask, positions = left_padded(rows, pad_token_id, decoder.device)
+    state = decoder.new_state(rows)
     if on_step is not None:
         on_step(len(rows))
     # Every position's logits only when a row scores its prompt (B x W x V floats); else the last one's.
     every = any(row.prompt_logprobs for row in rows)
-    logits = _logits(model, ids, mask, positions, cache, keep=0 if every else 1)
+    logits = state.forward(ids, mask, positions, 0 if every else 1)
     if every:
         _score_prompts(rows, logits)
-    running = _Running(list(rows), cache, mask, positions[:, -1], logits[:, -1].contiguous())
+    running = _Running(list(rows), state, mask, positions[:, -1], logits[:, -1].contiguous())
     going = [i for i, row in enumerate(rows) if row.max_new_tokens > 0]
     if len(going) < len(rows):  # rows that only score their prompt end here
         for row in rows:
@@ -329,6 +411,11 @@ def _prefill(model, rows: list[DecodeRow], pad_token_id: int, on_step: OnStep | 
         running.keep(going)
         running.logits = running.logits[going]
     return running
+
+
+def _step_logits(running: _Running, step_ids: torch.Tensor) -> torch.Tensor:
+    """One decoding step: each running row's next-token logits after its token in ``step_ids`` [B, 1]."""
+    return running.state.forward(step_ids, running.mask, running.positions[:, None], 1)[:, -1]
 
 
 def _take_tokens(running: _Running, eos_token_id: int) -> list[int]:
@@ -385,16 +472,17 @@ def decode_batch(model, rows: Sequence[DecodeRow], eos_token_id: int, pad_token_
     todo = _live(rows)
     if not todo:
         return
-    running = _prefill(model, todo, pad_token_id, on_step)
+    decoder = as_decoder(model)
+    running = _prefill(decoder, todo, pad_token_id, on_step)
     for row in todo:
         row.batch_size = len(todo)
-    if admit is not None and not _cache_tensors(running.cache):
+    if admit is not None and not running.state.joinable:
         admit = None
     next_tokens = _take_tokens(running, eos_token_id)
     while True:
         joining = _live(admit(len(running.rows))) if admit is not None else []
         if joining:
-            newcomers = _prefill(model, joining, pad_token_id, on_step)
+            newcomers = _prefill(decoder, joining, pad_token_id, on_step)
             for row in joining:
                 row.batch_size = len(running.rows) + len(joining)
             newcomer_tokens = _take_tokens(newcomers, eos_token_id)
@@ -408,5 +496,5 @@ def decode_batch(model, rows: Sequence[DecodeRow], eos_token_id: int, pad_token_
         if on_step is not None:
             on_step(len(running.rows))
         step_ids = torch.tensor(next_tokens, dtype=torch.long, device=running.mask.device)[:, None]
-        running.logits = _last_logits(model, step_ids, running.mask, running.positions[:, None], running.cache)
+        running.logits = _step_logits(running, step_ids)
         next_tokens = _take_tokens(running, eos_token_id)

@@ -71,7 +71,9 @@ from dipaco.metrics import echo
 from dipaco.serve import openai_api as oa
 from dipaco.serve.auth import BearerToken, check_exposure
 from dipaco.serve.batching import (
+    BATCHING_MODES,
     DEFAULT_BATCH_WAIT_MS,
+    DEFAULT_BATCHING,
     DEFAULT_DECODE_WORKERS,
     DEFAULT_MAX_BATCH,
     PathBatcher,
@@ -308,6 +310,7 @@ class AppOptions:
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS
     decode_workers: int = DEFAULT_DECODE_WORKERS
     max_prompts: int = DEFAULT_MAX_BATCH  # prompts in one completions request (each is a row of a batch)
+    batching: str = DEFAULT_BATCHING  # module: rows of any paths together, level by level; path: one path per batch
 
 
 class RequestError(Exception):
@@ -344,8 +347,10 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     ``max_prompt_tokens`` and ``max_new_tokens_cap`` default to the experiment's ``data.seq_len``
     (and are lowered to it when above); ``max_body_bytes`` defaults to
     :func:`default_max_body_bytes` of the prompt cap. ``token``: every endpoint but ``/healthz`` needs it
-    as a bearer token. ``max_batch`` / ``batch_wait_ms``: the per-path batching (``max_batch=1``: none);
-    ``decode_workers``: how many batches (of different paths) decode at once. The app's metrics are
+    as a bearer token. ``batching``: ``module`` batches requests of any paths (each level's modules run once
+    per pass on the rows through them), ``path`` only requests of one path; ``max_batch`` / ``batch_wait_ms``:
+    its batches (``max_batch=1``: none); ``decode_workers``: how many batches (of different paths, under
+    ``path``) decode at once. The app's metrics are
     ``app.state.metrics``.
     """
     _import_web()
@@ -387,8 +392,14 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         raise DipacoError(f"--batch-wait-ms must be a finite number of milliseconds, got {batch_wait_ms}")
     routing_prefix = pipeline.routing_prefix_tokens()
     metrics = ServeMetrics()
-    batcher = PathBatcher(pipeline.run_batch, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000.0,
-                          workers=decode_workers, observer=metrics)
+    if options.batching not in BATCHING_MODES:
+        raise DipacoError(f"--batching must be one of {', '.join(BATCHING_MODES)}, got {options.batching!r}")
+    by_module = options.batching == "module"
+    if by_module:
+        metrics.watch_module_batching(pipeline.module_decoder.stats)
+    batcher = PathBatcher(pipeline.run_module_batch if by_module else pipeline.run_batch, max_batch=max_batch,
+                          batch_wait_s=batch_wait_ms / 1000.0, workers=decode_workers, observer=metrics,
+                          one_queue=by_module)
 
     default_new_tokens = min(DEFAULT_NEW_TOKENS, max_new_tokens_cap)
 
@@ -488,7 +499,8 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         return {"status": "ok", **pipeline.describe(), "max_prompt_tokens": max_prompt_tokens,
                 "max_prompt_chars": max_prompt_chars, "max_new_tokens_cap": max_new_tokens_cap,
                 "max_body_bytes": max_body_bytes, "routing_prefix_tokens": routing_prefix,
-                "max_batch": batcher.max_batch, "batch_wait_ms": batcher.batch_wait_s * 1000.0}
+                "max_batch": batcher.max_batch, "batch_wait_ms": batcher.batch_wait_s * 1000.0,
+                "batching": options.batching}
 
     @app.get("/v1/paths")
     def paths() -> dict:
@@ -747,8 +759,9 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
         caps = app.state.caps
         echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}; "
              f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
-             f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; batches of up to "
-             f"{max_batch} per path within {batch_wait_ms:g} ms, {o.app.decode_workers} decoding at once; "
+             f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; {o.app.batching} "
+             f"batching, up to {max_batch} rows{' per path' if o.app.batching == 'path' else ''} within "
+             f"{batch_wait_ms:g} ms, {o.app.decode_workers} decoding at once; "
              f"{guard.max_connections} connections, headers within "
              f"{header_timeout_s:g} s; {'bearer token required' if token else 'no token'})")
         _log_access_to_stderr(log_level)

@@ -10,6 +10,9 @@ Metrics (each server has its own registry, so several apps in one process do not
     dipaco_queue_depth                              requests waiting for a batch
     dipaco_open_connections                         HTTP connections open now
     dipaco_connections_closed_total{reason}         closed by the server: header_timeout, evicted, refused
+    dipaco_module_calls_total                       module batching: level modules run (one per module per pass)
+    dipaco_module_rows_total                        module batching: rows those modules ran on (/ calls: rows per module)
+    dipaco_module_seconds_total{stage}              module batching: time in embed, gather, blocks, scatter, head
 
 The access log (logger ``dipaco.serve.access``, INFO) writes, per request::
 
@@ -63,6 +66,25 @@ class ServeMetrics:
         self.closed = Counter("dipaco_connections_closed", "Connections the server closed: header_timeout (no "
                               "complete request headers in time), evicted (the oldest idle one, to admit a new "
                               "connection at the limit), refused (at the limit with none idle)", ["reason"], registry=r)
+
+    def watch_module_batching(self, stats) -> None:
+        """Reports a module-batched decoder's :class:`~dipaco.serve.module_batch.ModuleBatchStats` at each scrape."""
+        from prometheus_client.core import CounterMetricFamily
+
+        class ModuleBatching:
+            def collect(self):
+                calls = CounterMetricFamily("dipaco_module_calls", "Level modules run by module batching (one per "
+                                            "module that has rows, per forward pass)")
+                calls.add_metric([], stats.module_calls)
+                rows = CounterMetricFamily("dipaco_module_rows", "Rows the level modules of module batching ran on")
+                rows.add_metric([], stats.module_rows)
+                seconds = CounterMetricFamily("dipaco_module_seconds", "Time module batching spent per stage",
+                                              labels=["stage"])
+                for stage, value in sorted(dict(stats.seconds).items()):
+                    seconds.add_metric([stage], value)
+                return [calls, rows, seconds]
+
+        self.registry.register(ModuleBatching())
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

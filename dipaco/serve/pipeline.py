@@ -72,6 +72,7 @@ from dipaco.serve.decode import (  # noqa: F401  (SeededSampler, SafeTemperature
     decode_batch,
     sampling_processors,
 )
+from dipaco.serve.module_batch import ModuleBatchedDecoder
 from routing.featurize import pool_prefix_states
 
 DEFAULT_CACHE_SIZE = 4
@@ -296,6 +297,9 @@ class Pipeline:
         # Token ids a prompt may hold: those of both the tokenizer and the model's embedding.
         self.vocab_size = min(len(self.tokenizer), int(loaded.llama_config().vocab_size))
         self._router_lock = threading.Lock()
+        self._module_decoder: ModuleBatchedDecoder | None = None
+        self._module_decoder_lock = threading.Lock()
+        self._module_batch_lock = threading.Lock()  # one module batch at a time: its caches are its own, its timers shared
 
     @classmethod
     def from_run(cls, run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
@@ -520,7 +524,7 @@ class Pipeline:
             processors = sampling_processors(how.temperature, how.top_p, how.top_k, seed, self.device)
         else:
             seed = None
-        row = DecodeRow(list(ids), how.max_new_tokens, processors, min_new_tokens=how.min_new_tokens,
+        row = DecodeRow(list(ids), how.max_new_tokens, processors, path=path, min_new_tokens=how.min_new_tokens,
                         logprobs=scoring.logprobs, prompt_logprobs=scoring.prompt_logprobs,
                         stop=self.stop_check(scoring.stop))
         return PlannedGeneration(path, scores, seed, row, start)
@@ -547,6 +551,26 @@ class Pipeline:
         entry = self.cache.get(path)
         with entry.lock, self.precision.autocast():
             decode_batch(entry.model, rows, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+                         admit=admit, on_step=on_step)
+
+    @property
+    def module_decoder(self) -> ModuleBatchedDecoder:
+        """Every module of the bank once, for batches of rows on any paths (built on first use: its weights are
+        views of the bank's on the CPU, so it adds no copy of them there)."""
+        with self._module_decoder_lock:
+            if self._module_decoder is None:
+                self._module_decoder = ModuleBatchedDecoder(self.bank, self.loaded.llama_config(use_cache=True),
+                                                            self.device)
+            return self._module_decoder
+
+    def run_module_batch(self, path: int, rows: Sequence[DecodeRow], admit: Admit | None = None,
+                         on_step: OnStep | None = None) -> None:
+        """Decodes ``rows``, each on its own path (``DecodeRow.path``), together: every level's modules run once
+        per pass on the rows through them (:mod:`dipaco.serve.module_batch`). ``path`` is not used (the
+        batcher's signature: a module batch holds rows of any paths)."""
+        decoder = self.module_decoder
+        with self._module_batch_lock, self.precision.autocast():
+            decode_batch(decoder, rows, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
                          admit=admit, on_step=on_step)
 
     def finish(self, planned: PlannedGeneration) -> Generation:

@@ -1,5 +1,5 @@
-"""scripts/bench_serve.py's issue-47 parts, briefly, on the tiny run: concurrency (batched against
-unbatched servers), agreement (batched against alone) and held connections."""
+"""scripts/bench_serve.py's serving parts, briefly, on the tiny run: concurrency (unbatched, per-path,
+module-batched and pinned servers), agreement (batched against alone), held connections, APIs and soak."""
 
 import importlib.util
 import sys
@@ -22,26 +22,36 @@ def bench():
     return module
 
 
-def test_concurrency_measures_both_servers_from_their_metrics(bench, served_run):
+def test_concurrency_measures_every_server_mode_from_its_metrics(bench, served_run):
     needs_web()
     out = bench.bench_concurrency(Path(served_run.run.dir), None, PROMPTS, clients=4, seconds=1.0, warmup_s=0.3,
                                   new_tokens=6, threads=1, max_batch=8, batch_wait_ms=20)
-    unbatched, batched = out["unbatched"], out["batched"]
+    unbatched, path, module, pinned = (out[m] for m in ("unbatched", "path", "module", "pinned"))
     assert unbatched["mean_batch_size"] == 1.0 and unbatched["server_flags"].startswith("--max-batch 1 ")
-    assert batched["mean_batch_size"] > 1.0  # 4 clients over the run's paths, a 20 ms window
-    for row in (unbatched, batched):
+    assert path["mean_batch_size"] > 1.0 and module["mean_batch_size"] > 1.0  # 4 clients, a 20 ms window
+    assert "--batching path" in path["server_flags"] and "--batching module" in module["server_flags"]
+    assert "rows_per_module" not in path and module["rows_per_module"] > 1.0
+    # a pinned load runs every module of its path on every row; a routed one splits rows between a level's modules
+    assert pinned["rows_per_module"] == pytest.approx(pinned["mean_batch_size"])
+    assert set(module["module_time_share"]) == {"embed", "gather", "blocks", "scatter", "head"}
+    assert sum(module["module_time_share"].values()) == pytest.approx(1.0)
+    for row in (unbatched, path, module, pinned):
         assert row["requests"] > 4 and row["tokens"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0
         assert set(row["statuses"]) == {"200"} and row["batches"] >= 1
-    assert out["throughput_ratio"] > 0 and set(out["targets"]) == {"throughput_ge_3x", "p99_no_worse"}
+    assert out["ratios"]["module_vs_unbatched"] > 0 and set(out["targets"]) == {
+        "module_ge_3x_unbatched", "module_ge_0.8_of_pinned", "module_p99_no_worse_than_path"}
 
 
 def test_agreement_compares_batched_and_lone_decoding(bench, served_run):
     pipe = Pipeline.from_run(served_run.run.dir)
     out = bench.bench_agreement(pipe, PROMPTS, new_tokens=6, max_batch=4)
     for mode in ("greedy", "seeded"):
-        assert out[mode]["equal"] + len(out[mode]["differ"]) == len(PROMPTS)
-        assert out[mode]["mean_batch_size"] > 1.0
-    assert out["greedy"]["equal_fraction"] >= 0.99 and out["targets"]["greedy_ge_99pct"]
+        for batching in ("path", "module"):
+            result = out[mode][batching]
+            assert result["equal"] + len(result["differ"]) == len(PROMPTS)
+            assert result["mean_batch_size"] > 1.0
+        assert out[mode]["module"]["equal"] == len(PROMPTS)
+    assert out["targets"] == {"path_greedy_ge_99pct": True, "module_greedy_ge_99pct": True}
 
 
 def test_held_connections_do_not_keep_a_valid_request_waiting(bench, served_run):

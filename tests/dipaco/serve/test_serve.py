@@ -402,13 +402,13 @@ def test_a_client_that_leaves_mid_batch_is_dropped_without_harming_the_others(pi
     from dipaco.serve import decode
 
     expected = {p: pipe.generate(p, max_new_tokens=24, path=0) for p in PROMPTS[1:3]}
-    step = decode._last_logits
+    step = decode._step_logits
 
     def slow_step(*args, **kwargs):  # ~25 ms a step: the batch decodes long enough to leave mid-way
         time.sleep(0.025)
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "_last_logits", slow_step)
+    monkeypatch.setattr(decode, "_step_logits", slow_step)
     app = create_app(pipe, AppOptions(max_batch=8, batch_wait_ms=300))
     with running(app) as port:
         leaver = socket.create_connection(("127.0.0.1", port), timeout=10)

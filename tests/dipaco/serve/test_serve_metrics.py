@@ -6,6 +6,7 @@ import logging
 import pytest
 from test_serve import PROMPTS, call, needs_web, running
 
+from dipaco.errors import DipacoError
 from dipaco.serve.http import AppOptions, create_app
 from dipaco.serve.metrics import ACCESS_LOGGER, printable
 from dipaco.serve.pipeline import Pipeline
@@ -91,3 +92,41 @@ def test_concurrent_requests_of_a_path_are_one_batch_in_the_metrics(served):
 def test_a_url_with_control_characters_is_one_log_line():
     assert printable("/v1/x\nINFO forged line") == "/v1/x\\nINFO forged line"
     assert printable("/ok") == "/ok" and printable("x" * 500).endswith("...")
+
+
+def test_requests_of_different_paths_are_one_module_batch(served):
+    """Module batching (the default): four requests naming the 2x2's four paths decode as one batch, each level
+    module running on the two rows through it, and each answer is its path's alone."""
+    port, pipe = served
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"prompt": p, "max_new_tokens": 4, "path": i} for i, p in enumerate(PROMPTS[:4])]
+    before = scrape(port)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        replies = list(pool.map(lambda body: call(port, "POST", "/v1/generate", body), bodies))
+    after = scrape(port)
+    assert [r[1]["batch_size"] for r in replies] == [4, 4, 4, 4]  # within the 50 ms window
+    assert value(after, "dipaco_batch_size_sum") - value(before, "dipaco_batch_size_sum") == 16  # 4 passes of 4 rows
+    calls = value(after, "dipaco_module_calls_total") - value(before, "dipaco_module_calls_total")
+    rows = value(after, "dipaco_module_rows_total") - value(before, "dipaco_module_rows_total")
+    assert calls == 4 * 4 and rows == 4 * 8  # per pass: 2 levels x 2 modules, each on 2 of the 4 rows
+    for stage in ("embed", "gather", "blocks", "scatter", "head"):
+        assert value(after, "dipaco_module_seconds_total", stage=stage) > 0
+    for body, (status, reply) in zip(bodies, replies):
+        assert status == 200 and reply["text"] == pipe.generate(body["prompt"], path=body["path"], max_new_tokens=4).text
+
+
+def test_path_batching_keeps_each_batch_to_one_path(served_run):
+    needs_web()
+    from concurrent.futures import ThreadPoolExecutor
+
+    pipe = Pipeline.from_run(served_run.run.dir)
+    with running(create_app(pipe, AppOptions(max_batch=8, batch_wait_ms=50, batching="path"))) as port:
+        bodies = [{"prompt": p, "max_new_tokens": 3, "path": i % 2} for i, p in enumerate(PROMPTS[:4])]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            replies = list(pool.map(lambda body: call(port, "POST", "/v1/generate", body), bodies))
+        assert [r[1]["batch_size"] for r in replies] == [2, 2, 2, 2]  # two paths: a batch of two each
+        assert call(port, "GET", "/healthz")[1]["batching"] == "path"
+        assert value(scrape(port), "dipaco_module_calls_total") == 0
+    with pytest.raises(DipacoError, match="--batching must be one of module, path, got .level."):
+        create_app(pipe, AppOptions(batching="level"))

@@ -1,0 +1,329 @@
+"""Module-batched decoding: rows of different paths decode together, level by level, each module once per pass.
+
+A path is one module per part (:mod:`dipaco.model.topology`), and in a K x K grid each module of a level
+is on K paths. Batching whole paths (:class:`dipaco.serve.decode.PathDecoder`) puts two requests in one
+forward pass only when the router sent them to the same path, which at 16 or 256 paths is rare. Here a
+batch holds rows of any paths:
+
+- embedding: each embedding module embeds the rows whose path goes through it (one call when it is shared);
+- each level: every module of the level runs its decoder blocks once, on the rows whose path goes through
+  it: gather those rows' hidden states, run the blocks with those rows' KV caches, scatter them back;
+- head: the final norm and the LM head of each row's path, grouped by module the same way (a tied head is
+  the row's embedding matrix, so with a path-owned embedding it is grouped by embedding module).
+
+A level's rows at a module are about N / K of the batch's N, where per-path batching gives N / P.
+
+The blocks are transformers' own (``LlamaDecoderLayer``, ``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, the
+causal mask of ``transformers.masking_utils``), called as ``LlamaModel.forward`` calls them, so a row's
+computation is the one its composed path (an ordinary ``LlamaForCausalLM``) runs on the same batch of rows.
+Their weights are views of the bank's flat vectors on its device (no copy; a copy per module elsewhere):
+serving every path costs the bank's memory, not one model per path.
+
+KV caches: each module of a level keeps one cache of its layers for the rows through it, in batch order,
+every row right-aligned to the batch's width (shorter rows left-padded and masked, as in a per-path batch).
+A row that leaves is selected out of its modules' caches; rows that join are prefilled apart and appended,
+both sides left-padded to the wider, exactly as :mod:`dipaco.serve.decode` does for one cache.
+
+Exactness: a row's logits are its path's on the same rows; against the row alone they can differ in the last
+bits of float32 where padding or the batch size changes a kernel's summation order, as per-path batching's
+can (docs/results.md measures how often a token changes: the exactness tests require none on 200 prompts).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from dipaco.errors import DipacoError
+from dipaco.model.bank import ModuleBank
+from dipaco.model.topology import EMBEDDING, HEAD, Topology
+from dipaco.serve.decode import CACHE_KWARG, DecodeRow, _left_pad
+
+try:
+    from transformers.masking_utils import create_causal_mask
+except ImportError:  # transformers 4.x builds its masks inside LlamaModel.forward
+    create_causal_mask = None
+
+# transformers renamed create_causal_mask's `past_key_values` to `cache` as it did forward's (decode.CACHE_KWARG)
+MASK_CACHE_KWARG = ("cache" if create_causal_mask is not None and "cache" in inspect.signature(create_causal_mask).parameters
+                    else "past_key_values")
+
+
+@dataclass
+class ModuleBatchStats:
+    """What the passes did: the rows each level module ran on, and where the time went (seconds)."""
+
+    passes: int = 0
+    module_calls: int = 0  # level modules run, summed over passes
+    module_rows: int = 0  # rows those calls ran on
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # embed, gather, blocks, scatter, head
+
+    def rows_per_module(self) -> float:
+        return self.module_rows / self.module_calls if self.module_calls else 0.0
+
+    def as_dict(self) -> dict:
+        return {"passes": self.passes, "module_calls": self.module_calls, "rows_per_module": self.rows_per_module(),
+                "seconds": dict(self.seconds)}
+
+
+class ModuleBatchedDecoder:
+    """Every module of a bank once, as transformers blocks; a :class:`dipaco.serve.decode.Decoder` whose rows
+    may be on any paths (``DecodeRow.path``)."""
+
+    def __init__(self, bank: ModuleBank, config: LlamaConfig, device: torch.device | str = "cpu") -> None:
+        if create_causal_mask is None:
+            raise DipacoError("module-batched decoding needs transformers >= 5 (its masking_utils); "
+                              "serve with --batching path")
+        self.topology: Topology = bank.topology
+        self.config = config
+        self.device = torch.device(device)
+        self.tied = bool(config.tie_word_embeddings)
+        missing = [bank.module_name(m) for m in range(len(self.topology.modules)) if not bank.holds(m)]
+        if missing:
+            raise DipacoError(f"the bank does not hold every module: {missing[:3]}")
+        tensors = bank.state_dict()  # views of the flat vectors
+        self.parts = self.topology.parts
+        self.embeddings: list[nn.Embedding] = []
+        self.levels: list[list[nn.ModuleList]] = []  # per level part, per module: its blocks
+        self.norms: list[LlamaRMSNorm] = []
+        self.heads: list[torch.Tensor | None] = []  # untied: each head module's matrix
+        for part in self.parts:
+            for index in range(part.num_modules):
+                name = f"{part.name}.{index}"
+                own = {k.split("/", 1)[1]: self._on_device(v) for k, v in tensors.items() if k.startswith(name + "/")}
+                if part.kind == EMBEDDING:
+                    self.embeddings.append(self._embedding(own))
+                elif part.kind == HEAD:
+                    self.norms.append(self._norm(own))
+                    self.heads.append(None if self.tied else own["lm_head.weight"])
+                else:
+                    if index == 0:
+                        self.levels.append([])
+                    self.levels[-1].append(self._blocks(part.layers, own))
+        self.rotary = LlamaRotaryEmbedding(config=config).to(self.device)
+        # per path: its module index in every part, in forward order
+        self.path_modules = [tuple(self.topology.module_index(part, p) for part in self.parts)
+                             for p in range(self.topology.num_paths)]
+        self.level_parts = [i for i, part in enumerate(self.parts) if part.kind == "level"]
+        self.stats = ModuleBatchStats()
+        self.profile = False  # time each stage (synchronising the device): benchmarks only
+
+    # --- building the modules from the bank -------------------------------------------------------
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.device == self.device else tensor.to(self.device)
+
+    def _embedding(self, own: dict[str, torch.Tensor]) -> nn.Embedding:
+        embedding = nn.Embedding(self.config.vocab_size, self.config.hidden_size, device="meta")
+        embedding.load_state_dict({"weight": own["model.embed_tokens.weight"]}, assign=True)
+        return embedding.eval()
+
+    def _norm(self, own: dict[str, torch.Tensor]) -> LlamaRMSNorm:
+        with torch.device("meta"):
+            norm = LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.load_state_dict({"weight": own["model.norm.weight"]}, assign=True)
+        return norm.eval()
+
+    def _blocks(self, layers: range, own: dict[str, torch.Tensor]) -> nn.ModuleList:
+        """The module's decoder blocks, numbered from 0 (layer_idx) within its own cache."""
+        with torch.device("meta"):
+            blocks = nn.ModuleList([LlamaDecoderLayer(self.config, j) for j in range(len(layers))])
+        state = {}
+        for j, layer in enumerate(layers):
+            prefix = f"model.layers.{layer}."
+            state.update({f"{j}.{k[len(prefix):]}": v for k, v in own.items() if k.startswith(prefix)})
+        blocks.load_state_dict(state, assign=True)
+        return blocks.eval()
+
+    # --- the Decoder protocol -----------------------------------------------------------------
+    def new_state(self, rows: Sequence[DecodeRow]) -> ModuleBatchState:
+        for row in rows:
+            if not 0 <= row.path < self.topology.num_paths:
+                raise DipacoError(f"path {row.path} is not a path of this bank (0..{self.topology.num_paths - 1})")
+        return ModuleBatchState(self, [row.path for row in rows])
+
+    def groups(self, paths: Sequence[int], part: int) -> list[tuple[int, torch.Tensor | None]]:
+        """(module index, the batch rows through it) for the modules of part ``part`` that rows go through, in
+        module order; the rows are None when they are the whole batch (nothing to gather)."""
+        members: dict[int, list[int]] = defaultdict(list)
+        for i, path in enumerate(paths):
+            members[self.path_modules[path][part]].append(i)
+        if len(members) == 1:
+            return [(next(iter(members)), None)]
+        return [(k, torch.tensor(rows, dtype=torch.long, device=self.device)) for k, rows in sorted(members.items())]
+
+    def _tick(self, stage: str, since: float) -> float:
+        if self.profile and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.stats.seconds[stage] += now - since
+        return now
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t.index_select(0, rows)
+
+
+class ModuleBatchState:
+    """A running batch's KV caches under module batching: one cache per (level, module) for its rows."""
+
+    def __init__(self, decoder: ModuleBatchedDecoder, paths: list[int]) -> None:
+        self.decoder = decoder
+        self.paths = paths
+        self.caches: dict[tuple[int, int], DynamicCache] = {}  # (level, module index) -> its rows' cache, in batch order
+        self._groups: dict[int, list[tuple[int, torch.Tensor | None]]] = {}  # part -> its modules' rows
+        self._heads: tuple | None = None
+
+    def _level_groups(self, part: int) -> list[tuple[int, torch.Tensor | None]]:
+        if part not in self._groups:
+            self._groups[part] = self.decoder.groups(self.paths, part)
+        return self._groups[part]
+
+    @property
+    def joinable(self) -> bool:
+        return True
+
+    # --- the forward pass ---------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        d = self.decoder
+        d.stats.passes += 1
+        t = time.perf_counter()
+        hidden = self._embed(input_ids)
+        t = d._tick("embed", t)
+        position_embeddings = d.rotary(hidden, positions)
+        for level, part in enumerate(d.level_parts):
+            for k, rows in self._level_groups(part):
+                blocks = d.levels[level][k]
+                x = _take(hidden, rows)
+                group_mask = _take(mask, rows)
+                group_positions = _take(positions, rows)
+                cos, sin = (_take(e, rows) for e in position_embeddings)
+                t = d._tick("gather", t)
+                x = self._run_blocks(blocks, self._cache(level, k), x, group_mask, group_positions, (cos, sin))
+                t = d._tick("blocks", t)
+                hidden = x if rows is None else hidden.index_copy_(0, rows, x)
+                t = d._tick("scatter", t)
+                d.stats.module_calls += 1
+                d.stats.module_rows += x.shape[0]
+        logits = self._head(hidden, keep)
+        d._tick("head", t)
+        return logits
+
+    def _cache(self, level: int, k: int) -> DynamicCache:
+        cache = self.caches.get((level, k))
+        if cache is None:
+            cache = self.caches[(level, k)] = DynamicCache()
+        return cache
+
+    def _run_blocks(self, blocks: nn.ModuleList, cache: DynamicCache, x: torch.Tensor, mask: torch.Tensor,
+                    positions: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``LlamaModel.forward``'s layer loop over one module's blocks; an all-ones mask passes as None, as a
+        per-path batch's does (:func:`dipaco.serve.decode._logits`)."""
+        attention_mask = None if bool(mask.all()) else mask
+        causal = create_causal_mask(config=self.decoder.config, inputs_embeds=x, attention_mask=attention_mask,
+                                    position_ids=positions, **{MASK_CACHE_KWARG: cache})
+        for block in blocks:
+            x = block(x, attention_mask=causal, position_ids=positions, use_cache=True,
+                      position_embeddings=position_embeddings, **{CACHE_KWARG: cache})
+        return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        d = self.decoder
+        groups = self._level_groups(0)  # the embedding part
+        if groups[0][1] is None:
+            return d.embeddings[groups[0][0]](input_ids)
+        hidden = torch.empty(*input_ids.shape, d.config.hidden_size, device=input_ids.device,
+                             dtype=d.embeddings[0].weight.dtype)
+        for k, rows in groups:
+            assert rows is not None  # several groups: each names its rows
+            hidden[rows] = d.embeddings[k](input_ids.index_select(0, rows))
+        return hidden
+
+    def _head(self, hidden: torch.Tensor, keep: int) -> torch.Tensor:
+        """float32 logits of the last ``keep`` positions (0: all), each row through its path's norm and head."""
+        d = self.decoder
+        groups, restore = self._head_groups()
+        chunks = []
+        for (h, e), rows in groups:
+            x = d.norms[h](_take(hidden, rows))  # every position, as LlamaModel.forward, then the kept ones
+            x = x if keep == 0 else x[:, -keep:]
+            weight = d.embeddings[e].weight if d.tied else d.heads[h]
+            assert weight is not None  # untied: every head module has its matrix
+            chunks.append(nn.functional.linear(x, weight).to(dtype=torch.float32, copy=True))
+        return chunks[0] if restore is None else torch.cat(chunks).index_select(0, restore)
+
+    def _head_groups(self) -> tuple[list[tuple[tuple[int, int], torch.Tensor | None]], torch.Tensor | None]:
+        """((head module, embedding module of a tied head), rows) per group, and the permutation that puts the
+        groups' rows back in batch order (None: one group of every row)."""
+        if self._heads is None:
+            d = self.decoder
+            members: dict[tuple[int, int], list[int]] = defaultdict(list)
+            for i, path in enumerate(self.paths):
+                modules = d.path_modules[path]
+                members[(modules[-1], modules[0] if d.tied else 0)].append(i)
+            if len(members) == 1:
+                self._heads = ([(next(iter(members)), None)], None)
+            else:
+                groups = sorted(members.items())
+                order = [i for _, rows in groups for i in rows]
+                restore = sorted(range(len(order)), key=order.__getitem__)
+                self._heads = ([(key, torch.tensor(rows, dtype=torch.long, device=d.device)) for key, rows in groups],
+                               torch.tensor(restore, dtype=torch.long, device=d.device))
+        return self._heads
+
+    # --- rows leaving and joining --------------------------------------------------------------
+    def select(self, index: torch.Tensor) -> None:
+        kept = index.tolist()
+        old_paths = self.paths
+        self.paths = [old_paths[i] for i in kept]
+        self._groups.clear()
+        self._heads = None
+        for level, part in enumerate(self.decoder.level_parts):
+            position: dict[int, dict[int, int]] = defaultdict(dict)  # module -> batch row -> its row in the cache
+            for i, path in enumerate(old_paths):
+                k = self.decoder.path_modules[path][part]
+                position[k][i] = len(position[k])
+            for k, rows in position.items():
+                cache = self.caches.get((level, k))
+                if cache is None:
+                    continue
+                local = [rows[i] for i in kept if i in rows]
+                if not local:
+                    del self.caches[(level, k)]
+                elif len(local) < len(rows):
+                    cache.batch_select_indices(torch.tensor(local, dtype=torch.long, device=self.decoder.device))
+
+    def cut_left(self, columns: int) -> None:
+        for cache in self.caches.values():
+            for layer in cache.layers:
+                layer.keys = layer.keys[..., columns:, :]
+                layer.values = layer.values[..., columns:, :]
+
+    def append(self, other: ModuleBatchState, width: int) -> None:
+        for key in set(self.caches) | set(other.caches):
+            mine, theirs = self.caches.get(key), other.caches.get(key)
+            if mine is None:
+                self.caches[key] = mine = theirs
+                _pad_cache(mine, width)
+            elif theirs is None:
+                _pad_cache(mine, width)
+            else:
+                for a, b in zip(mine.layers, theirs.layers):
+                    a.keys = torch.cat([_left_pad(a.keys, width, 2), _left_pad(b.keys, width, 2)])
+                    a.values = torch.cat([_left_pad(a.values, width, 2), _left_pad(b.values, width, 2)])
+        self.paths = self.paths + other.paths
+        self._groups.clear()
+        self._heads = None
+
+
+def _pad_cache(cache: DynamicCache, width: int) -> None:
+    for layer in cache.layers:
+        layer.keys = _left_pad(layer.keys, width, 2)
+        layer.values = _left_pad(layer.values, width, 2)

@@ -1,0 +1,128 @@
+"""dipaco.serve.module_batch: rows of different paths decode together, each level's modules once per pass.
+
+Exactness (issue 61): every row's tokens equal its path's alone (the composed ``LlamaForCausalLM``, a batch of
+one row), greedy and same-seed sampled, 200 of 200, on a 2x2, a 4x4 and a grid with path-owned embedding and
+head, with rows of different lengths joining and leaving the running batch. The banks are random and every
+module differs from the others, so a row run through another path's module would give other tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dipaco.errors import DipacoError
+from dipaco.model.bank import ModuleBank
+from dipaco.model.topology import Topology
+from dipaco.serve.decode import DecodeRow, decode_batch, sampling_processors
+from dipaco.serve.module_batch import ModuleBatchedDecoder
+
+EOS, PAD = 1, 0
+GRIDS = {
+    "2x2": dict(layers=2, shape=[2, 2], part="shared", tied=True),
+    "4x4": dict(layers=2, shape=[4, 4], part="shared", tied=False),
+    "path_owned": dict(layers=2, shape=[2, 2], part="path", tied=True),
+}
+
+
+def random_bank(layers: int, shape: list[int], part: str, tied: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=tied, use_cache=True, pad_token_id=PAD, eos_token_id=EOS)
+    template = LlamaForCausalLM(config).eval()
+    topology = Topology.grid(layers, shape, embedding=part, head=part)
+    bank = ModuleBank(topology, template)
+    with torch.no_grad():
+        for param in bank.params:  # every module its own weights
+            param.add_(torch.randn_like(param) * 0.1)
+    return config, template, bank
+
+
+def composed(template, bank: ModuleBank, path: int) -> LlamaForCausalLM:
+    model = copy.deepcopy(template)
+    bank.load_path(path, model)
+    return model
+
+
+def make_rows(n: int, num_paths: int, sampled: bool, seed: int = 0) -> list[DecodeRow]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = [rng.randrange(2, 101) for _ in range(rng.randint(1, 24))]
+        processors = sampling_processors(rng.choice([0.7, 1.0, 1.3]), rng.choice([1.0, 0.9]), rng.choice([0, 20]),
+                                         seed=1000 + i, device="cpu") if sampled else None
+        rows.append(DecodeRow(prompt, rng.randint(1, 10), processors, path=rng.randrange(num_paths)))
+    return rows
+
+
+@pytest.fixture(scope="module", params=list(GRIDS))
+def grid(request):
+    config, template, bank = random_bank(**GRIDS[request.param])
+    models = {p: composed(template, bank, p) for p in range(bank.topology.num_paths)}
+    return request.param, config, bank, models, ModuleBatchedDecoder(bank, config)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_every_row_of_a_module_batch_gives_its_paths_tokens_alone(grid, sampled):
+    name, _, bank, models, decoder = grid
+    alone = make_rows(200, bank.topology.num_paths, sampled)
+    for row in alone:
+        decode_batch(models[row.path], [row], EOS, PAD)
+    batched = make_rows(200, bank.topology.num_paths, sampled)  # the same requests, their samplers seeded alike
+    assert [(r.prompt_ids, r.path) for r in batched] == [(r.prompt_ids, r.path) for r in alone]
+    waiting = list(batched[16:])
+
+    def admit(decoding: int) -> list[DecodeRow]:  # the next rows join as others end, as the server's batcher does
+        joining = waiting[:16 - decoding]
+        del waiting[:len(joining)]
+        return joining
+
+    decode_batch(decoder, batched[:16], EOS, PAD, admit=admit)
+    assert not waiting
+    equal = sum(a.tokens == b.tokens and a.finish_reason == b.finish_reason for a, b in zip(alone, batched))
+    assert equal == 200, f"{name}: {equal}/200 rows equal"
+    assert max(r.batch_size for r in batched) > 8  # rows of many paths ran together
+    assert len({r.path for r in batched[:16]}) > 1
+
+
+def test_a_row_alone_is_bitwise_its_composed_path(grid):
+    _, _, bank, models, decoder = grid
+    prompt = torch.tensor([[5, 9, 33, 2, 71, 14]])
+    mask, positions = torch.ones_like(prompt), torch.arange(prompt.shape[1])[None]
+    with torch.inference_mode():
+        for path, model in models.items():
+            state = decoder.new_state([DecodeRow([5], 1, path=path)])
+            want = model(input_ids=prompt, position_ids=positions).logits.float()
+            assert torch.equal(state.forward(prompt, mask, positions, 0), want)
+
+
+def test_a_4x4_level_module_runs_on_the_rows_of_its_four_paths():
+    config, _, bank = random_bank(**GRIDS["4x4"])
+    decoder = ModuleBatchedDecoder(bank, config)
+    rows = [DecodeRow([3, 4, 5], 1, path=p) for p in range(16)]
+    decode_batch(decoder, rows, EOS, PAD)
+    stats = decoder.stats
+    # one prefill: 2 levels x 4 modules, each on the 4 rows whose path goes through it (per-path batching: 1 row)
+    assert stats.passes == 1 and stats.module_calls == 8 and stats.rows_per_module() == 4.0
+    assert set(stats.as_dict()["seconds"]) == {"embed", "gather", "blocks", "scatter", "head"}
+
+
+def test_the_modules_weights_are_the_banks_own_memory():
+    config, _, bank = random_bank(**GRIDS["path_owned"])
+    decoder = ModuleBatchedDecoder(bank, config)
+    storages = {p.untyped_storage().data_ptr() for p in bank.params}
+    weights = [w for blocks in decoder.levels for module in blocks for w in module.parameters()]
+    weights += [e.weight for e in decoder.embeddings] + [n.weight for n in decoder.norms]
+    assert weights and all(w.untyped_storage().data_ptr() in storages for w in weights)
+
+
+def test_a_path_outside_the_bank_is_refused():
+    config, _, bank = random_bank(**GRIDS["2x2"])
+    decoder = ModuleBatchedDecoder(bank, config)
+    with pytest.raises(DipacoError, match="path 4 is not a path of this bank"):
+        decode_batch(decoder, [DecodeRow([3], 1, path=4)], EOS, PAD)
