@@ -135,6 +135,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--window", type=float, default=60.0, help="soak: p50/p99 per window of this many seconds")
     p.add_argument("--settle", type=float, default=300.0, help="soak: RSS growth and slope measured after this many seconds")
     p.add_argument("--sample-every", type=float, default=10.0, help="soak: seconds between RSS / descriptor samples")
+    p.add_argument("--batching", choices=("module", "path"), default="module", help="soak: the server's --batching")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args()
 
@@ -642,9 +643,10 @@ SERVER_MODES = {
 def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float,
                       warmup_s: float, new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float,
                       decode_workers: int = 1, path: int | None = None,
-                      modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned")) -> dict:
+                      modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned"), cache_size: int = 4) -> dict:
     """Part 5: the same closed-loop load on one `dipaco serve` per mode (:data:`SERVER_MODES`), in turn.
-    ``path``: the path of the pinned mode (default 0)."""
+    ``path``: the path of the pinned mode (default 0); ``cache_size``: the servers' composed paths (at least the
+    run's paths, or the per-path modes would compose a path per request)."""
     out: dict = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "prompts": len(prompts),
                  "pinned_path": path or 0}
     for name in modes:
@@ -654,12 +656,13 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
         flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
         if "--max-batch" not in flags:
             flags = (*flags, "--max-batch", str(max_batch))
-        with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, _):
+        with dipaco_serve(run, experiment, threads, cache_size=cache_size, extra_args=flags) as (port, _):
             closed_loop(port, bodies, clients, warmup_s)
             before = scrape(port)
             row = closed_loop(port, bodies, clients, seconds)
             after = scrape(port)
         row.update(forward_passes(before, after))
+        row["cache_size"] = cache_size
         row["server_flags"] = " ".join(flags)
         row["requests_name_a_path"] = pinned
         out[name] = row
@@ -803,11 +806,12 @@ class ProcSampler(threading.Thread):
 
 
 def bench_soak(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float, window_s: float,
-               settle_s: float, sample_s: float, new_tokens: int, threads: int | None, max_batch: int) -> dict:
-    """Part 9: one server, ``clients`` closed-loop clients for ``seconds`` in windows of ``window_s``. Each
-    window is a fresh ``closed_loop`` (its clients reconnect): a gap of a few ms, and latency per window."""
+               settle_s: float, sample_s: float, new_tokens: int, threads: int | None, max_batch: int,
+               batching: str = "module") -> dict:
+    """Part 9: one server (``--batching``), ``clients`` closed-loop clients for ``seconds`` in windows of ``window_s``.
+    Each window is a fresh ``closed_loop`` (its clients reconnect): a gap of a few ms, and latency per window."""
     bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, "temperature": 0.8}).encode() for p in prompts]
-    flags = ("--max-batch", str(max_batch))
+    flags = ("--max-batch", str(max_batch), "--batching", batching)
     windows = []
     with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, server):
         sampler = ProcSampler(server.pid, sample_s)
@@ -1089,7 +1093,7 @@ def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[
         report["concurrency"] = bench_concurrency(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens),
                                                   args.concurrency, args.seconds, args.warmup_seconds, args.new_tokens,
                                                   args.threads, args.max_batch, args.batch_wait_ms, args.decode_workers,
-                                                  args.pin_path, parse_modes(args.modes))
+                                                  args.pin_path, parse_modes(args.modes), max(4, pipe.num_paths))
     if args.apis:
         report["apis"] = bench_apis(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
                                     args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,
@@ -1097,7 +1101,7 @@ def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[
     if args.soak:
         report["soak"] = bench_soak(run, pipe.experiment, word_prompts(pipe, max(args.prompts, 200)), args.soak,
                                     args.seconds, args.window, args.settle, args.sample_every, args.new_tokens,
-                                    args.threads, args.max_batch)
+                                    args.threads, args.max_batch, args.batching)
     if args.hold_idle:
         report["hold_idle"] = bench_hold_idle(run, pipe.experiment, prompts, args.hold_idle, args.nofile, args.seconds,
                                               args.threads)

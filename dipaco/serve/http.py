@@ -35,10 +35,11 @@ Hardening (a request costs the server at most what a valid one can):
 - Headers: a connection that does not complete a request's headers within ``header_timeout_s`` is
   closed, and open connections are bounded (``dipaco.serve.connections``).
 
-Generation is batched per path (``dipaco.serve.batching``): ``/v1/generate`` checks, tokenizes and routes
-in FastAPI's thread pool, then queues the request for its path; a worker thread decodes it with the other
-requests of that path (up to ``max_batch``, gathered for ``batch_wait_ms``), so the event loop never runs
-the model. A client that disconnects before its answer is dropped from its batch (logged as 499). The
+Generation is batched (``dipaco.serve.batching``): ``/v1/generate`` checks, tokenizes and routes on the
+planning threads, then queues the request; a worker thread decodes it with other requests (up to ``max_batch``,
+gathered for ``batch_wait_ms``), so the event loop never runs the model. With ``batching="module"`` (the
+default) a batch holds requests of any paths, each level's modules running once per pass on the rows through
+them (``dipaco.serve.module_batch``); with ``"path"`` only requests of one path, on its composed model. A client that disconnects before its answer is dropped from its batch (logged as 499). The
 other endpoints are plain functions, which FastAPI runs in its thread pool; the pipeline is thread-safe
 with no global lock on tokenization (a tokenizer per concurrent call).
 

@@ -83,7 +83,8 @@ def test_apis_drive_one_load_through_generate_and_completions(bench, served_run)
 def test_soak_samples_memory_descriptors_and_latency_over_time(bench, served_run):
     needs_web()
     out = bench.bench_soak(Path(served_run.run.dir), None, PROMPTS, clients=3, seconds=3.0, window_s=1.0, settle_s=1.0,
-                           sample_s=0.3, new_tokens=4, threads=1, max_batch=8)
+                           sample_s=0.3, new_tokens=4, threads=1, max_batch=8, batching="path")
+    assert out["server_flags"] == "--max-batch 8 --batching path"
     t, rss, fds = out["samples"]["t_s"], out["samples"]["rss_mb"], out["samples"]["fds"]
     assert len(t) >= 5 and all(b > a for a, b in zip(t, t[1:])) and t[-1] >= 3.0  # sampled over the whole run
     assert min(rss) > 10 and min(fds) > 0 and out["fds"]["max"] >= out["fds"]["min"] > 0
