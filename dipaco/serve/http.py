@@ -39,9 +39,10 @@ Generation is batched (``dipaco.serve.batching``): ``/v1/generate`` checks, toke
 planning threads, then queues the request; a worker thread decodes it with other requests (up to ``max_batch``,
 gathered for ``batch_wait_ms``), so the event loop never runs the model. With ``batching="module"`` (the
 default) a batch holds requests of any paths, each level's modules running once per pass on the rows through
-them (``dipaco.serve.module_batch``); with ``"path"`` only requests of one path, on its composed model. A client that disconnects before its answer is dropped from its batch (logged as 499). The
-other endpoints are plain functions, which FastAPI runs in its thread pool; the pipeline is thread-safe
-with no global lock on tokenization (a tokenizer per concurrent call).
+them (``dipaco.serve.module_batch``); with ``"path"`` only requests of one path, on its composed model. A
+client that disconnects before its answer is dropped from its batch (logged as 499). The other endpoints are
+plain functions, which FastAPI runs in its thread pool; the pipeline is thread-safe with no global lock on
+tokenization (a tokenizer per concurrent call).
 
 With a ``token``, every endpoint but ``/healthz`` needs ``Authorization: Bearer <token>``
 (``dipaco.serve.auth``); ``serve`` refuses a non-loopback host without one. Every request is counted in
