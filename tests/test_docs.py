@@ -80,3 +80,14 @@ def test_relative_links_resolve(doc):
     path = REPO / doc
     missing = [t for t in relative_links(path) if t and not (path.parent / t).exists()]
     assert missing == [], f"{doc} links to {missing}, which do not exist"
+
+
+def test_every_figure_of_the_readme_summary_is_on_the_results_page():
+    """README's "Where things stand" quotes results.md, never a figure of its own (issue 60): every decimal and
+    every percentage there appears on the results page."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    summary = readme.split("## Where things stand", 1)[1].split("\n## ", 1)[0]
+    figures = re.findall(r"\d+(?:\.\d+)?%|\d+\.\d+", summary)
+    assert len(figures) >= 5, figures
+    results = RESULTS.read_text(encoding="utf-8")
+    assert [f for f in figures if f not in results] == []
