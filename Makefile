@@ -43,7 +43,7 @@ demo: install
 # its time is single-threaded (imports, subprocess start-up), so 2 workers on 2 cores took 644 s where one
 # took 905 s. `python -m pytest -n 0` runs it in one process. --max-worker-restart=0: a worker that dies fails
 # the run at once, naming its test; restarted, pytest-xdist 3.8's loadfile scheduler could wait forever for it.
-# pyproject.toml's `timeout` (pytest-timeout) fails a test that hangs, with every thread's stack.
+# pyproject.toml's `timeout` (pytest-timeout) fails a test that hangs, with its traceback, and the run goes on.
 test: install
 	$(PY) -m pytest -q -rs -n 2 --dist loadfile --max-worker-restart=0
 
