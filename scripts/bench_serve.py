@@ -92,11 +92,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _dumps(value, **kwargs) -> str:
-    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
-    from dipaco import json_text
+def write_report(path: str, report: dict) -> None:
+    """The report as strict JSON (dipaco.json_text: NaN and infinities become null, with the reason beside them),
+    written atomically (dipaco.atomic: a reader never sees half a file); prints where it went."""
+    from dipaco import atomic, json_text
 
-    return json_text.dumps(value, **kwargs)
+    atomic.write_text(path, json_text.dumps(report, indent=2))
+    print(f"[bench] wrote {path}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -1106,8 +1108,7 @@ def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[
         report["hold_idle"] = bench_hold_idle(run, pipe.experiment, prompts, args.hold_idle, args.nofile, args.seconds,
                                               args.threads)
     if args.out:
-        Path(args.out).write_text(_dumps(report, indent=2))
-        print(f"[bench] wrote {args.out}")
+        write_report(args.out, report)
 
 
 def main() -> None:
@@ -1145,8 +1146,7 @@ def main() -> None:
             }
             print_abuse(abuse)
             if args.out:
-                Path(args.out).write_text(_dumps(report, indent=2))
-                print(f"[bench] wrote {args.out}")
+                write_report(args.out, report)
             return
         if args.concurrency or args.agreement or args.hold_idle or args.apis or args.soak:
             run_batching_parts(args, run, pipe, prompts)
@@ -1173,8 +1173,7 @@ def main() -> None:
         }
         print_table(report)
         if args.out:
-            Path(args.out).write_text(_dumps(report, indent=2))
-            print(f"[bench] wrote {args.out}")
+            write_report(args.out, report)
     finally:
         if tmp is not None:
             tmp.cleanup()

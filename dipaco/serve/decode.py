@@ -262,6 +262,18 @@ def join_caches(cache, other, width: int) -> None:
         mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
 
 
+def pad_cache_left(cache, width: int) -> None:
+    """Every layer of a transformers 5 cache left-padded to ``width`` columns (masked: their values never count)."""
+    for layer in cache.layers:
+        layer.keys = _left_pad(layer.keys, width, 2)
+        layer.values = _left_pad(layer.values, width, 2)
+
+
+def attention_mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
+    """An all-ones mask as None, as ``generate`` passes it: a batch without padding takes the unmasked kernels."""
+    return None if bool(mask.all()) else mask
+
+
 def as_decoder(model) -> Decoder:
     """``model`` itself when it is a :class:`Decoder`, else a :class:`PathDecoder` of the HF model."""
     return model if hasattr(model, "new_state") else PathDecoder(model)
@@ -333,8 +345,7 @@ def _logits(model, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch
             keep: int = 1) -> torch.Tensor:
     """float32 logits [B, keep, V] of each row's last ``keep`` positions (0: all of them). An all-ones mask
     is passed as None, as ``generate`` does."""
-    attention_mask = None if bool(mask.all()) else mask
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+    out = model(input_ids=input_ids, attention_mask=attention_mask_or_none(mask), position_ids=positions, use_cache=True,
                 logits_to_keep=keep, **{CACHE_KWARG: cache})
     return out.logits.to(dtype=torch.float32, copy=True)
 

@@ -45,7 +45,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from dipaco.errors import DipacoError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import EMBEDDING, HEAD, Topology
-from dipaco.serve.decode import CACHE_KWARG, DecodeRow, _left_pad
+from dipaco.serve.decode import CACHE_KWARG, DecodeRow, attention_mask_or_none, cut_cache_left, join_caches, pad_cache_left
 
 try:
     from transformers.masking_utils import create_causal_mask
@@ -151,14 +151,14 @@ class ModuleBatchedDecoder:
         return ModuleBatchState(self, [row.path for row in rows])
 
     def groups(self, paths: Sequence[int], part: int) -> list[tuple[int, torch.Tensor | None]]:
-        """(module index, the batch rows through it) for the modules of part ``part`` that rows go through, in
-        module order; the rows are None when they are the whole batch (nothing to gather)."""
-        members: dict[int, list[int]] = defaultdict(list)
-        for i, path in enumerate(paths):
-            members[self.path_modules[path][part]].append(i)
-        if len(members) == 1:
-            return [(next(iter(members)), None)]
-        return [(k, torch.tensor(rows, dtype=torch.long, device=self.device)) for k, rows in sorted(members.items())]
+        """(module index, the batch rows through it) for the modules of part ``part`` that rows go through."""
+        return group_rows([self.path_modules[path][part] for path in paths], self.device)
+
+    def head_groups(self, paths: Sequence[int]) -> list[tuple[tuple[int, int], torch.Tensor | None]]:
+        """((head module, embedding module of a tied head or 0), the batch rows using them): a tied head is the
+        row's embedding matrix."""
+        return group_rows([(m[-1], m[0] if self.tied else 0) for m in (self.path_modules[p] for p in paths)],
+                          self.device)
 
     def _tick(self, stage: str, since: float) -> float:
         if self.sync_timers and self.device.type == "cuda":
@@ -166,6 +166,17 @@ class ModuleBatchedDecoder:
         now = time.perf_counter()
         self.stats.seconds[stage] += now - since
         return now
+
+
+def group_rows(keys: Sequence, device: torch.device) -> list[tuple]:
+    """(key, the rows with that key, ascending) for each distinct key, in key order; the rows are None when every
+    row has the one key (nothing to gather)."""
+    members: dict = defaultdict(list)
+    for i, key in enumerate(keys):
+        members[key].append(i)
+    if len(members) == 1:
+        return [(next(iter(members)), None)]
+    return [(key, torch.tensor(rows, dtype=torch.long, device=device)) for key, rows in sorted(members.items())]
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -179,13 +190,17 @@ class ModuleBatchState:
         self.decoder = decoder
         self.paths = paths
         self.caches: dict[tuple[int, int], DynamicCache] = {}  # (level, module index) -> its rows' cache, in batch order
-        self._groups: dict[int, list[tuple[int, torch.Tensor | None]]] = {}  # part -> its modules' rows
-        self._heads: tuple | None = None
+        self._groups: dict[int | str, list[tuple]] = {}  # part (or "head") -> its modules' rows, while the rows stay
 
     def _level_groups(self, part: int) -> list[tuple[int, torch.Tensor | None]]:
         if part not in self._groups:
             self._groups[part] = self.decoder.groups(self.paths, part)
         return self._groups[part]
+
+    def _head_groups(self) -> list[tuple[tuple[int, int], torch.Tensor | None]]:
+        if "head" not in self._groups:
+            self._groups["head"] = self.decoder.head_groups(self.paths)
+        return self._groups["head"]
 
     @property
     def joinable(self) -> bool:
@@ -226,9 +241,8 @@ class ModuleBatchState:
     def _run_blocks(self, blocks: nn.ModuleList, cache: DynamicCache, x: torch.Tensor, mask: torch.Tensor,
                     positions: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``LlamaModel.forward``'s layer loop over one module's blocks; an all-ones mask passes as None, as a
-        per-path batch's does (:func:`dipaco.serve.decode._logits`)."""
-        attention_mask = None if bool(mask.all()) else mask
-        causal = create_causal_mask(config=self.decoder.config, inputs_embeds=x, attention_mask=attention_mask,
+        per-path batch's does."""
+        causal = create_causal_mask(config=self.decoder.config, inputs_embeds=x, attention_mask=attention_mask_or_none(mask),
                                     position_ids=positions, **{MASK_CACHE_KWARG: cache})
         for block in blocks:
             x = block(x, attention_mask=causal, position_ids=positions, use_cache=True,
@@ -250,34 +264,20 @@ class ModuleBatchState:
     def _head(self, hidden: torch.Tensor, keep: int) -> torch.Tensor:
         """float32 logits of the last ``keep`` positions (0: all), each row through its path's norm and head."""
         d = self.decoder
-        groups, restore = self._head_groups()
-        chunks = []
-        for (h, e), rows in groups:
+        logits = None
+        for (h, e), rows in self._head_groups():
             x = d.norms[h](_take(hidden, rows))  # every position, as LlamaModel.forward, then the kept ones
             x = x if keep == 0 else x[:, -keep:]
             weight = d.embeddings[e].weight if d.tied else d.heads[h]
             assert weight is not None  # untied: every head module has its matrix
-            chunks.append(nn.functional.linear(x, weight).to(dtype=torch.float32, copy=True))
-        return chunks[0] if restore is None else torch.cat(chunks).index_select(0, restore)
-
-    def _head_groups(self) -> tuple[list[tuple[tuple[int, int], torch.Tensor | None]], torch.Tensor | None]:
-        """((head module, embedding module of a tied head), rows) per group, and the permutation that puts the
-        groups' rows back in batch order (None: one group of every row)."""
-        if self._heads is None:
-            d = self.decoder
-            members: dict[tuple[int, int], list[int]] = defaultdict(list)
-            for i, path in enumerate(self.paths):
-                modules = d.path_modules[path]
-                members[(modules[-1], modules[0] if d.tied else 0)].append(i)
-            if len(members) == 1:
-                self._heads = ([(next(iter(members)), None)], None)
-            else:
-                groups = sorted(members.items())
-                order = [i for _, rows in groups for i in rows]
-                restore = sorted(range(len(order)), key=order.__getitem__)
-                self._heads = ([(key, torch.tensor(rows, dtype=torch.long, device=d.device)) for key, rows in groups],
-                               torch.tensor(restore, dtype=torch.long, device=d.device))
-        return self._heads
+            chunk = nn.functional.linear(x, weight).to(dtype=torch.float32, copy=True)
+            if rows is None:
+                return chunk
+            if logits is None:
+                logits = chunk.new_empty((hidden.shape[0], *chunk.shape[1:]))
+            logits.index_copy_(0, rows, chunk)
+        assert logits is not None  # a batch has rows
+        return logits
 
     # --- rows leaving and joining --------------------------------------------------------------
     def select(self, index: torch.Tensor) -> None:
@@ -285,7 +285,6 @@ class ModuleBatchState:
         old_paths = self.paths
         self.paths = [old_paths[i] for i in kept]
         self._groups.clear()
-        self._heads = None
         for level, part in enumerate(self.decoder.level_parts):
             position: dict[int, dict[int, int]] = defaultdict(dict)  # module -> batch row -> its row in the cache
             for i, path in enumerate(old_paths):
@@ -303,28 +302,15 @@ class ModuleBatchState:
 
     def cut_left(self, columns: int) -> None:
         for cache in self.caches.values():
-            for layer in cache.layers:
-                layer.keys = layer.keys[..., columns:, :]
-                layer.values = layer.values[..., columns:, :]
+            cut_cache_left(cache, columns)
 
     def append(self, other: ModuleBatchState, width: int) -> None:
         for key in set(self.caches) | set(other.caches):
             mine, theirs = self.caches.get(key), other.caches.get(key)
-            if mine is None:
-                self.caches[key] = mine = theirs
-                _pad_cache(mine, width)
-            elif theirs is None:
-                _pad_cache(mine, width)
-            else:
-                for a, b in zip(mine.layers, theirs.layers):
-                    a.keys = torch.cat([_left_pad(a.keys, width, 2), _left_pad(b.keys, width, 2)])
-                    a.values = torch.cat([_left_pad(a.values, width, 2), _left_pad(b.values, width, 2)])
+            if mine is not None and theirs is not None:
+                join_caches(mine, theirs, width)
+            else:  # only one side has rows through this module
+                self.caches[key] = only = mine if mine is not None else theirs
+                pad_cache_left(only, width)
         self.paths = self.paths + other.paths
         self._groups.clear()
-        self._heads = None
-
-
-def _pad_cache(cache: DynamicCache, width: int) -> None:
-    for layer in cache.layers:
-        layer.keys = _left_pad(layer.keys, width, 2)
-        layer.values = _left_pad(layer.values, width, 2)
