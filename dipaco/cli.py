@@ -132,8 +132,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _spec_of_old_run(args: argparse.Namespace) -> None:
-    """An experiment trained before experiment specs gets one, once, from its stored config (the root's converter)."""
-    from dipaco.run import convert_experiment
+    """An experiment trained before experiment specs gets one, once, from its stored config (dipaco.checkpoint.migrate)."""
+    from dipaco.checkpoint.migrate import convert_experiment
     from dipaco.run_dir import RunDir
     from dipaco.serve.pipeline import resolve_experiment
 
@@ -145,7 +145,7 @@ def _spec_of_old_run(args: argparse.Namespace) -> None:
 
 
 def _cmd_convert_spec(args: argparse.Namespace) -> None:
-    from dipaco.run import convert_experiment
+    from dipaco.checkpoint.migrate import convert_experiment
     from dipaco.run_dir import RunDir
     from dipaco.serve.pipeline import resolve_experiment
 

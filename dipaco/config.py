@@ -379,6 +379,15 @@ def merge_config(path: str | Path | None = None, overrides: list[str] | None = N
     return cfg  # type: ignore[return-value]
 
 
+def parse_config(text: str, where: str) -> Config:
+    """A config from its YAML text (as :func:`to_yaml` writes it) over the schema's defaults; ``where`` names
+    the text in an error."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text)))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_omegaconf_message(exc, f"in {where}")) from None
+
+
 def _read_yaml(path: Path) -> Any:
     """A config file's mapping; a missing file, bytes that are not UTF-8, YAML that does not parse or
     a document that is not a mapping of sections are a ConfigError naming the file."""

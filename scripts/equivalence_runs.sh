@@ -6,7 +6,7 @@
 #   scripts/equivalence_runs.sh .            /tmp/equiv/new
 #   python scripts/compare_checkpoints.py --experiments /tmp/equiv/old/run /tmp/equiv/new/run \
 #       one tr2_int8 tr4_bf16 stream2 stream_blocks stream_tr3_fp4 delayed delayed_eager_tr2 delayed2 \
-#       kmeans_extras em resumed
+#       kmeans_extras em validated resumed
 #
 # Each run is a few seconds to a minute on 2 CPU cores (one torch thread each); the torchrun runs use
 # gloo on loopback. ray_rounds (ray.schedule=rounds) is not bit-reproducible: arrivals change the
@@ -45,6 +45,7 @@ run delayed2 dip train $TINY train.name=delayed2 outer.sync=delayed outer.delaye
 run kmeans_extras dip train $TINY train.name=kmeans_extras train.sharding=kmeans outer.rescale=sqrt_paths \
     outer.embedding_head_lr_scale=1.5 outer.drop_prob=0.3 train.early_stopping_holdout=0.1
 run em       dip train $TINY train.name=em train.sharding=kmeans route.em_rounds=[1]
+run validated dip train $TINY train.name=validated eval.every=1 eval.max_docs=16 train.early_stopping_holdout=0.1
 if [ ! -d "$OUT/run/train/resumed/checkpoints" ]; then
   echo "== resumed"; dip train $TINY train.name=resumed --until-round 1 2>&1 | tail -1
   dip train $TINY train.name=resumed --resume 2>&1 | tail -1

@@ -3,14 +3,14 @@
     python scripts/layer_walk.py                 # a tiny 2x2 run in a temporary directory
     python scripts/layer_walk.py --driver ray    # the same, built for the Ray task scheduler
 
-Every call made inside :func:`dipaco.run.build_trainer` (the composition root) is traced with
+Every call made inside :func:`dipaco.build.build_trainer` (the composition root) is traced with
 ``sys.setprofile``. Each function of ``dipaco`` belongs to a layer of the import-linter contract in
 pyproject.toml (``dipaco.cli`` on top, ``dipaco.errors`` at the bottom). Two counts:
 
 * *climbs*: calls from a function of a lower layer into a function of a higher one (a component
   reaching back up to the code that built it: a callback, a lambda of the root, a record defined
   above it);
-* *the walk*: the layers of the components the root itself calls (from ``dipaco.run``'s own frames,
+* *the walk*: the layers of the components the root itself calls (from ``dipaco.build``'s own frames,
   into any other module), in order, up to the last path's inner loop; each step from a lower layer
   back up to a higher one is a zig-zag of the build (the model, then the data, then the model again).
 
@@ -50,8 +50,9 @@ def layer_of(module: str, table: list[list[str]]) -> int | None:
 def walk(driver: str) -> dict[str, Any]:
     from tiny import tiny_config, write_corpus_slice
 
+    from dipaco.build import build_trainer
     from dipaco.comm.world import World
-    from dipaco.run import Run, build_trainer
+    from dipaco.run import Run
 
     table = layers()
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,7 +76,7 @@ def walk(driver: str) -> dict[str, Any]:
                     calls += 1
                     if caller is not None and layer < caller[0]:  # a smaller index is a higher layer
                         climbs[f"{caller[1]} -> {module}.{frame.f_code.co_name}"] += 1
-                    if (caller is not None and caller[1].startswith("dipaco.run.") and module != "dipaco.run"
+                    if (caller is not None and caller[1].startswith("dipaco.build.") and module != "dipaco.build"
                             and loops_left[0] > 0):
                         walk.append((layer, f"{module}.{frame.f_code.co_name}"))
                     if frame.f_code.co_name == "__init__" and module == "dipaco.paths.inner":

@@ -82,15 +82,16 @@ def config_signatures() -> dict[str, list[str]]:
 
 
 def test_only_the_composition_root_takes_the_whole_config():
-    """Components get their sections; the whole Config goes to the composition root (dipaco/run.py)
-    and to the schema's own comparison (dipaco/config.py: config_diff). A dataclass with a Config field
-    counts: the trainer held one until it was given the config's text and the root's resume check."""
+    """Components get their sections; the whole Config goes to the composition root (dipaco/run.py, and
+    dipaco/build.py for training) and to the schema's own comparison (dipaco/config.py: config_diff). A
+    dataclass with a Config field counts: the trainer held one until it was given the config's text. The
+    resume policy (dipaco/checkpoint/resume.py) compares configs read from their YAML text."""
     found = config_signatures()
     # Serving read a trained experiment's stored config.yaml, whole, into LoadedExperiment until issue 50: it
     # reads the experiment spec now.
     assert "dipaco/serve/pipeline.py" not in found
     outside = {f: sorted(names) for f, names in found.items() if f != "dipaco/config.py"}
-    assert outside == {"dipaco/run.py": ["__init__", "apply_overrides", "build_trainer", "check_config"]}
+    assert outside == {"dipaco/run.py": ["__init__", "apply_overrides", "check_config"], "dipaco/build.py": ["build_trainer"]}
     assert found.get("dipaco/config.py") == ["config_diff"]  # the schema's own comparison of two configs
     assert sum(map(len, found.values())) <= 5  # issue 32's bound, on the training side
 
@@ -156,6 +157,31 @@ def test_no_function_in_dipaco_takes_more_than_seven_parameters():
 RAY_SCHEDULER = ("dipaco/train/tasks.py", "dipaco/train/task_actors.py")
 RAY_SCHEDULER_MAX_LINES = 585
 ASYNC_SCHEDULE_MAX_LINES = 158
+
+
+# Issue 60: training's build reads top to bottom in data-flow order, each step once.
+BUILD_ORDER = ["routed_data", "topology_from_config", "shard_documents", "paths_by_rank", "ModuleBank", "PathLoops",
+               "describe_experiment", "BuiltExperiment", "TaskScheduler", "build_sync", "RoundScheduler", "TrainingState",
+               "CheckpointManager", "Trainer"]
+BUILD_TRAINER_MAX_LINES = 80
+
+
+def test_build_trainer_is_one_linear_function_in_data_flow_order():
+    tree = ast.parse((REPO / "dipaco" / "build.py").read_text())
+    build = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_trainer")
+    assert build.end_lineno - build.lineno + 1 <= BUILD_TRAINER_MAX_LINES
+    calls = [(n.lineno, n.func.id) for n in ast.walk(build) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    steps = [name for _, name in sorted(calls) if name in BUILD_ORDER]
+    assert steps == BUILD_ORDER  # each step once, in this order
+
+
+def test_no_run_is_built_inside_the_library():
+    """The CLI makes the one ``Run`` of a job; nothing under dipaco/ makes another (build_trainer and the
+    spec converter each made one until issue 60)."""
+    makers = [str(path.relative_to(REPO)) for path in sorted((REPO / "dipaco").rglob("*.py"))
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Run"]
+    assert makers == ["dipaco/cli.py"]
 
 
 def test_the_ray_scheduler_does_not_grow_back():

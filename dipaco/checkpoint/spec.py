@@ -3,14 +3,15 @@
 Everything after training (serving, export, evaluation) reads this file and never the training
 config: it holds the model's shape, the topology, the tokenizer it was trained with, the sequence and
 routing-prefix lengths, how its shards were drawn (and their sizes, so nothing derives them again),
-the routing it trained on, and the precisions used. The composition root (:mod:`dipaco.run`) builds
-it once from the resolved config; the trainer writes it as ``experiment.json`` into the experiment
-directory, which the readers read (as they read its ``config.yaml`` before), and into every checkpoint,
-covered by the checkpoint's manifest, so a checkpoint carried elsewhere still says what it is.
+the routing it trained on, and the precisions used. Training's build (:mod:`dipaco.build`) describes
+it once from the resolved config (:func:`dipaco.checkpoint.migrate.describe_experiment`); the trainer
+writes it as ``experiment.json`` into the experiment directory, which the readers read (as they read
+its ``config.yaml`` before), and into every checkpoint, covered by the checkpoint's manifest, so a
+checkpoint carried elsewhere still says what it is.
 
-A run trained before the spec existed has only ``config.yaml``: the root's converter
-(``dipaco.run.convert_experiment``, called by every CLI job that reads a trained experiment) writes
-the experiment directory's ``experiment.json`` from it once.
+A run trained before the spec existed has only ``config.yaml``: the converter
+(``dipaco.checkpoint.migrate.convert_experiment``, called by every CLI job that reads a trained
+experiment) writes the experiment directory's ``experiment.json`` from it once.
 """
 
 from __future__ import annotations

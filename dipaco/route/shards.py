@@ -28,9 +28,10 @@ from pathlib import Path
 import datasets
 import numpy as np
 
+from dipaco.config import DataConfig, TokenizerConfig
 from dipaco.data.corpus import numpy_column, stable_hash
 from dipaco.data.packing import DocumentTokens, PackedShard
-from dipaco.data.prepare import Prepared
+from dipaco.data.prepare import Prepared, load_prepared
 from dipaco.data.reading import SplitReader
 from dipaco.errors import ConfigError, DataError
 from dipaco.route.provenance import routed_info
@@ -65,6 +66,13 @@ def column_paths(ds: datasets.Dataset, column: str, num_paths: int) -> np.ndarra
 
 
 ROUTING_COLUMNS = ("path", "paths_topk")
+
+
+def routed_data(run_dir: str | Path, data: DataConfig, tokenizer: TokenizerConfig, routed: bool) -> Prepared:
+    """The run's prepared data; ``routed``: with the ``path`` columns of `dipaco route` (training on
+    train.sharding=kmeans, and everything that reads such an experiment back)."""
+    prepared = load_prepared(run_dir, data, tokenizer)
+    return with_routing(prepared, run_dir) if routed else prepared
 
 
 def with_routing(prepared: Prepared, run_dir: str | Path) -> Prepared:

@@ -1,4 +1,4 @@
-"""The built experiment: everything :func:`dipaco.run.build_trainer` (the composition root) makes for one
+"""The built experiment: everything :func:`dipaco.build.build_trainer` (the composition root of training) makes for one
 rank, in one record that both schedulers, the Ray workers and the trainer read.
 
     spec (what the experiment is) -> topology -> placement of the paths on the ranks

@@ -1,6 +1,6 @@
 """The trainer: start-up, resume, checkpoints, metrics and error handling, written once for both schedulers.
 
-It wires components that :func:`dipaco.run.build_trainer` (the composition root) built, and reads no
+It wires components that :func:`dipaco.build.build_trainer` (the composition root of training) built, and reads no
 config value itself:
 
     shards (dipaco.route.shards) -> path models composed from the ModuleBank (dipaco.model.bank)
@@ -16,12 +16,13 @@ on rank 0). A run stopped between the checkpoint and its log logs it when it res
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from dipaco.atomic import remove_tree, write_text
+from dipaco.checkpoint.resume import check_resume
 from dipaco.checkpoint.spec import SPEC
 from dipaco.checkpoint.state import TrainingState
 from dipaco.checkpoint.store import CONFIG, CheckpointManager, SavedCheckpoint, resolve_checkpoint, write_snapshot
@@ -108,7 +109,6 @@ class Trainer:
     scheduler: Scheduler
     state: TrainingState
     checkpoints: CheckpointManager
-    check_resume: Callable[[Path], None]  # from the composition root: refuses a checkpoint whose config differs
     policy: CheckpointPolicy = field(default_factory=lambda: CheckpointPolicy())
     _in_flight: list[Progress] = field(default_factory=list, init=False, repr=False)  # what the write in flight covers
 
@@ -289,7 +289,7 @@ class Trainer:
             manager = self.step_checkpoints  # stopped in the round after the newest round checkpoint
         ckpt = resolve_checkpoint(manager, resume_from,
                                   select=lambda rel: not rel.startswith("paths/") or rel.startswith(own))
-        self.check_resume(ckpt)
+        check_resume(ckpt, self.experiment.config_yaml)
         state = self.state.restore(SavedCheckpoint(ckpt, self.world.rank, self.bank.device))
         if self.world.rank == 0:
             echo(f"[train] resumed from {ckpt} (round {state['round']})")

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from dipaco.config import Config, config_diff, save_config
+from dipaco.config import Config, config_diff, parse_config, save_config, to_yaml
 from dipaco.errors import ConfigError
 from dipaco.run import load_config
 
@@ -208,3 +208,10 @@ def test_a_null_embedding_resumes_a_run_dir_that_spelled_out_its_default():
 def test_a_bad_embedding_sharing_names_the_key_and_the_choices():
     with pytest.raises(ConfigError, match=r"topology.embedding: 'expert' is not one of null, shared, path"):
         load_config(None, ["topology.embedding=expert"])
+
+
+def test_a_config_read_back_from_its_text_is_the_same_config():
+    cfg = load_config(None, ["train.rounds=7", "model.hidden_size=48", "metrics.wandb_tags=[a,b]", "model.init_from=null"])
+    assert config_diff(parse_config(to_yaml(cfg), "x"), cfg, ignore=()) == []
+    with pytest.raises(ConfigError, match=r"train\.no_such_key.*in the saved config"):
+        parse_config("train:\n  no_such_key: 1\n", "the saved config")

@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dipaco.checkpoint.migrate import convert_experiment
 from dipaco.checkpoint.spec import SPEC, ExperimentSpec, read_spec
 from dipaco.checkpoint.store import MANIFEST, CheckpointManager, read_manifest
 from dipaco.cli import main
 from dipaco.errors import CheckpointError, ConfigError, DipacoError
 from dipaco.model.pretrained import path_llama_config
-from dipaco.run import Run, apply_overrides, convert_experiment
+from dipaco.run import Run, apply_overrides
 from dipaco.run_dir import RunDir
 from dipaco.serve.pipeline import Pipeline
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from dipaco.build import build_trainer
 from dipaco.comm.world import World
-from dipaco.run import build_trainer
 
 pytestmark = pytest.mark.slow
 
