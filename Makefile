@@ -49,7 +49,7 @@ test: install
 
 # ruff (lint, import order), mypy (types), import-linter (the layers in pyproject.toml, lazy imports included)
 lint: install
-	$(VENV)/bin/ruff check dipaco routing scripts tests
+	$(VENV)/bin/ruff check dipaco routing bench scripts tests
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

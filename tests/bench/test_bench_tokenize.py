@@ -1,10 +1,12 @@
-"""scripts/bench_tokenize.py: both engines on the same texts, their speeds and whether their ids agree."""
+"""bench/tokenize.py: both engines on the same texts, their speeds and whether their ids agree."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+
+from bench import tokenize as bench
 
 
 def corpus(tmp_path, n: int = 300):
@@ -16,8 +18,7 @@ def corpus(tmp_path, n: int = 300):
     return path
 
 
-def test_both_engines_run_and_agree(load_script, tmp_path, capsys):
-    bench = load_script("bench_tokenize")
+def test_both_engines_run_and_agree(tmp_path, capsys):
     out = tmp_path / "result.json"
     assert bench.main(["--corpus", str(corpus(tmp_path)), "--skip", "20", "--docs", "250", "--batch", "100",
                        "--rounds", "2", "--vocab-size", "300", "--out", str(out)]) == 0
@@ -28,10 +29,10 @@ def test_both_engines_run_and_agree(load_script, tmp_path, capsys):
     assert all(r["tokens"] == result["runs"][0]["tokens"] > 0 and r["tokens_per_s"] > 0 for r in result["runs"])
     assert set(result["median_tokens_per_s"]) == set(engines) and result["ratio"] > 0
     assert "ids the same" in capsys.readouterr().out
+    assert result["command"].startswith("python -m bench tokenize --corpus") and result["environment"]["cpus"] >= 1
 
 
-def test_ids_that_differ_fail_the_run(load_script, tmp_path, monkeypatch):
-    bench = load_script("bench_tokenize")
+def test_ids_that_differ_fail_the_run(tmp_path, monkeypatch):
     real = bench.batch_encoder
 
     def off_by_one(tokenizer, threads, engine="auto"):
@@ -44,8 +45,7 @@ def test_ids_that_differ_fail_the_run(load_script, tmp_path, monkeypatch):
     assert bench.main(["--corpus", str(corpus(tmp_path)), "--docs", "50", "--rounds", "1", "--vocab-size", "300"]) == 1
 
 
-def test_an_empty_selection_is_a_clear_error(load_script, tmp_path, capsys):
-    bench = load_script("bench_tokenize")
+def test_an_empty_selection_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--corpus", str(corpus(tmp_path, 10)), "--skip", "10"])
     assert exit_.value.code == 2

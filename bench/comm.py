@@ -19,7 +19,7 @@ bf16 and int8, then reads the ``comm`` records of ``metrics.jsonl`` and evaluate
 The data is a slice of the shared corpora (``--data``, as the tests use), prepared and pretrained
 once in ``--work``.
 
-    python scripts/bench_comm.py --out /tmp/bench_comm.json
+    python -m bench comm --out /tmp/bench_comm.json
 
 ``--rows`` runs the outer-sync table instead (issue 12): DiLoCo fp32/int8, Streaming DiLoCo
 (``outer.sync=streaming``: F fragments, tau overlapped steps, mixing alpha; fp32 or fp4; rows ending
@@ -32,11 +32,14 @@ needed) every row runs a second time with both ranks in a network namespace this
 whose loopback is limited by a token bucket (``tc qdisc ... tbf rate RATE``), and the wait share
 is measured there too.
 
-    python scripts/bench_comm.py --rows all --inner-steps 48 --rate 20mbit --out /tmp/bench_sync.json
+    python -m bench comm --rows all --inner-steps 48 --rate 20mbit --out /tmp/bench_sync.json
 
 A row name may carry extra dipaco overrides, ``ROW@key=value@key=value`` (a sweep of one setting):
 
-    python scripts/bench_comm.py --rows diloco_fp32,delayed_eager_int8@outer.delayed.momentum=0.7
+    python -m bench comm --rows diloco_fp32,delayed_eager_int8@outer.delayed.momentum=0.7
+
+Both tables print in markdown; ``--out`` writes the figures as JSON under ``meta`` (the settings, the command
+and the machine, :func:`bench.harness.environment`) and ``results``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ import argparse
 import gzip
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -55,18 +57,29 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.harness import (
+    REPO,
+    Column,
+    argument_parser,
+    command_line,
+    environment,
+    markdown_table,
+    parse_row,
+    safe_name,
+    unknown_rows,
+    write_json,
+)
+from dipaco import json_text
+from dipaco.config import Config, save_config
+from dipaco.metrics import read_metrics
+from dipaco.run import load_config
 
-from dipaco import json_text  # noqa: E402
-from dipaco.config import save_config  # noqa: E402
-from dipaco.metrics import read_metrics  # noqa: E402
-from dipaco.run import load_config  # noqa: E402
 
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags; ``--data`` defaults to the shared corpora next to the repository (``../shared/data``)."""
+    p = argument_parser("comm", __doc__)
     p.add_argument("--work", default="/tmp/dipaco_bench_comm", help="run directory (prepared once, reused)")
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     p.add_argument("--docs-per-source", type=int, default=300)
@@ -83,7 +96,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rows", help="outer-sync rows: comma-separated names of ROWS, 'default' or 'all' (the issue-12 table)")
     p.add_argument("--rate", help="also run every row over a loopback limited to this rate (tc syntax, e.g. 20mbit)")
     p.add_argument("--out", help="write the figures as JSON here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def write_corpus(data: Path, out: Path, per_source: int) -> Path:
@@ -105,6 +118,7 @@ def write_corpus(data: Path, out: Path, per_source: int) -> Path:
 
 
 def base_overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
+    """The shared experiment every row and dtype starts from (the model, the data, the rounds)."""
     return [
         f"run.dir={work / 'run'}", f"data.corpus={corpus}", "run.progress=false",
         "run.device=cpu", f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
@@ -117,12 +131,14 @@ def base_overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[s
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now, for one job's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def run_job(cfg_file: Path, nproc: int, name: str, overrides: list[str], netns: str | None = None) -> float:
+    """One ``torchrun`` training job (inside network namespace ``netns`` when given); its wall seconds."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "dipaco", "train", "--config", str(cfg_file), f"train.name={name}", *overrides]
@@ -154,14 +170,15 @@ class LimitedLoopback:
             subprocess.run(cmd, check=True)
         return self.name
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         subprocess.run(["ip", "netns", "del", self.name], check=False)
 
 
-def summarize(exp_dir: Path, inner_steps: int) -> dict:
+def summarize(exp_dir: Path, inner_steps: int) -> dict[str, Any]:
+    """Bytes per rank and round against DDP's, and the outer step's share of the round (issue 4's table)."""
     comm = read_metrics(exp_dir / "metrics.jsonl", "comm")
     later = [r for r in comm if r["round"] > 1] or comm
-    by_round: dict[int, list[dict]] = {}
+    by_round: dict[int, list[dict[str, Any]]] = {}
     for r in later:
         by_round.setdefault(r["round"], []).append(r)
     last = [min(rs, key=lambda r: r["comm_seconds"]) for rs in by_round.values()]
@@ -213,19 +230,20 @@ DEFAULT_ROWS = ["diloco_fp32", "diloco_int8", "streaming_F2_tau0_a0_fp32", "stre
 
 
 def row_overrides(name: str) -> list[str]:
-    """A row's dipaco overrides: ``ROW`` is a name in ROWS, ``ROW@key=value@key=value`` adds overrides to it."""
-    base, *extra = name.split("@")
+    """A row's dipaco overrides: ``ROW`` is a name in ROWS, ``ROW@key=value@key=value`` adds overrides to it
+    (:func:`bench.harness.parse_row`; a malformed name raises its RowSyntaxError, an unknown row KeyError)."""
+    base, extra = parse_row(name)
     return [*ROWS[base], *extra]
 
 
-def wait_share(exp_dir: Path) -> dict:
+def wait_share(exp_dir: Path) -> dict[str, Any]:
     """Share of the round spent issuing and waiting for exchanges, on the rank that arrived last
     (the smaller comm_seconds of each round). Steady state: median over the rounds after the first
     and before the last (the last round lands every exchange still in flight at once)."""
     comm = read_metrics(exp_dir / "metrics.jsonl", "comm")
     rounds = max(r["round"] for r in comm)
     steady = [r for r in comm if 1 < r["round"] < rounds] or comm
-    by_round: dict[int, list[dict]] = {}
+    by_round: dict[int, list[dict[str, Any]]] = {}
     for r in steady:
         by_round.setdefault(r["round"], []).append(r)
     last = [min(rs, key=lambda r: r["comm_seconds"]) for rs in by_round.values()]
@@ -236,28 +254,48 @@ def wait_share(exp_dir: Path) -> dict:
             "round_seconds_median": statistics.median(r["round_seconds"] for r in steady)}
 
 
-def sync_table(args, cfg, cfg_file: Path, work: Path) -> dict:
+def _percent(share: float) -> str:
+    return f"{share * 100:.2f}%"
+
+
+SYNC_TABLE: list[Column] = [
+    ("row", "name"), ("DDP/total", lambda r: f"{1 / r['total_over_ddp']:.0f}x"),
+    ("total/DDP", lambda r: f"{r['total_over_ddp']:.2e}"), ("peak/DiLoCo", lambda r: f"{r['peak_over_diloco']:.3f}"),
+    ("wait lo", lambda r: _percent(r["loopback"]["wait_share_median"])),
+    ("wait lim", lambda r: _percent(r["limited"]["wait_share_median"]) if "limited" in r else None),
+    ("val ppl", lambda r: f"{r['val_ppl']:.2f}"), ("vs fp32", lambda r: f"{r['ppl_vs_diloco_fp32'] * 100:+.2f}%"),
+]
+
+
+def row_names(spec: str) -> list[str]:
+    """``--rows``: 'all', 'default' or comma-separated names; exits naming the unknown or malformed ones."""
+    names = {"all": list(ROWS), "default": list(DEFAULT_ROWS)}.get(spec) or spec.split(",")
+    unknown = unknown_rows(names, ROWS)
+    if unknown:
+        sys.exit(f"--rows: unknown or malformed {unknown}; one of {', '.join(ROWS)} (ROW@key=value@... adds overrides)")
+    return names
+
+
+def sync_table(args: argparse.Namespace, cfg: Config, cfg_file: Path, work: Path) -> dict[str, dict[str, Any]]:
+    """The outer-sync rows (issue 12): each a torchrun job, on loopback and, with --rate, on a limited link."""
     from dipaco.run import Run, apply_overrides
 
-    names = {"all": list(ROWS), "default": list(DEFAULT_ROWS)}.get(args.rows) or args.rows.split(",")
-    unknown = [n for n in names if n.split("@")[0] not in ROWS]
-    if unknown:
-        sys.exit(f"--rows: unknown {unknown}; one of {', '.join(ROWS)} (ROW@key=value@... adds overrides)")
+    names = row_names(args.rows)
     if "diloco_fp32" not in names:
         names.insert(0, "diloco_fp32")  # the baseline of every ratio
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for name in names:
-        exp_name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)  # ROW@key=value: a directory-safe train.name
+        exp_name = safe_name(name)  # ROW@key=value: a directory-safe train.name
         exp_dir = work / "run" / "train" / exp_name
         shutil.rmtree(exp_dir, ignore_errors=True)
         overrides = row_overrides(name)
         wall = run_job(cfg_file, args.nproc, exp_name, overrides)
         comm = read_metrics(exp_dir / "metrics.jsonl", "comm")
-        row = {"overrides": overrides, "job_wall_seconds": wall,
-               "bytes_sent_per_rank_round": statistics.mean(r["bytes_sent"] for r in comm),
-               "ddp_bytes_per_rank_round": statistics.mean(r["ddp_bytes"] for r in comm),
-               "peak_sync_bytes": max(r["peak_sync_bytes"] for r in comm),
-               "ddp_peak_sync_bytes": comm[0]["ddp_peak_sync_bytes"], "loopback": wait_share(exp_dir)}
+        row: dict[str, Any] = {"overrides": overrides, "job_wall_seconds": wall,
+                               "bytes_sent_per_rank_round": statistics.mean(r["bytes_sent"] for r in comm),
+                               "ddp_bytes_per_rank_round": statistics.mean(r["ddp_bytes"] for r in comm),
+                               "peak_sync_bytes": max(r["peak_sync_bytes"] for r in comm),
+                               "ddp_peak_sync_bytes": comm[0]["ddp_peak_sync_bytes"], "loopback": wait_share(exp_dir)}
         row["val_ppl"] = Run(apply_overrides(cfg, [f"train.name={exp_name}", *overrides])).evaluate()["overall"]["ppl"]
         if args.rate:
             limited = f"{exp_name}_limited"
@@ -271,21 +309,35 @@ def sync_table(args, cfg, cfg_file: Path, work: Path) -> dict:
     h = args.inner_steps
     print(f"\n{args.nproc} ranks, {args.topology}, {args.rounds} rounds x {h} inner steps, gloo on CPU; "
           f"bytes per rank per round; limited link: {args.rate or '-'}")
-    print(f"{'row':<30} {'DDP/total':>9} {'total/DDP':>10} {'peak/DiLoCo':>11} {'wait lo':>8} {'wait lim':>8} "
-          f"{'val ppl':>8} {'vs fp32':>8}")
-    for name, r in results.items():
+    for r in results.values():
         r["total_over_ddp"] = r["bytes_sent_per_rank_round"] / r["ddp_bytes_per_rank_round"]
         r["peak_over_diloco"] = r["peak_sync_bytes"] / base["peak_sync_bytes"]
         r["ppl_vs_diloco_fp32"] = r["val_ppl"] / base["val_ppl"] - 1
-        lim = f"{r['limited']['wait_share_median'] * 100:>7.2f}%" if "limited" in r else f"{'-':>8}"
-        print(f"{name:<30} {1 / r['total_over_ddp']:>8.0f}x {r['total_over_ddp']:>10.2e} {r['peak_over_diloco']:>11.3f} "
-              f"{r['loopback']['wait_share_median'] * 100:>7.2f}% {lim} {r['val_ppl']:>8.2f} "
-              f"{r['ppl_vs_diloco_fp32'] * 100:>+7.2f}%")
+    print(markdown_table([{"name": name, **r} for name, r in results.items()], SYNC_TABLE))
     return results
 
 
-def main() -> None:
-    args = parse_args()
+def dtype_table(results: dict[str, dict[str, Any]], h: int) -> str:
+    """Issue 4's table, a row per comm_dtype; the ppl change is against fp32 when it ran."""
+    fp32 = results.get("fp32")
+    columns: list[Column] = [
+        ("dtype", "dtype"), ("sent", lambda r: f"{r['bytes_sent_per_rank_round'] / 1e6:.3f}MB"),
+        ("DDP", lambda r: f"{r['ddp_bytes_per_rank_round'] / 1e6:.1f}MB"), ("DDP/ours", lambda r: f"{r['ddp_over_ours']:.0f}x"),
+        ("target", lambda r: None if r["target_ddp_over_ours"] is None else f"{r['target_ddp_over_ours']}x"),
+        ("outer s", lambda r: f"{r['outer_seconds_median']:.3f}"), ("round s", lambda r: f"{r['round_seconds_median']:.2f}"),
+        ("outer %", lambda r: _percent(r["outer_fraction_median"])),
+        ("incl. wait", lambda r: _percent(r["outer_fraction_incl_wait_median"])), ("val ppl", lambda r: f"{r['val_ppl']:.2f}"),
+        ("vs fp32", lambda r: f"{(r['val_ppl'] / fp32['val_ppl'] - 1) * 100:+.2f}%" if fp32 else None),
+    ]
+    return markdown_table([{"dtype": dtype, **r} for dtype, r in results.items()], columns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the comm_dtype comparison, or with --rows the outer-sync table."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.rows:
+        row_names(args.rows)  # a typo ends here, before the corpus is written and the model pretrained
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     corpus = work / "corpus.jsonl"
@@ -299,20 +351,19 @@ def main() -> None:
         Run(cfg).pretrain()
     cfg_file = work / "bench.yaml"
     save_config(cfg, cfg_file)
-    import torch
-
+    env = environment("cpu")
     meta = {"nproc": args.nproc, "topology": args.topology, "rounds": args.rounds, "inner_steps": args.inner_steps,
-            "torch": torch.__version__, "threads_per_rank": 1, "backend": "gloo", "rate": args.rate,
-            "command": " ".join(sys.argv)}
+            "torch": env["torch"], "threads_per_rank": 1, "backend": "gloo", "rate": args.rate,
+            "command": command_line("comm", argv), "environment": env}
     if args.rows:
-        results = sync_table(args, cfg, cfg_file, work)
+        rows = sync_table(args, cfg, cfg_file, work)
         if args.out:
-            Path(args.out).write_text(json_text.dumps({"meta": meta, "results": results}, indent=2))
-        return
+            write_json(args.out, {"meta": meta, "results": rows}, indent=2)
+        return 0
 
     from dipaco.run import Run
 
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for dtype in args.dtypes.split(","):
         name = f"comm_{dtype}_{args.nproc}r_{args.inner_steps}s"
         exp_dir = work / "run" / "train" / name
@@ -324,25 +375,12 @@ def main() -> None:
         row["job_wall_seconds"] = wall
         results[dtype] = row
 
-    fp32 = results.get("fp32")
     h = args.inner_steps
+    for dtype, r in results.items():
+        r["target_ddp_over_ours"] = {"fp32": h, "int8": 4 * h}.get(dtype)
     print(f"{args.nproc} ranks, {args.topology}, {args.rounds} rounds x {h} inner steps, gloo on CPU "
           f"(bytes per rank per round; DDP = fp32 gradient all-reduce of a path every inner step)")
-    print(f"{'dtype':<6} {'sent':>10} {'DDP':>12} {'DDP/ours':>9} {'target':>7} {'outer s':>8} {'round s':>8} "
-          f"{'outer %':>8} {'incl. wait':>10} {'val ppl':>8} {'vs fp32':>8}")
-    for dtype, r in results.items():
-        target = {"fp32": h, "int8": 4 * h}.get(dtype)
-        rel = f"{(r['val_ppl'] / fp32['val_ppl'] - 1) * 100:+.2f}%" if fp32 else "-"
-        print(f"{dtype:<6} {r['bytes_sent_per_rank_round'] / 1e6:>8.3f}MB "
-              f"{r['ddp_bytes_per_rank_round'] / 1e6:>10.1f}MB {r['ddp_over_ours']:>8.0f}x "
-              f"{target or '-':>6}{'x' if target else ' '} {r['outer_seconds_median']:>8.3f} "
-              f"{r['round_seconds_median']:>8.2f} "
-              f"{r['outer_fraction_median'] * 100:>7.2f}% {r['outer_fraction_incl_wait_median'] * 100:>9.2f}% "
-              f"{r['val_ppl']:>8.2f} {rel:>8}")
-        r["target_ddp_over_ours"] = target
+    print(dtype_table(results, h))
     if args.out:
-        Path(args.out).write_text(json_text.dumps({"meta": meta, "results": results}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+        write_json(args.out, {"meta": meta, "results": results}, indent=2)
+    return 0

@@ -1,7 +1,7 @@
 """How long a round blocks on its checkpoint: the background writer against the synchronous one (issue 48).
 
-    python scripts/bench_checkpoint.py --out docs/bench_checkpoint.json
-    python scripts/bench_checkpoint.py --smoke          # a small state, for CI
+    python -m bench checkpoint --out docs/bench_checkpoint.json
+    python -m bench checkpoint --smoke          # a small state, for CI
 
 The state is what `dipaco train` checkpoints for one path of the 125M class (hidden 768, 12 layers,
 vocab 32,000, 134M parameters): the path's parameters, its AdamW moments and step, the bank's copy of
@@ -16,27 +16,27 @@ In one process, alternating, ``--repeats`` times each:
 
 Both checkpoints of every repeat are compared file by file (the manifests hold every file's sha256).
 The target: the background writer blocks for at most 10% of the synchronous write's time.
+``--out`` writes the repeats, the medians, the command and the machine (:func:`bench.harness.environment`) as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dipaco.checkpoint.store import MANIFEST, CheckpointManager, Snapshot, write_snapshot  # noqa: E402
-from dipaco.checkpoint.writer import BackgroundWriter  # noqa: E402
-from dipaco.json_text import dumps  # noqa: E402
-from dipaco.model.llama import build_model  # noqa: E402
-from dipaco.paths.inner import build_adamw  # noqa: E402
+from bench.harness import argument_parser, command_line, environment, write_json
+from dipaco.checkpoint.store import MANIFEST, CheckpointManager, Snapshot, write_snapshot
+from dipaco.checkpoint.writer import BackgroundWriter, Write
+from dipaco.model.llama import build_model
+from dipaco.paths.inner import build_adamw
 
 TARGET = 0.10
 
@@ -68,7 +68,15 @@ def path_state(hidden: int, layers: int, vocab: int) -> tuple[Snapshot, int]:
     return snapshot, sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run(args: argparse.Namespace) -> dict:
+def writes(index: int) -> Callable[[Snapshot], Write]:
+    """What the background writer runs on its host copy: ``write_snapshot`` of checkpoint ``index``."""
+    def write(copy: Snapshot) -> Write:
+        return lambda directory: write_snapshot(directory, 0, copy, index)
+    return write
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both writers, alternating, ``args.repeats`` times after a first repeat that allocates the buffers."""
     snapshot, nbytes = path_state(args.hidden, args.layers, args.vocab)
     print(f"[bench_checkpoint] state {nbytes / 1e9:.2f} GB; {args.repeats} repeats each", flush=True)
     rows = []
@@ -81,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
             want = sync.save(index, lambda d: write_snapshot(d, 0, snapshot, index))
             sync_s = time.perf_counter() - start
             start = time.perf_counter()
-            writer.submit(index, snapshot, lambda copy, i=index: lambda d: write_snapshot(d, 0, copy, i))
+            writer.submit(index, snapshot, writes(index))
             blocked_s = time.perf_counter() - start
             start = time.perf_counter()
             landed = writer.wait()
@@ -98,13 +106,13 @@ def run(args: argparse.Namespace) -> dict:
     ratio = blocked_med / sync_med
     return {"state_bytes": nbytes, "rows": rows, "sync_median_s": sync_med, "blocked_median_s": blocked_med,
             "first_submit_s": rows[0]["blocked_s"], "ratio": ratio, "target": TARGET,
-            "met": ratio <= TARGET and all(r["identical_files"] for r in rows),
-            "device": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
-            "command": " ".join(["python", "scripts/bench_checkpoint.py", *sys.argv[1:]])}
+            "met": ratio <= TARGET and all(r["identical_files"] for r in rows)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    """Runs both writers; prints each repeat and the ratio against the target."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argument_parser("checkpoint", __doc__)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32_000)
@@ -112,16 +120,13 @@ def main() -> None:
     parser.add_argument("--work-dir", default=None, help="where the checkpoints are written (default: the temp dir)")
     parser.add_argument("--smoke", action="store_true", help="a 4-layer d=64 path, one repeat")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.hidden, args.layers, args.vocab, args.repeats = 64, 2, 512, 1
-    result = run(args)
+    result = {**run(args), "environment": environment("cpu"), "command": command_line("checkpoint", argv)}
     print(f"[bench_checkpoint] synchronous {result['sync_median_s']:.2f} s, background blocks "
           f"{result['blocked_median_s']:.3f} s: ratio {result['ratio']:.3f} (target <= {TARGET}); "
           f"{'met' if result['met'] else 'MISSED'}")
     if args.out:
-        args.out.write_text(dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+        write_json(args.out, result)
+    return 0

@@ -13,17 +13,17 @@ field, such as ``scripts/bench_scale.py``'s synthetic corpora), else dipaco's bu
 prepared run's ``tokenizer/``), else a byte-level BPE of ``--vocab-size`` trained by dipaco on the
 first 20,000 of the texts.
 
-    OMP_NUM_THREADS=2 python scripts/bench_tokenize.py --corpus W/docs_1000000/corpus.jsonl \\
+    OMP_NUM_THREADS=2 python -m bench tokenize --corpus W/docs_1000000/corpus.jsonl \\
         --tokenizer W/docs_1000000/run/tokenizer --skip 400000 --docs 60000 --rounds 3
-    python scripts/bench_tokenize.py --smoke     # BBC, 2 rounds: runs on a fresh clone
+    python -m bench tokenize --smoke     # BBC, 2 rounds: runs on a fresh clone
 
 Prints a line per engine and round and a summary (median tokens/s of each engine, their ratio); ``--out``
-also writes them as JSON. Exits 1 if the engines' ids differ.
+also writes them as JSON, with the command and the machine (:func:`bench.harness.environment`). Exits 1 if
+the engines' ids differ.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import statistics
@@ -31,24 +31,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness import argument_parser, command_line, environment, write_json
 from dipaco.data.tokenizer import _encoder, available_cores, batch_encoder, load_tokenizer, train_tokenizer
 
 ENGINES = ("hf", "auto")  # "auto" is tiktoken wherever the check passes: the run says which engine it got
 
 
-def _dumps(value, **kwargs) -> str:
-    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
-    from dipaco import json_text
-
-    return json_text.dumps(value, **kwargs)
-
-
 def read_texts(corpus: Path | None, skip: int, docs: int) -> list[str]:
+    """Documents ``skip`` to ``skip + docs`` of ``corpus`` (JSON lines), else of the builtin BBC corpus."""
     if corpus is None:
         from dipaco.data.corpus import CorpusSpec, load_corpus
 
@@ -58,13 +52,15 @@ def read_texts(corpus: Path | None, skip: int, docs: int) -> list[str]:
         return [json.loads(line)["text"] for line in itertools.islice(f, skip, skip + docs)]
 
 
-def tokenizer_for(path: Path | None, texts: list[str], vocab_size: int, work: Path):
+def tokenizer_for(path: Path | None, texts: list[str], vocab_size: int, work: Path) -> Any:
+    """The tokenizer at ``path``, else a byte-level BPE trained on the first 20,000 texts."""
     if path is not None:
         return load_tokenizer(path)
     return train_tokenizer(texts[:20_000], vocab_size, work / "tokenizer", show_progress=False)
 
 
-def run_engine(tokenizer, engine: str, batches: list[pa.Table]) -> tuple[float, list[pa.ChunkedArray], str]:
+def run_engine(tokenizer: Any, engine: str, batches: list[pa.Table]) -> tuple[float, list[pa.ChunkedArray], str]:
+    """Seconds to encode every batch with ``engine`` (as prepare's shards do), the ids, and the engine's name."""
     ids_of, name = batch_encoder(tokenizer, available_cores(), engine=engine)  # type: ignore[arg-type]
     encode = _encoder(tokenizer, keep_text=False, ids_of=ids_of)
     start = time.perf_counter()
@@ -73,7 +69,9 @@ def run_engine(tokenizer, engine: str, batches: list[pa.Table]) -> tuple[float, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Times both engines; 0 when their ids agree, else 1."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = argument_parser("tokenize", __doc__)
     p.add_argument("--corpus", type=Path, help="JSON lines with a text field (default: the builtin BBC corpus)")
     p.add_argument("--tokenizer", type=Path, help="a tokenizer directory (default: train a byte-level BPE)")
     p.add_argument("--vocab-size", type=int, default=4096)
@@ -120,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     print("[bench_tokenize] median tokens/s: " + ", ".join(f"{n}: {v / 1e6:.3f}M" for n, v in medians.items())
           + f"; ratio {ratio:.2f}; ids {'the same' if same else 'DIFFER'}")
     if a.out:
-        a.out.write_text(_dumps({"texts": len(texts), "runs": runs, "median_tokens_per_s": medians,
-                                     "ratio": ratio, "same_ids": same}, indent=2))
+        write_json(a.out, {"texts": len(texts), "runs": runs, "median_tokens_per_s": medians, "ratio": ratio,
+                           "same_ids": same, "environment": environment("cpu"), "command": command_line("tokenize", argv)},
+                   indent=2)
     return 0 if same else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,10 +15,11 @@ perplexity curve costs no training time. "Outer updates" on the x axis are inner
 three times mid-task and checks from the executors' update logs that every completed task was
 applied exactly once to each of its modules.
 
-    python scripts/bench_async.py                       # ~20 min on 2 busy CPU cores
-    python scripts/bench_async.py --rounds 2 --inner-steps 5 --skip-fault   # a quick smoke run
+    python -m bench async_sync                       # ~20 min on 2 busy CPU cores
+    python -m bench async_sync --rounds 2 --inner-steps 5 --skip-fault   # a quick smoke run
 
-Writes results.json and async_ppl_vs_updates.png into --out-dir (default runs/bench_async).
+Writes results.json (with the command and the machine, :func:`bench.harness.environment`) and
+async_ppl_vs_updates.png into --out-dir (default runs/bench_async), and prints the table in markdown.
 """
 
 from __future__ import annotations
@@ -32,24 +33,18 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dipaco import json_text  # noqa: E402
-from dipaco.atomic import write_text  # noqa: E402
-from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint  # noqa: E402
-from dipaco.config import Config  # noqa: E402
-from dipaco.metrics import echo, read_metrics  # noqa: E402
-from dipaco.model.topology import topology_from_config  # noqa: E402
-from dipaco.run import (  # noqa: E402
-    Run,  # noqa: E402
-    apply_overrides,
-    load_config,
-)
-from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
-from dipaco.sync.async_nesterov import staleness_summary  # noqa: E402
+from bench.harness import Column, argument_parser, command_line, environment, markdown_table, write_json
+from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint
+from dipaco.config import Config
+from dipaco.metrics import echo, read_metrics
+from dipaco.model.topology import topology_from_config
+from dipaco.run import Run, apply_overrides, load_config
+from dipaco.runtime import quiet_library_progress_bars
+from dipaco.sync.async_nesterov import staleness_summary
 
 SPEEDS = [1.0, 1.0, 0.5, 0.25]
 BASE = [
@@ -69,7 +64,8 @@ VARIANTS = {
 }
 
 
-def prepared(out: Path, args) -> Config:
+def prepared(out: Path, args: argparse.Namespace) -> Config:
+    """The shared run in ``out/run``: prepared and pretrained once, reused by every variant and later runs."""
     cfg = load_config(None, [*BASE, f"run.dir={out / 'run'}", f"train.rounds={args.rounds}",
                              f"train.inner_steps={args.inner_steps}", f"eval.max_docs={args.eval_docs}", *ASYNC])
     if not (out / "run" / "pretrain" / "config.json").is_file():
@@ -78,7 +74,7 @@ def prepared(out: Path, args) -> Config:
     return cfg
 
 
-def curve(cfg: Config, exp_dir: Path, per_round: int) -> list[dict]:
+def curve(cfg: Config, exp_dir: Path, per_round: int) -> list[dict[str, Any]]:
     """Validation perplexity of every checkpoint, against outer updates (inner steps / per_round)."""
     done = {r["step"]: r["inner_steps"] for r in read_metrics(exp_dir / "metrics.jsonl", "checkpoint")}
     points = []
@@ -90,7 +86,9 @@ def curve(cfg: Config, exp_dir: Path, per_round: int) -> list[dict]:
     return points
 
 
-def run_variant(cfg: Config, name: str, overrides: list[str], per_round: int, on_start=None) -> tuple[dict, Path, Config]:
+def run_variant(cfg: Config, name: str, overrides: list[str], per_round: int,
+                on_start: Callable[[Any], None] | None = None) -> tuple[dict[str, Any], Path, Config]:
+    """Trains one variant from the shared pretrained model and evaluates its checkpoints."""
     vcfg = apply_overrides(cfg, [f"train.name={name}", *overrides])
     exp_dir = Path(vcfg.run.dir) / "train" / name
     shutil.rmtree(exp_dir, ignore_errors=True)
@@ -112,11 +110,11 @@ def run_variant(cfg: Config, name: str, overrides: list[str], per_round: int, on
     return result, exp_dir, vcfg
 
 
-def fault_run(cfg: Config, per_round: int, kills: int) -> dict:
+def fault_run(cfg: Config, per_round: int, kills: int) -> dict[str, Any]:
     """async_dn_dyn with one worker (the fastest) killed ``kills`` times, each while it runs a task."""
     killed: list[str] = []
 
-    def drill(run) -> None:
+    def drill(run: Any) -> None:
         def kill() -> None:
             import ray
 
@@ -135,7 +133,10 @@ def fault_run(cfg: Config, per_round: int, kills: int) -> dict:
     result, exp_dir, vcfg = run_variant(cfg, "fault_async_dn_dyn", VARIANTS["async_dn_dyn"], per_round, on_start=drill)
     tasks = read_metrics(exp_dir / "metrics.jsonl", "task")
     topo = topology_from_config(vcfg.topology, vcfg.model.num_layers)
-    latest = SavedCheckpoint(CheckpointManager(exp_dir / "checkpoints").latest()).state()
+    last = CheckpointManager(exp_dir / "checkpoints").latest()
+    if last is None:
+        raise RuntimeError(f"the fault run wrote no checkpoint in {exp_dir / 'checkpoints'}: no update log to check")
+    latest = SavedCheckpoint(last).state()
     applied = Counter((name, u["task"]) for name, counters in latest["scheduler"]["executors"].items() for u in counters["log"])
     expected = {(topo.modules[m].name, t["task"]) for t in tasks for m in topo.path_modules(t["path"])}
     result.update(killed_tasks=killed, requeue_events=len(read_metrics(exp_dir / "metrics.jsonl", "requeue")),
@@ -144,7 +145,8 @@ def fault_run(cfg: Config, per_round: int, kills: int) -> dict:
     return result
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Validation perplexity against outer updates, a line per variant (wall time in its label)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,8 +165,21 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+TABLE: list[Column] = [
+    ("variant", "name"), ("wall s", lambda r: f"{r['wall_seconds']:.1f}"), ("speed-up", lambda r: f"{r['speedup_vs_sync']:.2f}x"),
+    ("step s", lambda r: f"{r['step_seconds']:.3f}"), ("wall / step", lambda r: f"{r['wall_in_steps']:.0f}"),
+    ("speed-up (normalized)", lambda r: f"{r['normalized_speedup_vs_sync']:.2f}x"),
+    ("final ppl", lambda r: f"{r['final_ppl']:.2f}"), ("vs sync", lambda r: f"{100 * r['ppl_vs_sync']:+.1f}%"),
+    ("tasks", "tasks"),
+    ("staleness mean / p90 / max",
+     lambda r: f"{r['staleness']['mean']:.2f} / {r['staleness']['p90']:.0f} / {r['staleness']['max']}"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the variants (and the fault run); 1 when a variant's final perplexity is not finite."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argument_parser("async_sync", __doc__)
     parser.add_argument("--out-dir", default="runs/bench_async")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--inner-steps", type=int, default=10)
@@ -173,7 +188,7 @@ def main() -> None:
     parser.add_argument("--skip-fault", action="store_true")
     parser.add_argument("--only-fault", action="store_true", help="only the fault run, added to OUT_DIR/results.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/async_ppl_vs_updates.png)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     quiet_library_progress_bars()
     out = Path(args.out_dir)
     if args.only_fault and not (out / "results.json").is_file():
@@ -185,10 +200,12 @@ def main() -> None:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    payload = {"command": " ".join(sys.argv), "speeds": SPEEDS, "rounds": args.rounds, "inner_steps": args.inner_steps,
-               "eval_docs": args.eval_docs, "results": [], "fault": None}
+    command = command_line("async_sync", argv)
+    payload: dict[str, Any] = {"command": command, "speeds": SPEEDS, "rounds": args.rounds, "inner_steps": args.inner_steps,
+                               "eval_docs": args.eval_docs, "results": [], "fault": None, "environment": environment("cpu")}
     if args.only_fault:  # add the fault run to an earlier run's results
-        payload = {**json.loads((out / "results.json").read_text()), "fault_command": " ".join(sys.argv)}
+        payload = {**json.loads((out / "results.json").read_text()), "fault_command": command,
+                   "fault_environment": environment("cpu")}
     results = payload["results"]
     for name, overrides in ({} if args.only_fault else VARIANTS).items():
         results.append(run_variant(cfg, name, overrides, per_round)[0])
@@ -197,26 +214,14 @@ def main() -> None:
             r["speedup_vs_sync"] = sync["wall_seconds"] / r["wall_seconds"]
             r["normalized_speedup_vs_sync"] = sync["wall_in_steps"] / r["wall_in_steps"]
             r["ppl_vs_sync"] = r["final_ppl"] / sync["final_ppl"] - 1.0
-        write_text(out / "results.json", json_text.dumps(payload, indent=1))  # kept as the variants finish
+        write_json(out / "results.json", payload)  # kept as the variants finish
     fault = payload["fault"] = None if args.skip_fault else fault_run(cfg, per_round, args.kills)
-    write_text(out / "results.json", json_text.dumps(payload, indent=1))
+    write_json(out / "results.json", payload)
     ray.shutdown()
     plot(results, Path(args.plot) if args.plot else out / "async_ppl_vs_updates.png")
-    print("| variant | wall s | speed-up | step s | wall / step | speed-up (normalized) | final ppl | vs sync | tasks "
-          "| staleness mean / p90 / max |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        s = r["staleness"]
-        print(f"| {r['name']} | {r['wall_seconds']:.1f} | {r['speedup_vs_sync']:.2f}x | {r['step_seconds']:.3f} | "
-              f"{r['wall_in_steps']:.0f} | {r['normalized_speedup_vs_sync']:.2f}x | {r['final_ppl']:.2f} | "
-              f"{100 * r['ppl_vs_sync']:+.1f}% | {r['tasks']} | {s['mean']:.2f} / {s['p90']:.0f} / {s['max']} |")
+    print(markdown_table(results, TABLE))
     if fault:
         print(f"fault run: killed during {fault['killed_tasks']}, {fault['requeue_events']} re-queued, "
               f"{fault['updates_logged']}/{fault['updates_expected']} updates logged, exactly once: "
               f"{fault['exactly_once']}, {fault['wall_seconds']:.1f}s, ppl {fault['final_ppl']:.2f}")
-    if not all(math.isfinite(r["final_ppl"]) for r in results):
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0 if all(math.isfinite(r["final_ppl"]) for r in results) else 1

@@ -1,0 +1,28 @@
+"""dipaco's benchmarks, one module each on one harness (:mod:`bench.harness`), run from the repository root as
+
+    python -m bench NAME [args...]      # python -m bench NAME --help: its flags and documented commands
+    python -m bench                     # the list below
+
+codecs        encode + decode time of every outer-gradient codec, and the adaptive rule's cost
+checkpoint    how long a round blocks on its checkpoint: background writer against synchronous (issue 48)
+tokenize      prepare's encoder: HF tokenizers against tiktoken's engine on the same texts (issue 33)
+async_sync    asynchronous DiPaCo on Ray against synchronous rounds, with slow workers (issue 13)
+comm          multi-worker communication: bytes per round against DDP, outer-step time, codecs' quality (issues 4, 12)
+quality       the paper's comparison table at this machine's scale: DiPaCo against dense, DiLoCo and flat MoE (issue 14)
+path_scaling  validation perplexity against the number of paths P at a fixed path size (issues 36, 49)
+
+The benchmarks not yet moved here are still scripts under scripts/. No benchmark module imports another
+(import-linter checks it). Run them through ``python -m bench``; never put bench/ itself on ``sys.path``
+(``bench/tokenize.py`` and ``bench/codecs.py`` would shadow the standard library's modules of those names).
+"""
+
+# name -> one-line summary: what `python -m bench` lists without importing any benchmark (nor torch).
+BENCHMARKS: dict[str, str] = {
+    "codecs": "encode + decode time of every outer-gradient codec, and the adaptive rule's cost",
+    "checkpoint": "how long a round blocks on its checkpoint: background writer against synchronous (issue 48)",
+    "tokenize": "prepare's encoder: HF tokenizers against tiktoken's engine on the same texts (issue 33)",
+    "async_sync": "asynchronous DiPaCo on Ray against synchronous rounds, with slow workers (issue 13)",
+    "comm": "multi-worker communication: bytes per round against DDP, outer-step time, codecs' quality (issues 4, 12)",
+    "quality": "the paper's comparison table at this machine's scale: DiPaCo against dense, DiLoCo and flat MoE (issue 14)",
+    "path_scaling": "validation perplexity against the number of paths P at a fixed path size (issues 36, 49)",
+}
