@@ -1,28 +1,19 @@
-"""scripts/bench_serve.py's serving parts, briefly, on the tiny run: concurrency (unbatched, per-path,
-module-batched and pinned servers), agreement (batched against alone), held connections, APIs and soak."""
+"""bench/serve.py's serving parts (``python -m bench serve``), briefly, on the tiny run: concurrency (unbatched,
+per-path, module-batched and pinned servers), agreement (batched against alone), held connections, APIs and soak.
 
-import importlib.util
-import sys
+Here rather than in tests/bench/: the tiny served run (``served_run``) is a fixture of tests/dipaco/conftest.py."""
+
+import json
 from pathlib import Path
 
 import pytest
 from test_serve import PROMPTS, needs_web
 
+from bench import serve as bench
 from dipaco.serve.pipeline import Pipeline
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_serve.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_concurrency_measures_every_server_mode_from_its_metrics(bench, served_run):
+def test_concurrency_measures_every_server_mode_from_its_metrics(served_run):
     needs_web()
     out = bench.bench_concurrency(Path(served_run.run.dir), None, PROMPTS, clients=4, seconds=1.0, warmup_s=0.3,
                                   new_tokens=6, threads=1, max_batch=8, batch_wait_ms=20)
@@ -42,7 +33,7 @@ def test_concurrency_measures_every_server_mode_from_its_metrics(bench, served_r
         "module_ge_3x_unbatched", "module_ge_0.8_of_pinned", "module_p99_no_worse_than_path"}
 
 
-def test_agreement_compares_batched_and_lone_decoding(bench, served_run):
+def test_agreement_compares_batched_and_lone_decoding(served_run):
     pipe = Pipeline.from_run(served_run.run.dir)
     out = bench.bench_agreement(pipe, PROMPTS, new_tokens=6, max_batch=4)
     for mode in ("greedy", "seeded"):
@@ -54,7 +45,7 @@ def test_agreement_compares_batched_and_lone_decoding(bench, served_run):
     assert out["targets"] == {"path_greedy_ge_99pct": True, "module_greedy_ge_99pct": True}
 
 
-def test_held_connections_do_not_keep_a_valid_request_waiting(bench, served_run):
+def test_held_connections_do_not_keep_a_valid_request_waiting(served_run):
     needs_web()
     # A valid request 0.25 s after each answer: 2.5 s hold 4 or more even at 0.5 s a request (the loaded 2-core CPU;
     # 1.5 s held 3 there, with the server unchanged).
@@ -66,7 +57,7 @@ def test_held_connections_do_not_keep_a_valid_request_waiting(bench, served_run)
     assert out["server_descriptors_max"] < 128
 
 
-def test_apis_drive_one_load_through_generate_and_completions(bench, served_run):
+def test_apis_drive_one_load_through_generate_and_completions(served_run):
     needs_web()
     experiment = Pipeline.from_run(served_run.run.dir).experiment
     out = bench.bench_apis(Path(served_run.run.dir), experiment, PROMPTS, clients=4, seconds=1.5, warmup_s=0.2,
@@ -80,7 +71,7 @@ def test_apis_drive_one_load_through_generate_and_completions(bench, served_run)
     assert set(out["targets"]) == {"completions_within_10pct", "completions_stream_within_10pct"}
 
 
-def test_soak_samples_memory_descriptors_and_latency_over_time(bench, served_run):
+def test_soak_samples_memory_descriptors_and_latency_over_time(served_run):
     needs_web()
     out = bench.bench_soak(Path(served_run.run.dir), None, PROMPTS, clients=3, seconds=3.0, window_s=1.0, settle_s=1.0,
                            sample_s=0.3, new_tokens=4, threads=1, max_batch=8, batching="path")
@@ -93,3 +84,28 @@ def test_soak_samples_memory_descriptors_and_latency_over_time(bench, served_run
     assert out["responses_500"] == 0 and set(out["statuses"]) == {"200"}
     assert out["rss_mb"]["slope_mb_per_min_after_settle"] is not None and out["rss_mb"]["peak"] >= out["rss_mb"]["end"]
     assert set(out["targets"]) == {"rss_growth_after_settle_le_2pct", "p99_within_20pct_of_first_window", "no_500"}
+
+
+def test_the_command_line_runs_parts_1_to_3_into_one_report(served_run, tmp_path, capsys):
+    needs_web()
+    path = tmp_path / "serve.json"
+    argv = ["--run", str(served_run.run.dir), "--prompts", "3", "--warmup", "1", "--prompt-tokens", "8",
+            "--new-tokens", "4", "--clients", "1,2", "--requests", "2", "--out", str(path)]
+    assert bench.main(argv) == 0
+    report = json.loads(path.read_text())
+    assert report["command"] == "python -m bench serve " + " ".join(argv)
+    assert report["environment"]["device"].startswith("cpu") and report["run"]["params_per_path"] > 0
+    single = report["single_path"]
+    assert single["pipeline"]["n"] == single["dense"]["n"] == single["route_only"]["n"] == 3
+    assert single["ratio_p50"] > 0 and sum(single["paths_used"]) == 3
+    # part 3: a fixed number of requests per client, every one answered
+    assert [(r["clients"], r["requests"], r["statuses"]) for r in report["http"]["runs"]] == [
+        (1, 2, {"200": 2}), (2, 4, {"200": 4})]
+    printed = capsys.readouterr().out
+    assert "| generate 4 tokens | p50 ms |" in printed and "| dipaco serve, clients |" in printed
+
+
+def test_a_bad_mode_fails_before_any_run_is_built(tmp_path):
+    with pytest.raises(SystemExit, match="--modes: fast: choose from unbatched, path, module, pinned"):
+        bench.main(["--run", str(tmp_path / "none"), "--concurrency", "2", "--modes", "module,fast"])
+    assert not (tmp_path / "none").exists()

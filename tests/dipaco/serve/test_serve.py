@@ -377,15 +377,12 @@ def test_caps_default_to_the_models_seq_len(pipe):
 
 
 def test_bench_serve_abuse_mode_runs_clean(served_run):
-    """scripts/bench_serve.py --abuse, briefly: `dipaco serve` in a subprocess answers every kind of
+    """`python -m bench serve --abuse`, briefly: `dipaco serve` in a subprocess answers every kind of
     abusive request with its 4xx, with no 500 and no dropped connection."""
-    import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[3] / "scripts" / "bench_serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import serve as bench
+
     out = bench.bench_abuse(Path(served_run.run.dir), None, PROMPTS, clients=2, seconds=4, threads=1)
     assert out["requests"] > 10 and out["server_alive_after"]
     assert out["responses_500"] == 0 and out["dropped_connections"] == 0 and out["unexpected_status"] == {}, json.dumps(out)

@@ -56,25 +56,31 @@
 
 With no ``--run`` it builds a small run first (configs/demo.yaml: BBC News, 4-layer d=128 paths,
 2x2 grid, LM-prefix k-means routing) with few training steps: quality is irrelevant to latency.
+Parts 5-9 (those asked for) share one report; parts 1-3 and part 4 each write their own. Every report
+records the command, the machine (``environment``: :func:`bench.harness.environment`) and the run served.
 
-    python scripts/bench_serve.py --out bench_serve.json
-    python scripts/bench_serve.py --run runs/demo --experiment dipaco_2x2
-    python scripts/bench_serve.py --abuse --seconds 60 --out bench_serve_abuse.json
-    python scripts/bench_serve.py --concurrency 16 --seconds 60 --agreement 200 --out bench_serve_batching.json
-    python scripts/bench_serve.py --grid 4x4 --concurrency 16 --seconds 60 --agreement 200 --out bench_serve_modules.json
-    python scripts/bench_serve.py --hold-idle 300 --nofile 256 --seconds 70 --out bench_serve_held.json
-    python scripts/bench_serve.py --apis 16 --seconds 60 --out bench_serve_apis.json
-    python scripts/bench_serve.py --soak 16 --seconds 1800 --settle 300 --out bench_serve_soak.json
+    python -m bench serve --out bench_serve.json
+    python -m bench serve --run runs/demo --experiment dipaco_2x2
+    python -m bench serve --abuse --seconds 60 --out bench_serve_abuse.json
+    python -m bench serve --concurrency 16 --seconds 60 --agreement 200 --out bench_serve_batching.json
+    python -m bench serve --grid 4x4 --concurrency 16 --seconds 60 --agreement 200 --out bench_serve_modules.json
+    python -m bench serve --hold-idle 300 --nofile 256 --seconds 70 --out bench_serve_held.json
+    python -m bench serve --apis 16 --seconds 60 --out bench_serve_apis.json
+    python -m bench serve --soak 16 --seconds 1800 --settle 300 --out bench_serve_soak.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import http.client
+import itertools
 import json
+import math
 import os
-import platform
+import resource
 import selectors
 import socket
 import subprocess
@@ -83,26 +89,26 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, Column, argument_parser, command_line, environment, markdown_table, write_json
+
+if TYPE_CHECKING:
+    from dipaco.serve.pipeline import Pipeline, PlannedGeneration
+
+Json = dict[str, Any]
+Body = bytes | Callable[[], Iterable[bytes]]  # a body, or a function giving the chunks of a chunked one
+NO_ANSWER = (OSError, http.client.HTTPException)  # a request the server never answered
 
 
-def write_report(path: str, report: dict) -> None:
-    """The report as strict JSON (dipaco.json_text: NaN and infinities become null, with the reason beside them),
-    written atomically (dipaco.atomic: a reader never sees half a file); prints where it went."""
-    from dipaco import atomic, json_text
-
-    atomic.write_text(path, json_text.dumps(report, indent=2))
-    print(f"[bench] wrote {path}")
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argument_parser("serve", __doc__)
     p.add_argument("--run", help="run directory; built there first when it has no trained experiment "
                                   "(default: build a small one in a temp dir)")
     p.add_argument("--experiment", help="experiment name when the run has several")
@@ -139,7 +145,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sample-every", type=float, default=10.0, help="soak: seconds between RSS / descriptor samples")
     p.add_argument("--batching", choices=("module", "path"), default="module", help="soak: the server's --batching")
     p.add_argument("--out", help="write the figures as JSON here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def build_run(run_dir: Path, grid: str = "2x2") -> Path:
@@ -162,13 +168,42 @@ def build_run(run_dir: Path, grid: str = "2x2") -> Path:
     return Path(cfg.run.dir)
 
 
-def percentiles(ms: list[float]) -> dict:
+# --- measuring: latencies, loads of client threads ---------------------------------------------------
+def percentiles(ms: list[float]) -> Json:
     a = np.asarray(ms)
     return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
             "mean_ms": float(a.mean()), "n": int(a.size)}
 
 
-def validation_split(pipe):
+def ms_since(start: float) -> float:
+    """Milliseconds since ``start``, a ``time.perf_counter()`` reading: every latency here is one."""
+    return (time.perf_counter() - start) * 1000
+
+
+def run_clients(client: Callable[[int], None], clients: int) -> float:
+    """``client(0)`` .. ``client(clients - 1)`` on as many threads at once; the wall seconds until the last returns.
+    Every HTTP load here (a fixed number of requests, a closed loop, the abuse mix) is this with its own client."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(client, range(clients)))
+    return time.perf_counter() - start
+
+
+def latency_text(row: Mapping[str, Any]) -> str:
+    """A load's p50 and p99 for a progress line (0 when nothing was answered)."""
+    return f"p50 {row.get('p50_ms', 0):.0f} ms, p99 {row.get('p99_ms', 0):.0f} ms"
+
+
+def fixed(key: str, spec: str) -> Callable[[Mapping[str, Any]], str | None]:
+    """A table cell: ``row[key]`` formatted with ``spec``, or none when the row lacks it."""
+    return lambda row: None if row.get(key) is None else format(row[key], spec)
+
+
+LATENCY_COLUMNS: list[Column] = [("p50 ms", fixed("p50_ms", ".1f")), ("p99 ms", fixed("p99_ms", ".1f"))]
+
+
+# --- prompts -------------------------------------------------------------------------------------------
+def validation_split(pipe: Pipeline) -> Any:
     """The validation documents of the served experiment's run (its stored config, read by the root)."""
     from dipaco.run import Run, load_config
 
@@ -176,54 +211,70 @@ def validation_split(pipe):
     return Run(cfg).prepared().validation
 
 
-def prompts_from_run(pipe, n: int, n_tokens: int) -> list[str]:
-    val = validation_split(pipe)
-    ids = [d[:n_tokens] for d in val["input_ids"] if len(d) >= n_tokens]
+def prompts_from_run(pipe: Pipeline, n: int, n_tokens: int) -> list[str]:
+    ids = [d[:n_tokens] for d in validation_split(pipe)["input_ids"] if len(d) >= n_tokens]
     return [pipe.decode(d) for d in ids[:n]]
 
 
-def bench_latency(pipe, prompts: list[str], new_tokens: int, warmup: int) -> dict:
-    """Parts 1 and 2, interleaved per prompt in rotating order: routed pipeline, dense model, every path."""
-    import copy
-    import itertools
+def varied_prompts(pipe: Pipeline, n: int, max_tokens: int) -> list[str]:
+    """``n`` validation texts cut to between ``max_tokens // 2`` and ``max_tokens`` tokens (a fixed cycle),
+    so a batch holds prompts of different lengths and is left-padded."""
+    docs = [d for d in validation_split(pipe)["input_ids"] if len(d) >= max_tokens]
+    if len(docs) < n:
+        docs = (docs * (n // max(len(docs), 1) + 1))[:n]
+    low = max(1, max_tokens // 2)
+    return [pipe.decode(d[: low + (i * 7) % (max_tokens - low + 1)]) for i, d in enumerate(docs[:n])]
 
+
+def word_prompts(pipe: Pipeline, n: int, low: int = 12, high: int = 40, seed: int = 0) -> list[str]:
+    """``n`` runs of ``low`` to ``high`` words from validation texts, each from a random place (fixed seed)."""
+    rng = np.random.default_rng(seed)
+    out: list[str] = []
+    for doc in validation_split(pipe)["input_ids"]:
+        words = pipe.decode(doc).split()
+        k = int(rng.integers(low, high + 1))
+        if len(words) >= k:
+            at = int(rng.integers(0, len(words) - k + 1))
+            out.append(" ".join(words[at:at + k]))
+        if len(out) == n:
+            break
+    return out
+
+
+def encode_bodies(prompts: list[str], **fields: Any) -> list[bytes]:
+    """A JSON request body per prompt: ``{"prompt": ..., **fields}``."""
+    return [json.dumps({"prompt": p, **fields}).encode() for p in prompts]
+
+
+# --- parts 1 and 2: in one process -----------------------------------------------------------------------
+def bench_latency(pipe: Pipeline, prompts: list[str], new_tokens: int, warmup: int) -> Json:
+    """Parts 1 and 2, interleaved per prompt in rotating order: routed pipeline, dense model, every path."""
     tok = pipe.tokenizer
     dense = copy.deepcopy(pipe.cache.template)  # same shape; its own (untrained) weights: the compute is the same
     every = copy.deepcopy(pipe.cache.template)  # recomposed for each path in turn
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 
-    def generate(model, ids: torch.Tensor) -> None:
+    def encode(prompt: str) -> torch.Tensor:
+        return torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+
+    def generate(model: Any, ids: torch.Tensor) -> None:
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
         tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         assert out.shape[1] - ids.shape[1] == new_tokens
 
-    def run_dense(prompt: str) -> float:
-        start = time.perf_counter()
-        generate(dense, torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]]))
-        return (time.perf_counter() - start) * 1000
+    def run_pipeline(prompt: str) -> None:
+        assert pipe.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens).completion_tokens == new_tokens
 
-    def run_pipeline(prompt: str) -> float:
-        start = time.perf_counter()
-        result = pipe.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        assert result.completion_tokens == new_tokens
-        return (time.perf_counter() - start) * 1000
-
-    def run_all_paths(prompt: str) -> float:
-        start = time.perf_counter()
-        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+    def run_all_paths(prompt: str) -> None:
+        ids = encode(prompt)
         for p in range(pipe.num_paths):
             pipe.bank.load_path(p, every)
             generate(every, ids)
-        return (time.perf_counter() - start) * 1000
 
-    def run_route(prompt: str) -> float:
-        start = time.perf_counter()
-        pipe.route(prompt)
-        return (time.perf_counter() - start) * 1000
-
-    sides = {"pipeline": run_pipeline, "dense": run_dense, "all_paths": run_all_paths}
+    sides: dict[str, Callable[[str], None]] = {"pipeline": run_pipeline, "dense": lambda p: generate(dense, encode(p)),
+                                               "all_paths": run_all_paths}
     for p in range(pipe.num_paths):  # fill the cache: part 1 measures the hot path
         pipe.cache.get(p)
     for prompt in prompts[:warmup]:
@@ -235,124 +286,160 @@ def bench_latency(pipe, prompts: list[str], new_tokens: int, warmup: int) -> dic
     paths = []
     for prompt in prompts[warmup:]:
         for side in next(orders):
-            start_cpu = time.process_time()
-            times[side].append(sides[side](prompt))
+            start_cpu, start = time.process_time(), time.perf_counter()
+            sides[side](prompt)
+            times[side].append(ms_since(start))
             cpu[side].append((time.process_time() - start_cpu) * 1000)
-        times["route_only"].append(run_route(prompt))
+        start = time.perf_counter()
         paths.append(pipe.route(prompt)[0])
-    out = {k: percentiles(v) for k, v in times.items()}
+        times["route_only"].append(ms_since(start))
+    out: Json = {k: percentiles(v) for k, v in times.items()}
     for k in sides:
         out[k]["cpu_p50_ms"] = float(np.median(cpu[k]))
     # Per prompt, the pipeline and the dense model ran back to back: the median of those paired
     # ratios is robust to load that drifts over the run.
-    out["paired_ratio_median"] = float(np.median(np.array(times["pipeline"]) / np.array(times["dense"])))
-    out["cpu_ratio_p50"] = out["pipeline"]["cpu_p50_ms"] / out["dense"]["cpu_p50_ms"]
-    for k in ("pipeline", "dense"):
-        out[k]["tokens_per_s"] = new_tokens / (out[k]["p50_ms"] / 1000)
-    out["all_paths"]["paths"] = pipe.num_paths
-    out["all_paths"]["tokens_per_s_per_prompt"] = new_tokens / (out["all_paths"]["p50_ms"] / 1000)
-    out["ratio_p50"] = out["pipeline"]["p50_ms"] / out["dense"]["p50_ms"]
-    out["ratio_mean"] = out["pipeline"]["mean_ms"] / out["dense"]["mean_ms"]
-    out["all_paths_ratio_p50"] = out["all_paths"]["p50_ms"] / out["pipeline"]["p50_ms"]
-    out["paths_used"] = np.bincount(paths, minlength=pipe.num_paths).tolist()
-    out["cache"] = pipe.cache.stats()
+    pipeline, dense, every_path = out["pipeline"], out["dense"], out["all_paths"]
+    for k in (pipeline, dense):
+        k["tokens_per_s"] = new_tokens / (k["p50_ms"] / 1000)
+    every_path.update(paths=pipe.num_paths, tokens_per_s_per_prompt=new_tokens / (every_path["p50_ms"] / 1000))
+    out.update(paired_ratio_median=float(np.median(np.array(times["pipeline"]) / np.array(times["dense"]))),
+               cpu_ratio_p50=pipeline["cpu_p50_ms"] / dense["cpu_p50_ms"], ratio_p50=pipeline["p50_ms"] / dense["p50_ms"],
+               ratio_mean=pipeline["mean_ms"] / dense["mean_ms"], all_paths_ratio_p50=every_path["p50_ms"] / pipeline["p50_ms"],
+               paths_used=np.bincount(paths, minlength=pipe.num_paths).tolist(), cache=pipe.cache.stats())
     return out
 
 
-def _free_port() -> int:
+# --- the server: started, asked, scraped ------------------------------------------------------------------
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def _post(port: int, body: dict) -> dict:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+def exchange(conn: http.client.HTTPConnection, method: str, path: str, body: Body | None = None) -> tuple[int, bytes]:
+    """One request on ``conn`` (reconnected if closed): its status and whole answer. A callable ``body`` gives the
+    chunks of a chunked body (no Content-Length). Raises OSError/HTTPException when the server does not answer."""
+    headers = {} if body is None else {"Content-Type": "application/json"}
+    if callable(body):
+        conn.request(method, path, body=body(), headers=headers, encode_chunked=True)
+    else:
+        conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def request(port: int, method: str, path: str, body: Body | None = None, timeout: float = 300) -> tuple[int, bytes]:
+    """:func:`exchange` on a new connection to the server on loopback ``port``, closed after."""
+    with contextlib.closing(http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)) as conn:
+        return exchange(conn, method, path, body)
+
+
+class Tally:
+    """What a load's requests got, added up from its client threads: each answer's status (the exception's name for
+    a request the server never answered) and, for the answers of 200, their latency and new tokens (``tokens_of``).
+    Parts 3, 4, 5, 8 and 9 all count their requests with it."""
+
+    def __init__(self, tokens_of: Callable[[bytes], int] | None = None) -> None:
+        self.lock = threading.Lock()
+        self.statuses: Counter[int | str] = Counter()
+        self.latencies: list[float] = []
+        self.tokens = 0
+        self.tokens_of = tokens_of
+
+    def post(self, conn: http.client.HTTPConnection, path: str, body: Body) -> tuple[int | None, float]:
+        """POSTs ``body`` on ``conn`` and records what came back: (its status, or None with no answer; milliseconds).
+        With no answer ``conn`` is closed, so that its next request opens a new connection."""
+        start = time.perf_counter()
+        try:
+            status, reply = exchange(conn, "POST", path, body)
+        except NO_ANSWER as exc:
+            conn.close()
+            with self.lock:
+                self.statuses[type(exc).__name__] += 1
+            return None, ms_since(start)
+        elapsed = ms_since(start)
+        tokens = self.tokens_of(reply) if status == 200 and self.tokens_of else 0
+        with self.lock:
+            self.statuses[status] += 1
+            if status == 200:
+                self.latencies.append(elapsed)
+                self.tokens += tokens
+        return status, elapsed
+
+    def summary(self, clients: int, wall: float, keep_latencies: bool = False) -> Json:
+        """The load's figures over ``wall`` seconds; the latencies themselves with ``keep_latencies``."""
+        n = len(self.latencies)
+        return {"clients": clients, "wall_s": wall, "requests": n, "tokens": self.tokens, "tokens_per_s": self.tokens / wall,
+                "requests_per_s": n / wall, "statuses": {str(k): v for k, v in self.statuses.items()},
+                **(percentiles(self.latencies) if n else {}), **({"latencies_ms": self.latencies} if keep_latencies else {})}
+
+
+def generated_tokens(reply: bytes) -> int:
+    """The new tokens of a /v1/generate answer."""
+    return json.loads(reply)["completion_tokens"]
+
+
+def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float = math.inf, endpoint: str = "/v1/generate",
+                tokens_of: Callable[[bytes], int] = generated_tokens, keep_latencies: bool = False,
+                requests: int | None = None, keep_alive: bool = True) -> Json:
+    """``clients`` threads, each sending its next request as soon as the last is answered (its whole body read), for
+    ``seconds`` or ``requests`` requests each, on its own kept-alive connection or (``keep_alive=False``) a new one per
+    request. Request r of client c is ``bodies[(c + r * clients) % len(bodies)]``; ``tokens_of(body)``: the new
+    tokens of an answer."""
+    tally = Tally(tokens_of)
+    deadline = time.monotonic() + seconds
+
+    def client(c: int) -> None:
+        with contextlib.closing(http.client.HTTPConnection("127.0.0.1", port, timeout=120)) as conn:
+            r = 0
+            while time.monotonic() < deadline and r != requests:
+                tally.post(conn, endpoint, bodies[(c + r * clients) % len(bodies)])
+                r += 1
+                if not keep_alive:
+                    conn.close()
+
+    return tally.summary(clients, run_clients(client, clients), keep_latencies)
+
+
+def healthy(port: int) -> bool:
+    """Whether the server on ``port`` answers /healthz with 200 (False while it starts)."""
     try:
-        conn.request("POST", "/v1/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = json.loads(resp.read())
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data}")
-        return data
-    finally:
-        conn.close()
-
-
-def bench_http(run: Path, experiment: str | None, prompts: list[str], new_tokens: int, clients: list[int],
-               requests: int, threads: int | None) -> dict:
-    """Part 3: `dipaco serve` in a subprocess; N concurrent clients."""
-    with dipaco_serve(run, experiment, threads) as (port, _):
-        for prompt in prompts[:8]:  # warm up every path the prompts route to
-            _post(port, {"prompt": prompt, "max_new_tokens": new_tokens})
-        results = []
-        for n in clients:
-            latencies, tokens = [], []
-            lock = threading.Lock()
-
-            def client(c: int) -> None:
-                for r in range(requests):
-                    prompt = prompts[(c * requests + r) % len(prompts)]
-                    start = time.perf_counter()
-                    reply = _post(port, {"prompt": prompt, "max_new_tokens": new_tokens})
-                    with lock:
-                        latencies.append((time.perf_counter() - start) * 1000)
-                        tokens.append(reply["completion_tokens"])
-
-            start = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                list(pool.map(client, range(n)))
-            wall = time.perf_counter() - start
-            row = {"clients": n, "requests": len(latencies), "wall_s": wall, "requests_per_s": len(latencies) / wall,
-                   "tokens_per_s": sum(tokens) / wall, **percentiles(latencies)}
-            results.append(row)
-            print(f"[bench] http clients={n}: {row['requests_per_s']:.2f} req/s, {row['tokens_per_s']:.0f} tok/s, "
-                  f"p50 {row['p50_ms']:.0f} ms", flush=True)
-        return {"port": port, "runs": results}
+        return request(port, "GET", "/healthz", timeout=2)[0] == 200
+    except NO_ANSWER:
+        return False
 
 
 @contextlib.contextmanager
 def dipaco_serve(run: Path, experiment: str | None, threads: int | None, cache_size: int = 16,
-                 extra_args: tuple[str, ...] = (), nofile: int | None = None):
+                 extra_args: tuple[str, ...] = (), nofile: int | None = None) -> Iterator[tuple[int, subprocess.Popen]]:
     """`dipaco serve` in a subprocess on a free loopback port, up and healthy; yields (port, process).
 
     ``extra_args``: more `dipaco serve` flags (``--max-batch 1``); ``nofile``: its RLIMIT_NOFILE
     (``ulimit -n``). Its stderr (the access log: a line per request) goes to a file, not a pipe that
     nobody reads: a full pipe blocks the server.
     """
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "dipaco", "serve", "--run", str(run), "--port", str(port),
            "--cache-size", str(cache_size), "--host", "127.0.0.1", *extra_args]
     if experiment:
         cmd += ["--experiment", experiment]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
 
-    def limit_descriptors() -> None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
+    limit = functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, (nofile, nofile)) if nofile else None
     log = tempfile.TemporaryFile()
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=REPO,
-                              preexec_fn=limit_descriptors if nofile else None)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=REPO, preexec_fn=limit)
 
-    def log_tail() -> str:
+    def failed(why: str) -> RuntimeError:
         log.seek(0)
-        return log.read().decode(errors="replace")[-2000:]
+        return RuntimeError(f"dipaco serve {why}: {log.read().decode(errors='replace')[-2000:]}")
 
     try:
         deadline = time.monotonic() + 300
-        while True:
+        while not healthy(port):
             if server.poll() is not None:
-                raise RuntimeError(f"dipaco serve exited: {log_tail()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/healthz")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
+                raise failed("exited")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"dipaco serve did not come up: {log_tail()}")
+                raise failed("did not come up")
             time.sleep(0.5)
         yield port, server
     finally:
@@ -364,12 +451,7 @@ def dipaco_serve(run: Path, experiment: str | None, threads: int | None, cache_s
         log.close()
 
 
-# --- part 4: abuse ----------------------------------------------------------------------------------
-MB = 1024 * 1024
-LARGE_KINDS = ("body_50mb", "chunked_10mb", "route_10mb")  # the large invalid requests
-
-
-def rss_kb(pid: int) -> dict:
+def rss_kb(pid: int) -> dict[str, int]:
     """VmRSS (now) and VmHWM (peak) of a process, in kB, from /proc/PID/status (Linux)."""
     out = {}
     try:
@@ -382,8 +464,79 @@ def rss_kb(pid: int) -> dict:
     return out
 
 
-def abuse_requests(prompt: str, caps: dict) -> dict:
-    """Per kind: (path, body: bytes or an iterable of chunks for a chunked body, expected statuses)."""
+def server_descriptors(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def scrape(port: int) -> list:
+    """The server's /metrics samples, parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = request(port, "GET", "/metrics", timeout=30)[1].decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def metric_total(samples: list, name: str) -> float:
+    return sum(s.value for s in samples if s.name == name)
+
+
+def metric_by_label(samples: list, name: str, label: str) -> dict[str, float]:
+    return {s.labels[label]: s.value for s in samples if s.name == name}
+
+
+# --- part 3: a fixed number of requests per client ---------------------------------------------------------
+def bench_http(run: Path, experiment: str | None, prompts: list[str], new_tokens: int, clients: list[int],
+               requests: int, threads: int | None) -> Json:
+    """Part 3: `dipaco serve` in a subprocess; for each N of ``clients``, N concurrent clients sending ``requests``
+    requests each, a new connection per request. An answer other than 200 stops the benchmark."""
+    bodies = encode_bodies(prompts, max_new_tokens=new_tokens)
+    with dipaco_serve(run, experiment, threads) as (port, _):
+        for body in bodies[:8]:  # warm up every path the prompts route to
+            request(port, "POST", "/v1/generate", body)
+        runs = []
+        for n in clients:
+            row = closed_loop(port, bodies, n, requests=requests, keep_alive=False)
+            if row["statuses"] != {"200": row["requests"]}:
+                raise RuntimeError(f"dipaco serve answered {row['statuses']} to {n} clients (only 200 expected)")
+            runs.append(row)
+            print(f"[bench] http clients={n}: {row['requests_per_s']:.2f} req/s, {row['tokens_per_s']:.0f} tok/s, "
+                  f"p50 {row['p50_ms']:.0f} ms", flush=True)
+        return {"port": port, "runs": runs}
+
+
+def print_latency(report: Json) -> None:
+    """Parts 1-3 as tables."""
+    s = report["single_path"]
+    a, dense_p50 = s["all_paths"], s["dense"]["p50_ms"]
+    rows = [{"name": "dense LlamaForCausalLM.generate (no routing)", **s["dense"]},
+            {"name": "Pipeline: route + cached path + generate", **s["pipeline"]},
+            {"name": f"every path per prompt ({a['paths']} compose+generate)", **a,
+             "tokens_per_s": a["tokens_per_s_per_prompt"]},
+            {"name": "of which routing alone", **s["route_only"]}]
+    print()
+    print(markdown_table(rows, [(f"generate {report['new_tokens']} tokens", "name"), *LATENCY_COLUMNS,
+                                ("tok/s (p50)", fixed("tokens_per_s", ".0f")),
+                                ("vs dense", lambda r: f"{r['p50_ms'] / dense_p50:.2f}x" if "tokens_per_s" in r else None)]))
+    print(f"pipeline / dense: p50 {s['ratio_p50']:.3f}x, mean {s['ratio_mean']:.3f}x, median of paired ratios "
+          f"{s['paired_ratio_median']:.3f}x, CPU time p50 {s['cpu_ratio_p50']:.3f}x (target <= 1.1x); "
+          f"paths used {s['paths_used']}")
+    if report["http"]:
+        print()
+        print(markdown_table(report["http"]["runs"], [
+            ("dipaco serve, clients", "clients"), ("req/s", fixed("requests_per_s", ".2f")),
+            ("tok/s", fixed("tokens_per_s", ".0f")), *LATENCY_COLUMNS]))
+
+
+# --- part 4: abuse ----------------------------------------------------------------------------------
+MB = 1024 * 1024
+LARGE_KINDS = ("body_50mb", "chunked_10mb", "route_10mb")  # the large invalid requests
+
+
+def abuse_requests(prompt: str, caps: Json) -> dict[str, tuple[str, Body, set[int]]]:
+    """Per kind: (path, body: bytes or a function giving the chunks of a chunked body, expected statuses)."""
     max_chars = caps["max_prompt_chars"]
     seq_len = caps["seq_len"]
     huge = json.dumps({"prompt": "The economy grew. " * (50 * MB // 18)}).encode()  # ~50 MB with Content-Length
@@ -413,51 +566,28 @@ def abuse_requests(prompt: str, caps: dict) -> dict:
     }
 
 
-def _send(port: int, path: str, body, timeout: float) -> int:
-    """The status of one POST on a fresh connection; raises OSError/HTTPException when there is no answer."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        headers = {"Content-Type": "application/json"}
-        if callable(body):  # chunked: no Content-Length
-            conn.request("POST", path, body=body(), headers=headers, encode_chunked=True)
-        else:
-            conn.request("POST", path, body=body, headers=headers)
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    finally:
-        conn.close()
-
-
 def bench_abuse(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float,
-                threads: int | None, invalid: bool = True) -> dict:
+                threads: int | None, invalid: bool = True) -> Json:
     """Part 4: mixed valid and invalid requests from ``clients`` clients for ``seconds``.
 
     With ``invalid=False`` (the control) the same clients send only the small valid requests: the
     latency the machine gives them without abuse."""
     with dipaco_serve(run, experiment, threads, cache_size=4) as (port, server):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("GET", "/healthz")
-        caps = json.loads(conn.getresponse().read())
-        conn.close()
+        caps = json.loads(request(port, "GET", "/healthz", timeout=30)[1])
         kinds = abuse_requests(prompts[0], caps)
-        small = [json.dumps({"prompt": p, "max_new_tokens": 8}).encode() for p in prompts]
+        small = encode_bodies(prompts, max_new_tokens=8)
         for body in small[:16]:  # warm up: every path composed, every thread's tokenizer copied
-            _send(port, "/v1/generate", body, 60)
+            request(port, "POST", "/v1/generate", body, 60)
         rss_before = rss_kb(server.pid)
         # Each client cycles through this schedule, from its own offset: half of the requests are small
         # valid ones, the rest every invalid kind once per cycle (the large ones included).
-        bad = [k for k in kinds if not k.startswith("valid_")]
-        schedule = []
-        for k in bad:
+        schedule: list[str] = []
+        for k in (k for k in kinds if not k.startswith("valid_")):
             schedule += [k if invalid else "valid_generate", "valid_generate" if len(schedule) % 4 else "valid_route"]
+        tallies = {k: Tally() for k in kinds}
         lock = threading.Lock()
-        statuses: dict[str, Counter] = {k: Counter() for k in kinds}
-        dropped: Counter = Counter()
-        unexpected: Counter = Counter()
-        latency = {"valid_generate": [], "valid_route": []}
         during_large: list[float] = []  # small valid generate latencies while a large request was in flight
-        in_flight = {"large": 0}
+        large_in_flight = [0]
         deadline = time.monotonic() + seconds
 
         def client(c: int) -> None:
@@ -465,54 +595,39 @@ def bench_abuse(run: Path, experiment: str | None, prompts: list[str], clients: 
             while time.monotonic() < deadline:
                 kind = schedule[i % len(schedule)]
                 i += 1
-                path, body, expected = kinds[kind]
-                if kind == "valid_generate":
-                    body = small[i % len(small)]
+                path, body, _ = kinds[kind]
                 large = kind in LARGE_KINDS
                 with lock:
-                    in_flight["large"] += large
-                    large_before = in_flight["large"] > 0
-                start = time.perf_counter()
-                try:
-                    status = _send(port, path, body, timeout=120)
-                except (OSError, http.client.HTTPException) as exc:
-                    status = None
-                    with lock:
-                        dropped[f"{kind}: {type(exc).__name__}"] += 1
-                elapsed = (time.perf_counter() - start) * 1000
+                    large_in_flight[0] += large
+                    large_before = large_in_flight[0] > 0
+                with contextlib.closing(http.client.HTTPConnection("127.0.0.1", port, timeout=120)) as conn:
+                    status, elapsed = tallies[kind].post(conn, path, small[i % len(small)] if kind == "valid_generate" else body)
                 with lock:
-                    in_flight["large"] -= large
-                    if status is not None:
-                        statuses[kind][status] += 1
-                        if status not in expected:
-                            unexpected[f"{kind}: {status}"] += 1
-                    if kind in latency and status == 200:
-                        latency[kind].append(elapsed)
-                        if kind == "valid_generate" and (large_before or in_flight["large"] > 0):
-                            during_large.append(elapsed)
+                    large_in_flight[0] -= large
+                    if kind == "valid_generate" and status == 200 and (large_before or large_in_flight[0] > 0):
+                        during_large.append(elapsed)
 
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=clients) as pool:
-            list(pool.map(client, range(clients)))
-        wall = time.perf_counter() - start
+        wall = run_clients(client, clients)
         time.sleep(2.0)  # let the server finish and free what the last requests held
         rss_after = rss_kb(server.pid)
         alive = server.poll() is None
-    counts = Counter()
-    for c in statuses.values():
-        counts.update(c)
+    # A tally's int keys are the statuses answered; its str keys, the exceptions of requests with no answer.
+    answered = {k: {s: n for s, n in sorted(t.statuses.items()) if isinstance(s, int)} for k, t in tallies.items()}
+    counts: Counter[int] = sum((Counter(c) for c in answered.values()), Counter())
+    dropped = {f"{k}: {s}": n for k, t in tallies.items() for s, n in t.statuses.items() if isinstance(s, str)}
     n = sum(counts.values()) + sum(dropped.values())
-    out = {
+    out: Json = {
         "invalid_requests": invalid, "clients": clients, "seconds": seconds, "wall_s": wall, "requests": n,
         "requests_per_s": n / wall,
         "caps": {k: caps.get(k) for k in ("seq_len", "max_prompt_tokens", "max_prompt_chars",
                                           "max_new_tokens_cap", "max_body_bytes", "routing_prefix_tokens")},
         "status_counts": {str(k): v for k, v in sorted(counts.items())},
-        "status_by_kind": {k: {str(s): v for s, v in sorted(c.items())} for k, c in statuses.items()},
+        "status_by_kind": {k: {str(s): v for s, v in c.items()} for k, c in answered.items()},
         "responses_500": sum(v for k, v in counts.items() if k >= 500),
-        "dropped_connections": sum(dropped.values()), "dropped_by_kind": dict(dropped),
-        "unexpected_status": dict(unexpected),
-        "latency": {k: percentiles(v) if v else None for k, v in latency.items()},
+        "dropped_connections": sum(dropped.values()), "dropped_by_kind": dropped,
+        "unexpected_status": {f"{k}: {s}": v for k, c in answered.items() for s, v in c.items() if s not in kinds[k][2]},
+        "latency": {k: percentiles(tallies[k].latencies) if tallies[k].latencies else None
+                    for k in ("valid_generate", "valid_route")},
         "valid_generate_while_large_in_flight": percentiles(during_large) if during_large else None,
         "server_rss_kb": {"before": rss_before.get("VmRSS"), "after": rss_after.get("VmRSS"),
                           "peak": rss_after.get("VmHWM")},
@@ -530,107 +645,35 @@ def bench_abuse(run: Path, experiment: str | None, prompts: list[str], clients: 
     return out
 
 
-def print_abuse(a: dict) -> None:
+def print_abuse(a: Json) -> None:
     print()
     print(f"abuse: {a['clients']} clients, {a['wall_s']:.1f} s, {a['requests']} requests ({a['requests_per_s']:.1f}/s); "
           f"status {a['status_counts']}; 500s {a['responses_500']}; dropped {a['dropped_connections']}; "
           f"unexpected {a['unexpected_status'] or 'none'}")
-    for k, row in a["latency"].items():
-        if row:
-            print(f"  {k:<16} n={row['n']:<5} p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms")
-    d = a["valid_generate_while_large_in_flight"]
-    if d:
-        print(f"  valid_generate while a large invalid request was in flight: n={d['n']} p50 {d['p50_ms']:.1f} ms "
-              f"p99 {d['p99_ms']:.1f} ms")
+    rows = [{"kind": k, **row} for k, row in a["latency"].items() if row]
+    if a["valid_generate_while_large_in_flight"]:
+        rows.append({"kind": "valid_generate while a large invalid request was in flight",
+                     **a["valid_generate_while_large_in_flight"]})
+    print(markdown_table(rows, [("requests", "kind"), ("n", "n"), *LATENCY_COLUMNS]))
     r = a["server_rss_kb"]
     growth = "?" if r["growth"] is None else f"{100 * r['growth']:+.1f}%"
     print(f"  server RSS: {r['before']} kB before, {r['after']} kB after ({growth}), peak {r['peak']} kB")
     print(f"  targets: {a['targets']}")
 
 
-# --- part 5: concurrency, batched against unbatched ---------------------------------------------------
-def varied_prompts(pipe, n: int, max_tokens: int) -> list[str]:
-    """``n`` validation texts cut to between ``max_tokens // 2`` and ``max_tokens`` tokens (a fixed cycle),
-    so a batch holds prompts of different lengths and is left-padded."""
-    val = validation_split(pipe)
-    docs = [d for d in val["input_ids"] if len(d) >= max_tokens]
-    if len(docs) < n:
-        docs = (docs * (n // max(len(docs), 1) + 1))[:n]
-    low = max(1, max_tokens // 2)
-    return [pipe.decode(d[: low + (i * 7) % (max_tokens - low + 1)]) for i, d in enumerate(docs[:n])]
+# --- parts 5, 8, 9: closed-loop loads -------------------------------------------------------------------
+def all_statuses(loads: list[Json]) -> dict[str, int]:
+    """The statuses of several closed-loop loads (rounds, windows), added up."""
+    return dict(sum((Counter(load["statuses"]) for load in loads), Counter()))
 
 
-def scrape(port: int) -> list:
-    """The server's /metrics samples, parsed by prometheus_client's own parser."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
-
-
-def metric_total(samples: list, name: str) -> float:
-    return sum(s.value for s in samples if s.name == name)
-
-
-def metric_by_label(samples: list, name: str, label: str) -> dict[str, float]:
-    return {s.labels[label]: s.value for s in samples if s.name == name}
-
-
-def generated_tokens(reply: bytes) -> int:
-    """The new tokens of a /v1/generate answer."""
-    return json.loads(reply)["completion_tokens"]
-
-
-def closed_loop(port: int, bodies: list[bytes], clients: int, seconds: float, endpoint: str = "/v1/generate",
-                tokens_of=generated_tokens, keep_latencies: bool = False) -> dict:
-    """``clients`` threads, each on its own kept-alive connection, sending its next request as soon as the
-    last is answered (its whole body read), for ``seconds``. Request r of client c is
-    ``bodies[(c + r * clients) % len(bodies)]``; ``tokens_of(body)``: the new tokens of an answer."""
-    lock = threading.Lock()
-    latencies: list[float] = []
-    tokens = [0]
-    statuses: Counter = Counter()
-    deadline = time.monotonic() + seconds
-
-    def client(c: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        r = 0
-        while time.monotonic() < deadline:
-            body = bodies[(c + r * clients) % len(bodies)]
-            r += 1
-            start = time.perf_counter()
-            try:
-                conn.request("POST", endpoint, body=body, headers={"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                reply = resp.read()
-                status = resp.status
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-                with lock:
-                    statuses[type(exc).__name__] += 1
-                continue
-            elapsed = (time.perf_counter() - start) * 1000
-            with lock:
-                statuses[status] += 1
-                if status == 200:
-                    latencies.append(elapsed)
-                    tokens[0] += tokens_of(reply)
-        conn.close()
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=clients) as pool:
-        list(pool.map(client, range(clients)))
-    wall = time.perf_counter() - start
-    return {"clients": clients, "wall_s": wall, "requests": len(latencies), "tokens": tokens[0],
-            "tokens_per_s": tokens[0] / wall, "requests_per_s": len(latencies) / wall,
-            "statuses": {str(k): v for k, v in statuses.items()}, **(percentiles(latencies) if latencies else {}),
-            **({"latencies_ms": latencies} if keep_latencies else {})}
+def combined(loads: list[Json]) -> Json:
+    """Closed-loop loads run with ``keep_latencies`` in parts (rounds) as one: their requests, tokens, tokens/s over
+    their summed wall time, statuses, and the percentiles of every latency."""
+    latencies = [ms for load in loads for ms in load.pop("latencies_ms")]
+    wall, tokens = sum(load["wall_s"] for load in loads), sum(load["tokens"] for load in loads)
+    return {"requests": len(latencies), "tokens": tokens, "tokens_per_s": tokens / wall,
+            "statuses": all_statuses(loads), **(percentiles(latencies) if latencies else {})}
 
 
 # The servers part 5 compares: (name, flags, every request on --pin-path (default 0) instead of routed).
@@ -642,19 +685,27 @@ SERVER_MODES = {
 }
 
 
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``--modes``: names of SERVER_MODES. Not rows of the harness: a mode takes no ``@key=value`` overrides."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in SERVER_MODES]
+    if unknown or not modes:
+        raise SystemExit(f"--modes: {', '.join(unknown) or 'none given'}: choose from {', '.join(SERVER_MODES)}")
+    return modes
+
+
 def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float,
                       warmup_s: float, new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float,
                       decode_workers: int = 1, path: int | None = None,
-                      modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned"), cache_size: int = 4) -> dict:
+                      modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned"), cache_size: int = 4) -> Json:
     """Part 5: the same closed-loop load on one `dipaco serve` per mode (:data:`SERVER_MODES`), in turn.
     ``path``: the path of the pinned mode (default 0); ``cache_size``: the servers' composed paths (at least the
     run's paths, or the per-path modes would compose a path per request)."""
-    out: dict = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "prompts": len(prompts),
+    out: Json = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "prompts": len(prompts),
                  "pinned_path": path or 0}
     for name in modes:
         flags, pinned = SERVER_MODES[name]
-        named = {"path": path or 0} if pinned else {}
-        bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, **named}).encode() for p in prompts]
+        bodies = encode_bodies(prompts, max_new_tokens=new_tokens, **({"path": path or 0} if pinned else {}))
         flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
         if "--max-batch" not in flags:
             flags = (*flags, "--max-batch", str(max_batch))
@@ -664,26 +715,23 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
             row = closed_loop(port, bodies, clients, seconds)
             after = scrape(port)
         row.update(forward_passes(before, after))
-        row["cache_size"] = cache_size
-        row["server_flags"] = " ".join(flags)
-        row["requests_name_a_path"] = pinned
+        row.update(cache_size=cache_size, server_flags=" ".join(flags), requests_name_a_path=pinned)
         out[name] = row
         module = f", {row['rows_per_module']:.1f} rows per module" if row.get("rows_per_module") else ""
         print(f"[bench] {name} ({row['server_flags']}), {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
-              f"p50 {row.get('p50_ms', 0):.0f} ms, p99 {row.get('p99_ms', 0):.0f} ms, "
-              f"{row['mean_batch_size'] or 0:.1f} rows per pass{module}", flush=True)
+              f"{latency_text(row)}, {row['mean_batch_size'] or 0:.1f} rows per pass{module}", flush=True)
     out.update(concurrency_targets(out))
     return out
 
 
-def forward_passes(before: list, after: list) -> dict:
+def forward_passes(before: list, after: list) -> Json:
     """What the server's forward passes held over a load, from its /metrics before and after: rows per pass,
     and under module batching the rows per level module and the share of time per stage."""
     def delta(name: str) -> float:
         return metric_total(after, name) - metric_total(before, name)
 
     passes, rows = delta("dipaco_batch_size_count"), delta("dipaco_batch_size_sum")
-    out: dict = {"batches": int(passes), "mean_batch_size": rows / passes if passes else None}
+    out: Json = {"batches": int(passes), "mean_batch_size": rows / passes if passes else None}
     calls = delta("dipaco_module_calls_total")
     if calls:
         out["rows_per_module"] = delta("dipaco_module_rows_total") / calls
@@ -696,7 +744,7 @@ def forward_passes(before: list, after: list) -> dict:
     return out
 
 
-def concurrency_targets(out: dict) -> dict:
+def concurrency_targets(out: Json) -> Json:
     """Throughput and p99 ratios between the modes measured, and issue 61's targets for module batching."""
     def ratio(a: str, b: str, key: str) -> float | None:
         if a in out and b in out and out[b].get(key):
@@ -708,17 +756,13 @@ def concurrency_targets(out: dict) -> dict:
               "module_vs_path": ratio("module", "path", "tokens_per_s"),
               "module_vs_pinned": ratio("module", "pinned", "tokens_per_s"),
               "module_p99_vs_path": ratio("module", "path", "p99_ms")}
-    targets = {}
-    if ratios["module_vs_unbatched"] is not None:
-        targets["module_ge_3x_unbatched"] = ratios["module_vs_unbatched"] >= 3.0
-    if ratios["module_vs_pinned"] is not None:
-        targets["module_ge_0.8_of_pinned"] = ratios["module_vs_pinned"] >= 0.8
-    if ratios["module_p99_vs_path"] is not None:
-        targets["module_p99_no_worse_than_path"] = ratios["module_p99_vs_path"] <= 1.0
+    checks = {"module_ge_3x_unbatched": ("module_vs_unbatched", lambda r: r >= 3.0),
+              "module_ge_0.8_of_pinned": ("module_vs_pinned", lambda r: r >= 0.8),
+              "module_p99_no_worse_than_path": ("module_p99_vs_path", lambda r: r <= 1.0)}
+    targets = {name: check(ratios[key]) for name, (key, check) in checks.items() if ratios[key] is not None}
     return {"ratios": ratios, "targets": targets}
 
 
-# --- part 8: the same load through /v1/generate and OpenAI's /v1/completions --------------------------
 def completion_tokens(reply: bytes) -> int:
     """The new tokens of a /v1/completions answer, whole or streamed (its usage chunk, before [DONE])."""
     if reply.startswith(b"data: "):
@@ -728,40 +772,32 @@ def completion_tokens(reply: bytes) -> int:
 
 
 def bench_apis(run: Path, experiment: str, prompts: list[str], clients: int, seconds: float, warmup_s: float,
-               new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float, rounds: int = 3) -> dict:
+               new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float, rounds: int = 3) -> Json:
     """Part 8: one batched server, the same closed-loop load through the three APIs, interleaved in ``rounds``."""
     openai = {"model": experiment, "max_tokens": new_tokens, "temperature": 0}
-    apis = {  # name: (endpoint, request bodies, tokens of an answer)
-        "generate": ("/v1/generate", [{"prompt": p, "max_new_tokens": new_tokens} for p in prompts], generated_tokens),
-        "completions": ("/v1/completions", [{**openai, "prompt": p} for p in prompts], completion_tokens),
-        "completions_stream": ("/v1/completions", [{**openai, "prompt": p, "stream": True,
-                                                    "stream_options": {"include_usage": True}} for p in prompts],
+    apis: dict[str, tuple[str, list[bytes], Callable[[bytes], int]]] = {  # name: (endpoint, bodies, tokens of an answer)
+        "generate": ("/v1/generate", encode_bodies(prompts, max_new_tokens=new_tokens), generated_tokens),
+        "completions": ("/v1/completions", encode_bodies(prompts, **openai), completion_tokens),
+        "completions_stream": ("/v1/completions", encode_bodies(prompts, **openai, stream=True,
+                                                                stream_options={"include_usage": True}),
                                completion_tokens),
     }
-    encoded = {name: (endpoint, [json.dumps(b).encode() for b in bodies], count)
-               for name, (endpoint, bodies, count) in apis.items()}
     flags = ("--max-batch", str(max_batch), "--batch-wait-ms", str(batch_wait_ms))
-    runs: dict[str, list[dict]] = {name: [] for name in apis}
+    runs: dict[str, list[Json]] = {name: [] for name in apis}
     with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, _):
-        for endpoint, bodies, count in encoded.values():
+        for endpoint, bodies, count in apis.values():
             closed_loop(port, bodies, clients, warmup_s, endpoint, count)
         names = list(apis)
         for r in range(rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                endpoint, bodies, count = encoded[name]
+                endpoint, bodies, count = apis[name]
                 runs[name].append(closed_loop(port, bodies, clients, seconds / rounds, endpoint, count, keep_latencies=True))
-    out: dict = {"clients": clients, "seconds": seconds, "rounds": rounds, "new_tokens": new_tokens,
+    out: Json = {"clients": clients, "seconds": seconds, "rounds": rounds, "new_tokens": new_tokens,
                  "server_flags": " ".join(flags)}
     for name, parts in runs.items():
-        latencies = [ms for part in parts for ms in part.pop("latencies_ms")]
-        wall, tokens = sum(part["wall_s"] for part in parts), sum(part["tokens"] for part in parts)
-        statuses: Counter = Counter()
-        for part in parts:
-            statuses.update(part["statuses"])
-        out[name] = {"requests": len(latencies), "tokens": tokens, "tokens_per_s": tokens / wall,
-                     "statuses": dict(statuses), **(percentiles(latencies) if latencies else {})}
-        print(f"[bench] {name}, {clients} clients: {out[name]['tokens_per_s']:.0f} tok/s, "
-              f"p50 {out[name].get('p50_ms', 0):.0f} ms, p99 {out[name].get('p99_ms', 0):.0f} ms", flush=True)
+        out[name] = combined(parts)
+        print(f"[bench] {name}, {clients} clients: {out[name]['tokens_per_s']:.0f} tok/s, {latency_text(out[name])}",
+              flush=True)
     base = out["generate"]
     out["targets"] = {}
     for name in ("completions", "completions_stream"):
@@ -770,22 +806,6 @@ def bench_apis(run: Path, experiment: str, prompts: list[str], clients: int, sec
         row["p99_vs_generate"] = row["p99_ms"] / base["p99_ms"] if "p99_ms" in row and "p99_ms" in base else None
         out["targets"][f"{name}_within_10pct"] = ((row["throughput_vs_generate"] or 0) >= 0.9
                                                   and (row["p99_vs_generate"] or 2) <= 1.1)
-    return out
-
-
-# --- part 9: soak: memory, descriptors and latency over a long closed-loop load --------------------------
-def word_prompts(pipe, n: int, low: int = 12, high: int = 40, seed: int = 0) -> list[str]:
-    """``n`` runs of ``low`` to ``high`` words from validation texts, each from a random place (fixed seed)."""
-    rng = np.random.default_rng(seed)
-    out: list[str] = []
-    for doc in validation_split(pipe)["input_ids"]:
-        words = pipe.decode(doc).split()
-        k = int(rng.integers(low, high + 1))
-        if len(words) >= k:
-            at = int(rng.integers(0, len(words) - k + 1))
-            out.append(" ".join(words[at:at + k]))
-        if len(out) == n:
-            break
     return out
 
 
@@ -809,10 +829,10 @@ class ProcSampler(threading.Thread):
 
 def bench_soak(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float, window_s: float,
                settle_s: float, sample_s: float, new_tokens: int, threads: int | None, max_batch: int,
-               batching: str = "module") -> dict:
+               batching: str = "module") -> Json:
     """Part 9: one server (``--batching``), ``clients`` closed-loop clients for ``seconds`` in windows of ``window_s``.
     Each window is a fresh ``closed_loop`` (its clients reconnect): a gap of a few ms, and latency per window."""
-    bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, "temperature": 0.8}).encode() for p in prompts]
+    bodies = encode_bodies(prompts, max_new_tokens=new_tokens, temperature=0.8)
     flags = ("--max-batch", str(max_batch), "--batching", batching)
     windows = []
     with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, server):
@@ -822,20 +842,17 @@ def bench_soak(run: Path, experiment: str | None, prompts: list[str], clients: i
             row = closed_loop(port, bodies, clients, min(window_s, left))
             row["end_s"] = time.monotonic() - sampler.start_time
             windows.append(row)
-            print(f"[bench] soak {row['end_s']:.0f} s: {row['requests']} answers, p50 {row.get('p50_ms', 0):.0f} ms, "
-                  f"p99 {row.get('p99_ms', 0):.0f} ms, RSS {sampler.samples[-1][1]:.0f} MB, "
-                  f"{sampler.samples[-1][2]} descriptors", flush=True)
+            print(f"[bench] soak {row['end_s']:.0f} s: {row['requests']} answers, {latency_text(row)}, "
+                  f"RSS {sampler.samples[-1][1]:.0f} MB, {sampler.samples[-1][2]} descriptors", flush=True)
         time.sleep(min(sample_s, 5.0))  # one sample after the load
         sampler.stop.set()
         sampler.join()
     t, rss, fds = (np.array([s[i] for s in sampler.samples], dtype=float) for i in range(3))
     late = t >= min(settle_s, t[-1])  # a run shorter than settle_s: its last sample alone
-    statuses: Counter = Counter()
-    for row in windows:
-        statuses.update(row["statuses"])
+    statuses = all_statuses(windows)
     slope = float(np.polyfit(t[late], rss[late], 1)[0]) * 60 if late.sum() >= 2 else None
-    out = {"clients": clients, "seconds": seconds, "window_s": window_s, "settle_s": settle_s, "new_tokens": new_tokens,
-           "server_flags": " ".join(flags), "statuses": dict(statuses),
+    out: Json = {"clients": clients, "seconds": seconds, "window_s": window_s, "settle_s": settle_s, "new_tokens": new_tokens,
+           "server_flags": " ".join(flags), "statuses": statuses,
            "responses_500": sum(v for k, v in statuses.items() if k.isdigit() and int(k) >= 500),
            "windows": [{k: row.get(k) for k in ("end_s", "requests", "p50_ms", "p99_ms", "statuses")} for row in windows],
            "samples": {"t_s": t.tolist(), "rss_mb": rss.tolist(), "fds": fds.tolist()},
@@ -850,7 +867,7 @@ def bench_soak(run: Path, experiment: str | None, prompts: list[str], clients: i
     print(f"[bench] soak: RSS {r['first']:.0f} MB at start, {r['at_settle']:.0f} MB at {settle_s:g} s, {r['end']:.0f} MB "
           f"at the end ({100 * r['growth_after_settle']:+.1f}%, {slope if slope is not None else float('nan'):.2f} "
           f"MB/min after settling); descriptors {out['fds']['min']:.0f}-{out['fds']['max']:.0f}; statuses "
-          f"{dict(statuses)}; targets {out['targets']}", flush=True)
+          f"{statuses}; targets {out['targets']}", flush=True)
     return out
 
 
@@ -858,26 +875,21 @@ def bench_soak(run: Path, experiment: str | None, prompts: list[str], clients: i
 SAMPLING_CYCLE = ((0.7, 1.0, 0), (1.0, 0.95, 50), (1.3, 0.9, 0))  # (temperature, top_p, top_k) by row
 
 
-def _decode_all(pipe, prompts: list[str], new_tokens: int, batch: int, sampled: bool, batching: str = "path") -> list:
+def _decode_all(pipe: Pipeline, prompts: list[str], new_tokens: int, batch: int, sampled: bool,
+                batching: str = "path") -> list[PlannedGeneration]:
     """Plans every prompt, then decodes them in batches of up to ``batch`` rows: of one path at a time, in order
     (``path``), or (``module``) one running batch of any paths that rows join, in order, as others end."""
     plans = []
     for i, prompt in enumerate(prompts):
-        kwargs = {}
+        kwargs: Json = {}
         if sampled:
             temperature, top_p, top_k = SAMPLING_CYCLE[i % len(SAMPLING_CYCLE)]
             kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=1000 + i)
         plans.append(pipe.plan(prompt, max_new_tokens=new_tokens, **kwargs))
     if batching == "module":
-        waiting = [plan.row for plan in plans]
-        first, waiting = waiting[:batch], waiting[batch:]
-
-        def admit(decoding: int) -> list:
-            nonlocal waiting
-            joining, waiting = waiting[:batch - decoding], waiting[batch - decoding:]
-            return joining
-
-        pipe.run_module_batch(-1, first, admit=admit)
+        waiting = iter([plan.row for plan in plans])
+        pipe.run_module_batch(-1, list(itertools.islice(waiting, batch)),
+                              admit=lambda decoding: list(itertools.islice(waiting, max(0, batch - decoding))))
         return plans
     by_path: dict[int, list] = {}
     for plan in plans:
@@ -889,7 +901,7 @@ def _decode_all(pipe, prompts: list[str], new_tokens: int, batch: int, sampled: 
 
 
 @torch.inference_mode()
-def top2_gap(pipe, path: int, ids: list[int]) -> float:
+def top2_gap(pipe: Pipeline, path: int, ids: list[int]) -> float:
     """The gap between the two best next-token logits after ``ids``, on ``path``'s model (one forward)."""
     model = pipe.cache.get(path).model
     logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
@@ -897,10 +909,10 @@ def top2_gap(pipe, path: int, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def bench_agreement(pipe, prompts: list[str], new_tokens: int, max_batch: int) -> dict:
+def bench_agreement(pipe: Pipeline, prompts: list[str], new_tokens: int, max_batch: int) -> Json:
     """Part 6: each prompt alone and in batches (per path, and module-batched), greedy and seeded-sampled; which
     texts differ, and where."""
-    out: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "max_batch": max_batch}
+    out: Json = {"prompts": len(prompts), "new_tokens": new_tokens, "max_batch": max_batch}
     for mode in ("greedy", "seeded"):
         sampled = mode == "seeded"
         start = time.perf_counter()
@@ -963,15 +975,16 @@ class ConnectionHolder(threading.Thread):
         if slow:
             with contextlib.suppress(OSError):
                 sock.send(SLOW_HEADER_START)
-        self.selector.register(sock, selectors.EVENT_READ, {"slot": slot, "slow": slow, "opened": time.monotonic()})
+        self.selector.register(sock, selectors.EVENT_READ,
+                               {"sock": sock, "slot": slot, "slow": slow, "opened": time.monotonic()})
         self.opened += 1
 
-    def _held(self) -> list:
+    def _held(self) -> list[selectors.SelectorKey]:
         return list(self.selector.get_map().values())
 
-    def _drop(self, key, by_server: bool) -> None:
+    def _drop(self, key: selectors.SelectorKey, by_server: bool) -> None:
         self.selector.unregister(key.fileobj)
-        key.fileobj.close()
+        key.data["sock"].close()
         if by_server:
             self.closed_by_server += 1
             self.lifetimes.append(time.monotonic() - key.data["opened"])
@@ -986,7 +999,7 @@ class ConnectionHolder(threading.Thread):
             self.held_samples.append(len(self.selector.get_map()))
             for key, _ in self.selector.select(timeout=0.1):
                 try:
-                    data = key.fileobj.recv(4096)
+                    data = key.data["sock"].recv(4096)
                 except BlockingIOError:
                     continue
                 except OSError:
@@ -998,7 +1011,7 @@ class ConnectionHolder(threading.Thread):
                 for key in self._held():
                     if key.data["slow"]:
                         try:
-                            key.fileobj.send(b"X-Slow: 1\r\n")
+                            key.data["sock"].send(b"X-Slow: 1\r\n")
                         except OSError:
                             self._drop(key, by_server=True)
         now = time.monotonic()
@@ -1007,40 +1020,35 @@ class ConnectionHolder(threading.Thread):
             self._drop(key, by_server=False)
 
 
-def server_descriptors(pid: int) -> int | None:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-
-
 def bench_hold_idle(run: Path, experiment: str | None, prompts: list[str], n: int, nofile: int, seconds: float,
-                    threads: int | None) -> dict:
+                    threads: int | None) -> Json:
     """Part 7: valid requests while ``n`` idle and slow-header connections are held open, server at ``ulimit -n nofile``."""
-    bodies = [json.dumps({"prompt": p, "max_new_tokens": 8}).encode() for p in prompts]
+    bodies = encode_bodies(prompts, max_new_tokens=8)
     with dipaco_serve(run, experiment, threads, cache_size=4, nofile=nofile) as (port, server):
         for body in bodies[:8]:
-            _send(port, "/v1/generate", body, 60)
+            request(port, "POST", "/v1/generate", body, 60)
         baseline = []
         for body in bodies[:20]:
             start = time.perf_counter()
-            _send(port, "/v1/generate", body, 60)
-            baseline.append((time.perf_counter() - start) * 1000)
+            request(port, "POST", "/v1/generate", body, 60)
+            baseline.append(ms_since(start))
         holder = ConnectionHolder(port, n)
         holder.start()
         time.sleep(2.0)  # the first n are open (or being closed and reopened)
-        latencies, failures, descriptors = [], Counter(), []
+        latencies: list[float] = []
+        failures: Counter[str] = Counter()
+        descriptors: list[int | None] = []
         deadline = time.monotonic() + seconds
         i = 0
         while time.monotonic() < deadline:
             start = time.perf_counter()
             try:
-                status = _send(port, "/v1/generate", bodies[i % len(bodies)], 30)
+                status = request(port, "POST", "/v1/generate", bodies[i % len(bodies)], 30)[0]
                 if status != 200:
                     failures[str(status)] += 1
-            except (OSError, http.client.HTTPException) as exc:
+            except NO_ANSWER as exc:
                 failures[type(exc).__name__] += 1
-            latencies.append((time.perf_counter() - start) * 1000)
+            latencies.append(ms_since(start))
             descriptors.append(server_descriptors(server.pid))
             i += 1
             time.sleep(0.25)
@@ -1048,7 +1056,7 @@ def bench_hold_idle(run: Path, experiment: str | None, prompts: list[str], n: in
         holder.join(30)
         metrics = scrape(port)
     over = [ms for ms in latencies if ms > 1000]
-    out = {
+    out: Json = {
         "held": n, "server_nofile": nofile, "seconds": seconds,
         "valid": {**percentiles(latencies), "max_ms": max(latencies), "over_1s": len(over), "failures": dict(failures)},
         "baseline_without_held_connections": percentiles(baseline),
@@ -1062,145 +1070,111 @@ def bench_hold_idle(run: Path, experiment: str | None, prompts: list[str], n: in
         "server_descriptors_max": max((d for d in descriptors if d is not None), default=None),
     }
     out["targets"] = {"every_valid_request_within_1s": not over and not failures}
-    print(f"[bench] {n} held connections (server ulimit -n {nofile}), {len(latencies)} valid requests: p50 "
-          f"{out['valid']['p50_ms']:.0f} ms, p99 {out['valid']['p99_ms']:.0f} ms, max {out['valid']['max_ms']:.0f} ms, "
+    print(f"[bench] {n} held connections (server ulimit -n {nofile}), {len(latencies)} valid requests: "
+          f"{latency_text(out['valid'])}, max {out['valid']['max_ms']:.0f} ms, "
           f"{len(over)} over 1 s, failures {dict(failures) or 'none'}; held connections closed by the server "
           f"{holder.closed_by_server}, longest open {out['held_connections']['longest_lifetime_s']:.1f} s", flush=True)
     return out
 
 
-def parse_modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    unknown = [m for m in modes if m not in SERVER_MODES]
-    if unknown or not modes:
-        raise SystemExit(f"--modes: {', '.join(unknown) or 'none given'}: choose from {', '.join(SERVER_MODES)}")
-    return modes
+# --- the parts asked for, into one report -------------------------------------------------------------
+def abuse_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts: list[str]) -> Json:
+    """Part 4, after its control (valid requests only) when asked for."""
+    control = None
+    if args.abuse_control:
+        control = bench_abuse(run, pipe.experiment, prompts, args.abuse_clients, args.seconds, args.threads, invalid=False)
+        print("control (valid requests only):", end="")
+        print_abuse(control)
+    abuse = bench_abuse(run, pipe.experiment, prompts, args.abuse_clients, args.seconds, args.threads)
+    print_abuse(abuse)
+    return {"prompt_tokens": args.prompt_tokens, "abuse": abuse, "control_valid_only": control}
 
 
-def run_batching_parts(args: argparse.Namespace, run: Path, pipe, prompts: list[str]) -> None:
-    """Parts 5-8, those asked for, into one report."""
-    report: dict = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads(),
-                    "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
-        "run": {"experiment": pipe.experiment, "checkpoint": pipe.checkpoint, "topology": pipe.topology.describe(),
-                "params_per_path": sum(p.numel() for p in pipe.cache.template.parameters())},
-        "prompt_tokens": f"{args.prompt_tokens // 2}..{args.prompt_tokens}",
-    }
+def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts: list[str]) -> Json:
+    """Parts 5-9, those asked for."""
+    report: Json = {"prompt_tokens": f"{args.prompt_tokens // 2}..{args.prompt_tokens}"}
+    served = (run, pipe.experiment)
     if args.agreement:
         report["agreement"] = bench_agreement(pipe, varied_prompts(pipe, args.agreement, args.prompt_tokens),
                                               args.new_tokens, args.max_batch)
     if args.concurrency:
-        report["concurrency"] = bench_concurrency(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens),
+        report["concurrency"] = bench_concurrency(*served, varied_prompts(pipe, args.prompts, args.prompt_tokens),
                                                   args.concurrency, args.seconds, args.warmup_seconds, args.new_tokens,
                                                   args.threads, args.max_batch, args.batch_wait_ms, args.decode_workers,
                                                   args.pin_path, parse_modes(args.modes), max(4, pipe.num_paths))
     if args.apis:
-        report["apis"] = bench_apis(run, pipe.experiment, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
+        report["apis"] = bench_apis(*served, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
                                     args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,
                                     args.batch_wait_ms, args.rounds)
     if args.soak:
-        report["soak"] = bench_soak(run, pipe.experiment, word_prompts(pipe, max(args.prompts, 200)), args.soak,
-                                    args.seconds, args.window, args.settle, args.sample_every, args.new_tokens,
-                                    args.threads, args.max_batch, args.batching)
+        report["soak"] = bench_soak(*served, word_prompts(pipe, max(args.prompts, 200)), args.soak, args.seconds,
+                                    args.window, args.settle, args.sample_every, args.new_tokens, args.threads,
+                                    args.max_batch, args.batching)
     if args.hold_idle:
-        report["hold_idle"] = bench_hold_idle(run, pipe.experiment, prompts, args.hold_idle, args.nofile, args.seconds,
-                                              args.threads)
-    if args.out:
-        write_report(args.out, report)
+        report["hold_idle"] = bench_hold_idle(*served, prompts, args.hold_idle, args.nofile, args.seconds, args.threads)
+    return report
 
 
-def main() -> None:
-    args = parse_args()
+def latency_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts: list[str]) -> Json:
+    """Parts 1-3 (3 unless --skip-http)."""
+    timed = prompts[args.warmup:] or prompts
+    print(f"[bench] {pipe.experiment} {pipe.checkpoint}: {pipe.topology.describe()}, {params_per_path(pipe):,} "
+          f"params/path, router {pipe.router.kind if pipe.router else None}; {len(timed)} prompts of {args.prompt_tokens} "
+          f"tokens, {args.new_tokens} new tokens; torch threads {torch.get_num_threads()}; load avg {load_average()}",
+          flush=True)
+    report = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+              "single_path": bench_latency(pipe, prompts[: args.warmup] + timed, args.new_tokens, args.warmup),
+              "http": None if args.skip_http else bench_http(run, pipe.experiment, timed, args.new_tokens,
+                                                            [int(c) for c in args.clients.split(",")],
+                                                            args.requests, args.threads)}
+    print_latency(report)
+    return report
+
+
+def params_per_path(pipe: Pipeline) -> int:
+    return sum(p.numel() for p in pipe.cache.template.parameters())
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where there is none): other load skews every figure here."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+@contextlib.contextmanager
+def run_to_serve(run: str | None, grid: str) -> Iterator[Path]:
+    """``--run``, built there first when it has no trained experiment; without one, a small run in a temp dir."""
+    if run:
+        if not any((Path(run) / "train").glob("*/config.yaml")):
+            build_run(Path(run), grid)
+        yield Path(run)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
+        yield build_run(Path(tmp) / "run", grid)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parts 4 (``--abuse``), 5-9 (any of their flags) or else 1-3; one report of the command, machine and run."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.concurrency:
+        parse_modes(args.modes)  # a bad --modes fails now, not after the run is built
     if args.threads:
         torch.set_num_threads(args.threads)
     from dipaco.serve.pipeline import Pipeline
 
-    tmp = None
-    if args.run:
-        run = Path(args.run)
-        if not any((run / "train").glob("*/config.yaml")):
-            build_run(run, args.grid)
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="bench_serve_")
-        run = build_run(Path(tmp.name) / "run", args.grid)
-    try:
+    with run_to_serve(args.run, args.grid) as run:
         pipe = Pipeline.from_run(run, experiment=args.experiment, cache_size=64)
         prompts = prompts_from_run(pipe, args.prompts + args.warmup, args.prompt_tokens)
-        if args.abuse:
-            control = None
-            if args.abuse_control:
-                control = bench_abuse(run, pipe.experiment, prompts, args.abuse_clients, args.seconds, args.threads,
-                                      invalid=False)
-                print("control (valid requests only):", end="")
-                print_abuse(control)
-            abuse = bench_abuse(run, pipe.experiment, prompts, args.abuse_clients, args.seconds, args.threads)
-            report = {
-                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                            "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
-                "run": {"experiment": pipe.experiment, "checkpoint": pipe.checkpoint,
-                        "topology": pipe.topology.describe()},
-                "prompt_tokens": args.prompt_tokens, "abuse": abuse, "control_valid_only": control,
-            }
-            print_abuse(abuse)
-            if args.out:
-                write_report(args.out, report)
-            return
-        if args.concurrency or args.agreement or args.hold_idle or args.apis or args.soak:
-            run_batching_parts(args, run, pipe, prompts)
-            return
-        timed = prompts[args.warmup:] or prompts
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-        params = sum(p.numel() for p in pipe.cache.template.parameters())
-        print(f"[bench] {pipe.experiment} {pipe.checkpoint}: {pipe.topology.describe()}, {params:,} params/path, "
-              f"router {pipe.router.kind if pipe.router else None}; {len(timed)} prompts of {args.prompt_tokens} tokens, "
-              f"{args.new_tokens} new tokens; torch threads {torch.get_num_threads()}; load avg {load}", flush=True)
-        latency = bench_latency(pipe, prompts[: args.warmup] + timed, args.new_tokens, args.warmup)
-        http = None
-        if not args.skip_http:
-            http = bench_http(run, pipe.experiment, timed, args.new_tokens, [int(c) for c in args.clients.split(",")],
-                              args.requests, args.threads)
-        report = {
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                        "torch_threads": torch.get_num_threads(), "load_avg_1m_at_start": load},
+        report: Json = {
+            "command": command_line("serve", argv), "environment": environment("cpu"),
+            "load_avg_1m_at_start": load_average(),
             "run": {"experiment": pipe.experiment, "checkpoint": pipe.checkpoint, "topology": pipe.topology.describe(),
-                    "params_per_path": params, "router": pipe.router.kind if pipe.router else None},
-            "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
-            "single_path": latency, "http": http,
+                    "params_per_path": params_per_path(pipe), "router": pipe.router.kind if pipe.router else None},
         }
-        print_table(report)
-        if args.out:
-            write_report(args.out, report)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-
-
-def print_table(r: dict) -> None:
-    s = r["single_path"]
-    a = s["all_paths"]
-    print()
-    print(f"{'generate ' + str(r['new_tokens']) + ' tokens':<42} {'p50 ms':>9} {'p99 ms':>9} {'tok/s (p50)':>12} {'vs dense':>9}")
-    rows = [("dense LlamaForCausalLM.generate (no routing)", s["dense"], s["dense"]["tokens_per_s"]),
-            ("Pipeline: route + cached path + generate", s["pipeline"], s["pipeline"]["tokens_per_s"]),
-            (f"every path per prompt ({a['paths']} compose+generate)", a, a["tokens_per_s_per_prompt"])]
-    for name, row, tps in rows:
-        print(f"{name:<42} {row['p50_ms']:>9.1f} {row['p99_ms']:>9.1f} {tps:>12.0f} "
-              f"{row['p50_ms'] / s['dense']['p50_ms']:>8.2f}x")
-    print(f"{'  of which routing alone':<42} {s['route_only']['p50_ms']:>9.1f} {s['route_only']['p99_ms']:>9.1f}")
-    print(f"pipeline / dense: p50 {s['ratio_p50']:.3f}x, mean {s['ratio_mean']:.3f}x, median of paired ratios "
-          f"{s['paired_ratio_median']:.3f}x, CPU time p50 {s['cpu_ratio_p50']:.3f}x (target <= 1.1x); "
-          f"paths used {s['paths_used']}")
-    if r["http"]:
-        print()
-        print(f"{'dipaco serve, clients':<22} {'req/s':>8} {'tok/s':>8} {'p50 ms':>9} {'p99 ms':>9}")
-        for row in r["http"]["runs"]:
-            print(f"{row['clients']:<22} {row['requests_per_s']:>8.2f} {row['tokens_per_s']:>8.0f} "
-                  f"{row['p50_ms']:>9.1f} {row['p99_ms']:>9.1f}")
-
-
-if __name__ == "__main__":
-    main()
+        batching = args.concurrency or args.agreement or args.hold_idle or args.apis or args.soak
+        parts = abuse_parts if args.abuse else batching_parts if batching else latency_parts
+        report.update(parts(args, run, pipe, prompts))
+    if args.out:
+        write_json(args.out, report, indent=2)
+        print(f"[bench] wrote {args.out}")
+    return 0
