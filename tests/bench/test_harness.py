@@ -246,3 +246,14 @@ def test_the_registry_lists_exactly_the_benchmark_modules():
     assert set(bench.BENCHMARKS) == modules
     assert all(f"\n{name} " in bench.__doc__ for name in modules)  # the package docstring lists them too
     assert not any((REPO / "scripts" / f"bench_{m}.py").exists() for m in ("codecs", "checkpoint", "tokenize", "comm", "async"))
+
+
+def test_the_import_contract_keeps_every_benchmark_apart():
+    """pyproject.toml's independence contract names every registered benchmark: one left out could import another."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]["contracts"]
+    apart = next(c for c in contracts if c["type"] == "independence")
+    assert sorted(apart["modules"]) == sorted(f"bench.{name}" for name in bench.BENCHMARKS)

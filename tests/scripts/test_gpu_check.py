@@ -167,10 +167,10 @@ def test_throughput_profiles_both_sides(dry_run):
 def test_quality_rows_train_and_are_kept(dry_run):
     _, record, out = dry_run
     quality = record["sections"]["quality"]
-    # bench_scaling's gpu preset at the smoke size: DiPaCo and DiLoCo at P = 4 and 16, one fresh seed
+    # bench.path_scaling's gpu preset at the smoke size: DiPaCo and DiLoCo at P = 4 and 16, one fresh seed
     assert set(quality["results"]["rows"]) == {"dipaco_4@run.seed=1", "diloco_4@run.seed=1", "dipaco_16@run.seed=1",
                                                "diloco_16@run.seed=1"}
-    assert quality["results"]["command"].startswith("python scripts/bench_scaling.py --preset gpu --smoke")
+    assert quality["results"]["command"].startswith("python -m bench path_scaling --preset gpu --smoke")
     assert all(c["status"] == "passed" for c in quality["checks"])
     ordering = quality["results"]["ordering"]
     assert ordering["status"] in ("same ordering as the CPU sweep", "not the CPU sweep's ordering")

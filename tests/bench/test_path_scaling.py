@@ -1,6 +1,6 @@
-"""scripts/bench_scaling.py: what the path-count sweep runs and how it judges its rows.
+"""bench/path_scaling.py: what the path-count sweep runs and how it judges its rows.
 
-The whole script runs end to end in CI (`.ci/run`, `--smoke`); these tests pin what the smoke run cannot
+The whole benchmark runs end to end in CI (`.ci/run`, `--smoke`); these tests pin what the smoke run cannot
 show: each preset's rows and settings, the outer-step search and its fresh seeds, the regime's arithmetic (tokens
 per parameter, the big dense reference's compute), the diagnostics and the targets' arithmetic."""
 
@@ -12,15 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from bench import lm_training as lm
+from bench import path_scaling as bench
 from dipaco.config import ModelConfig
 from dipaco.run import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def bench(load_script):
-    return load_script("bench_scaling")
 
 
 def _row(name: str, ppl: float, paths: int = 4) -> dict:
@@ -28,7 +25,7 @@ def _row(name: str, ppl: float, paths: int = 4) -> dict:
             "params_total": 1000, "wall_time_s": 1.0}
 
 
-def plan(bench, preset: str = "cpu", seeds: int = 2, smoke: bool = False, paths: str | None = None):
+def plan(preset: str = "cpu", seeds: int = 2, smoke: bool = False, paths: str | None = None):
     args = bench.parse_args(["--preset", preset, *(["--smoke"] if smoke else []), "--seeds", str(seeds),
                              *(["--paths", paths] if paths else [])])
     return bench.make_plan(args)
@@ -38,7 +35,7 @@ def finish(rows, ppl=None) -> dict[str, dict]:
     return {r.name: _row(r.name, (ppl or {}).get(r.name, 10.0)) for r in rows}
 
 
-def test_every_family_at_every_size_trains_one_path_shape_at_equal_compute(bench):
+def test_every_family_at_every_size_trains_one_path_shape_at_equal_compute():
     rows = {r.name: r for r in bench.known_rows(bench.PRESETS["cpu"]).values()}
     assert rows["dense_1x"].preset == "dense"
     for p, grid in ((4, "grid:2x2"), (16, "grid:4x4")):
@@ -53,8 +50,8 @@ def test_every_family_at_every_size_trains_one_path_shape_at_equal_compute(bench
         assert dipaco.routing == shared.routing == rows[f"moe_{p}"].routing == f"doctopics{p}_similar"
 
 
-def test_the_grid_runs_first_then_the_best_setting_on_fresh_seeds(bench):
-    sweep = plan(bench, paths="1,4")
+def test_the_grid_runs_first_then_the_best_setting_on_fresh_seeds():
+    sweep = plan(paths="1,4")
     first = sweep.rows({})
     names = [r.name for r in first]
     assert names[0] == "dense_1x"
@@ -76,16 +73,16 @@ def test_the_grid_runs_first_then_the_best_setting_on_fresh_seeds(bench):
     assert row.overrides[-2:] == ["outer.lr=0.85", "run.seed=1"]  # on top of the family's default, seed last
 
 
-def test_a_family_waits_for_its_whole_grid(bench):
-    sweep = plan(bench, paths="4")
+def test_a_family_waits_for_its_whole_grid():
+    sweep = plan(paths="4")
     done = finish([r for r in sweep.rows({}) if r.name != "dipaco_4@outer.lr=0.7"])
     names = [r.name for r in sweep.rows(done)]
     assert not any(n.startswith("dipaco_4") and "run.seed" in n for n in names)
     assert "diloco_4@run.seed=1" in names
 
 
-def test_sixteen_paths_add_the_extras_and_the_big_dense_reference(bench):
-    sweep = plan(bench, paths="16")
+def test_sixteen_paths_add_the_extras_and_the_big_dense_reference():
+    sweep = plan(paths="16")
     big = bench.BigDense(ModelConfig(num_layers=4, hidden_size=96, intermediate_size=192, num_heads=6), rounds=50,
                          params=400_000, dipaco_16_bank_params=350_000, path_flops_per_token=1.0,
                          big_flops_per_token=10.0)
@@ -98,24 +95,24 @@ def test_sixteen_paths_add_the_extras_and_the_big_dense_reference(bench):
     assert rows["dense_big_16x"].overrides[-1] == "train.rounds=50"
 
 
-def test_presets_without_tuning_run_their_defaults_on_fresh_seeds_only(bench):
-    gpu = plan(bench, preset="gpu", seeds=1)
+def test_presets_without_tuning_run_their_defaults_on_fresh_seeds_only():
+    gpu = plan(preset="gpu", seeds=1)
     assert [r.name for r in gpu.rows({})] == ["dipaco_4@run.seed=1", "diloco_4@run.seed=1", "dipaco_16@run.seed=1",
                                               "diloco_16@run.seed=1"]
-    bpe = plan(bench, preset="bpe", seeds=2, paths="4")
+    bpe = plan(preset="bpe", seeds=2, paths="4")
     assert {r.name for r in bpe.rows({})} == {f"{f}@run.seed={s}" for f in ("dipaco_4", "dipaco_shared_4", "diloco_4",
                                                                             "moe_4", "dense_4x") for s in (1, 2)}
 
 
-def test_the_smoke_run_keeps_one_alternative_per_compared_family(bench):
-    smoke = plan(bench, smoke=True, seeds=1, paths="4")
+def test_the_smoke_run_keeps_one_alternative_per_compared_family():
+    smoke = plan(smoke=True, seeds=1, paths="4")
     names = {r.name for r in smoke.rows({})}
     assert {"dipaco_4", "dipaco_4@outer.embedding_head_lr_scale=0.7", "diloco_4", "diloco_4@outer.lr=0.7",
             "dipaco_shared_4", "moe_4"} <= names
     assert not any(n.startswith("dipaco_shared_4@") or n.startswith("moe_4@") for n in names)
 
 
-def test_the_cpu_regime_binds_capacity_within_two_passes(bench):
+def test_the_cpu_regime_binds_capacity_within_two_passes():
     """Issue 49's rules for the cpu preset: non-embedding parameters are the path's majority, >= 80 tokens per
     non-embedding parameter per path, >= 32 rounds; the smallest 16-path shard is checked in the docs (1.30M bytes)."""
     cfg = load_config(REPO / "configs/bench/quality.yaml", list(bench.PRESETS["cpu"].overrides))
@@ -129,7 +126,7 @@ def test_the_cpu_regime_binds_capacity_within_two_passes(bench):
     assert 2 * 1_298_598 >= tokens  # the smallest 16-path doc_topics shard of the mixed corpus, in bytes
 
 
-def test_the_big_dense_reference_has_dipaco_sixteens_parameters_and_compute(bench, tmp_path):
+def test_the_big_dense_reference_has_dipaco_sixteens_parameters_and_compute(tmp_path):
     cfg = load_config(REPO / "configs/bench/quality.yaml", [*bench.PRESETS["cpu"].overrides, f"run.dir={tmp_path}"])
     big = bench.plan_big_dense(cfg, vocab=258)
     # the bank of a 4x4 grid with path-specific embedding and head: 16 embeddings and heads, 8 one-block modules
@@ -141,7 +138,7 @@ def test_the_big_dense_reference_has_dipaco_sixteens_parameters_and_compute(benc
     assert math.isclose(big.rounds * cfg.train.inner_steps * big.big_flops_per_token, compute, rel_tol=0.05)
 
 
-def test_outer_diagnostics_average_each_part_kind_over_modules_and_rounds(bench):
+def test_outer_diagnostics_average_each_part_kind_over_modules_and_rounds():
     records = [
         {"outer_grad_norm": {"embedding.0": 1.0, "level0.0": 2.0, "level1.0": 4.0, "head.0": 8.0},
          "path_cosine": {"embedding.0": 0.5, "level0.0": 0.2, "level1.0": 0.4, "head.0": None},
@@ -158,7 +155,7 @@ def test_outer_diagnostics_average_each_part_kind_over_modules_and_rounds(bench)
     assert d["embedding"]["outer_grad_norm"] == 1.0
 
 
-def test_the_curve_and_targets_use_fresh_seed_means_of_each_familys_best(bench):
+def test_the_curve_and_targets_use_fresh_seed_means_of_each_familys_best():
     results = [_row("dense_1x", 10.0, 1), _row("dense_1x@run.seed=1", 10.2, 1), _row("diloco_1@run.seed=1", 9.5, 1),
                _row("dipaco_4", 9.0), _row("dipaco_4@outer.lr=0.85", 8.0),  # tuning seed: not in the curve
                _row("dipaco_4@outer.lr=0.85@run.seed=1", 8.6), _row("dipaco_4@outer.lr=0.85@run.seed=2", 8.8),
@@ -181,25 +178,25 @@ def test_the_curve_and_targets_use_fresh_seed_means_of_each_familys_best(bench):
     assert bench.targets(flat)[2].startswith("- DiPaCo at P = 16 at least 5% below P = 4: MISSED")
 
 
-def test_the_grid_table_marks_the_chosen_setting(bench):
+def test_the_grid_table_marks_the_chosen_setting():
     results = [_row("diloco_16", 9.0, 16), _row("diloco_16@outer.lr=0.85", 8.5, 16), _row("diloco_16@outer.lr=1.2", 9.5, 16)]
     table = bench.grid_table(results)
     assert "| diloco | 16 | outer.lr=0.85 | **8.500** |" in table
     assert "| diloco | 16 | default (outer.lr=1.0) | 9.000 |" in table
 
 
-def test_bits_per_byte_convert_a_token_perplexity(bench):
+def test_bits_per_byte_convert_a_token_perplexity():
     assert bench.bits_per_byte(8.0, 1.0) == pytest.approx(3.0)
     assert bench.bits_per_byte(8.0, 3.0) == pytest.approx(1.0)
     assert bench.bits_per_byte(8.0, None) is None
 
 
-def test_targets_say_not_run_without_the_rows(bench):
+def test_targets_say_not_run_without_the_rows():
     lines = bench.targets([_row("dense_1x", 10.0, 1)])
     assert all(": not run" in line for line in lines[:3])
 
 
-def test_paths_option_names_what_it_refuses(bench):
+def test_paths_option_names_what_it_refuses():
     assert bench.parse_paths("16,1,4") == [1, 4, 16]
     with pytest.raises(SystemExit, match=r"\[8\] not among 1, 4, 16, 64"):
         bench.parse_paths("1,8")
@@ -207,22 +204,22 @@ def test_paths_option_names_what_it_refuses(bench):
         bench.parse_paths("four")
 
 
-def test_an_unknown_extra_row_fails_before_anything_is_prepared(bench, tmp_path, monkeypatch):
+def test_an_unknown_extra_row_fails_before_anything_is_prepared(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="unknown row 'dipaco_5'"):
         bench.main(["--out-dir", str(tmp_path / "out"), "--rows", "dipaco_5"])
     assert not (tmp_path / "out").exists()
     known = bench.known_rows(bench.PRESETS["cpu"])
-    row = bench.bq.named_row("dipaco_16@route.topk=2", known)
+    row = lm.named_row("dipaco_16@route.topk=2", known)
     assert row.overrides[-1] == "route.topk=2" and row.routing == "doctopics16_similar"
 
 
-def test_a_missing_corpus_is_named(bench, tmp_path):
+def test_a_missing_corpus_is_named(tmp_path):
     with pytest.raises(SystemExit, match="missing 20news_bydate.jsonl.gz"):
         bench.main(["--out-dir", str(tmp_path / "out"), "--data", str(tmp_path)])
-    assert sys.modules["bench_scaling"] is bench
+    assert sys.modules["bench.path_scaling"] is bench
 
 
-def test_families_option_runs_a_subset_and_names_what_it_refuses(bench, capsys):
+def test_families_option_runs_a_subset_and_names_what_it_refuses(capsys):
     sweep = bench.make_plan(bench.parse_args(["--preset", "bpe", "--seeds", "1", "--paths", "16",
                                               "--families", "dipaco,diloco"]))
     assert [r.name for r in sweep.rows({})] == ["dipaco_16@run.seed=1", "diloco_16@run.seed=1"]
@@ -231,7 +228,7 @@ def test_families_option_runs_a_subset_and_names_what_it_refuses(bench, capsys):
     assert "--families: ['moe'] not among the gpu preset's dipaco, diloco" in capsys.readouterr().err
 
 
-def test_report_of_a_sweep_in_progress_derives_the_arithmetic_from_its_config(bench, tmp_path, capsys):
+def test_report_of_a_sweep_in_progress_derives_the_arithmetic_from_its_config(tmp_path, capsys):
     # A running sweep's results.json holds only its base config and rows; --report printed 1,703,936 tokens per
     # non-embedding parameter (the path's parameters read as 1) before it derived them from the config.
     import json

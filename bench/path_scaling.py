@@ -32,16 +32,18 @@ DiPaCo row is ``dipaco_shared_P`` here and its DiLoCo row ``diloco_P@outer.lr=1.
 and 16, DiPaCo and DiLoCo at the cpu preset's chosen outer steps, a wider path, sized for 6 minutes of one H100);
 ``--smoke`` shrinks any of them (tiny, for CI).
 
-    timeout 590 python scripts/bench_scaling.py --resume     # the cpu sweep, in chunks under 10 minutes: repeat
+    timeout 590 python -m bench path_scaling --resume        # the cpu sweep, in chunks under 10 minutes: repeat
                                                             # until it prints the table (a row cut off continues
                                                             # from its last round's checkpoint)
-    python scripts/bench_scaling.py --preset smoke          # tiny model and steps, for CI (about a minute)
-    python scripts/bench_scaling.py --preset gpu --resume run.device=cuda   # on one GPU
-    python scripts/bench_scaling.py --resume --rows dipaco_16@route.topk=2  # a row beside the sweep
-    python scripts/bench_scaling.py --report                # train nothing: the tables of --out-dir's results
+    python -m bench path_scaling --smoke                    # tiny model and steps, for CI (about a minute)
+    python -m bench path_scaling --preset gpu --resume run.device=cuda   # on one GPU
+    python -m bench path_scaling --resume --rows dipaco_16@route.topk=2  # a row beside the sweep
+    python -m bench path_scaling --report                   # train nothing: the tables of --out-dir's results
 
-Outputs in --out-dir: results.json (every row, rewritten after each), scaling.md (the tables, diagnostics and targets)
-and scaling_ppl_vs_paths.png.
+Outputs in --out-dir (by default runs/bench_scaling[_<preset>][_smoke], the names of the results recorded before the
+benchmark moved here): results.json (every row, rewritten after each), scaling.md (the tables, diagnostics and
+targets) and scaling_ppl_vs_paths.png. ``--resume`` keeps a row results.json holds with the same settings and runs
+again one whose settings changed (:class:`bench.harness.Results`); a results.json of another base config is refused.
 """
 
 from __future__ import annotations
@@ -52,26 +54,39 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from omegaconf import OmegaConf
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-import bench_quality as bq  # noqa: E402
-
-from dipaco.atomic import write_text  # noqa: E402
-from dipaco.config import Config, ModelConfig  # noqa: E402
-from dipaco.metrics import echo, read_metrics  # noqa: E402
-from dipaco.model.llama import build_model, llama_config  # noqa: E402
-from dipaco.run import Run, apply_overrides, load_config  # noqa: E402
-from dipaco.run_dir import RunDir  # noqa: E402
-from dipaco.runtime import quiet_library_progress_bars  # noqa: E402
+from bench.harness import REPO, Cell, Column, Results, argument_parser, command_line, environment, markdown_table, unknown_rows
+from bench.lm_training import (
+    CORPORA,
+    SEED_KEY,
+    SHARED,
+    Row,
+    count_text,
+    finished,
+    missing_corpora,
+    named_row,
+    open_results,
+    out_dir_corpus,
+    prepared_init,
+    put_row,
+    recorded_base_config,
+    row_config,
+    run_row,
+    seed_group,
+)
+from dipaco.atomic import write_text
+from dipaco.config import Config, ModelConfig
+from dipaco.metrics import echo, read_metrics
+from dipaco.model.llama import build_model, llama_config
+from dipaco.run import Run, apply_overrides, load_config
+from dipaco.run_dir import RunDir
+from dipaco.runtime import quiet_library_progress_bars
 
 GRID_PRESETS = {4: "grid:2x2", 16: "grid:4x4", 64: "grid:8x8"}
 FAMILIES = ("dipaco", "dipaco_shared", "diloco", "moe", "dense")
@@ -148,7 +163,7 @@ PRESETS = {
     # One short GPU run: DiPaCo and DiLoCo at P = 4 and 16 with the cpu preset's chosen outer steps. A byte-level path
     # twice as wide, 4 layers, sequences of 256, 32 x 256 tokens a step, 32 rounds x 7 steps = 1.84M tokens per path
     # (at most 1.4 passes over a 16-path shard: on these corpora the GPU buys width, not tokens). On one H100 a step
-    # of a small path is bound by launch overhead, not FLOPs: bench_quality's GPU rows measured 35-37 steps/s (a
+    # of a small path is bound by launch overhead, not FLOPs: the quality benchmark's GPU rows measured 35-37 steps/s (a
     # 17.8M-parameter path at 4,096 tokens a step, round checkpoints included), so the 40 paths x 224 steps take about
     # 250 s; with prepare, pretrain, routing and four evaluations the preset fits 6 minutes
     # (docs/notes/2026-11-27-path-count-scaling.md).
@@ -184,21 +199,21 @@ def with_extra(name: str, extra: Iterable[str]) -> str:
 
 
 def family_row(family: str, paths: int, extra: Sequence[str] = (), seed: int | None = None,
-               outer: dict[str, tuple[str, ...]] | None = None) -> bq.Row:
+               outer: dict[str, tuple[str, ...]] | None = None) -> Row:
     """The row of ``family`` at P = ``paths`` with the grid point ``extra`` on top of its default outer step, at
     ``seed`` (None: the base config's)."""
-    seeded = [*extra, *([] if seed is None else [f"{bq.SEED_KEY}={seed}"])]
+    seeded = [*extra, *([] if seed is None else [f"{SEED_KEY}={seed}"])]
     base = (outer or DEFAULT_OUTER).get(family, DEFAULT_OUTER[family])
     shards = f"doctopics{paths}_similar"
     if family == "dense":
-        return bq.Row(with_extra(f"dense_{paths}x", seeded), "dense", None, rounds_factor=paths,
+        return Row(with_extra(f"dense_{paths}x", seeded), "dense", None, rounds_factor=paths,
                       overrides=[*base, *seeded])
     if family == "diloco":
-        return bq.Row(with_extra(f"diloco_{paths}", seeded), f"diloco:{paths}", None, overrides=[*base, *seeded])
+        return Row(with_extra(f"diloco_{paths}", seeded), f"diloco:{paths}", None, overrides=[*base, *seeded])
     if family == "moe":
-        return bq.Row(with_extra(f"moe_{paths}", seeded), f"moe:{paths}", shards, overrides=[*base, *seeded])
+        return Row(with_extra(f"moe_{paths}", seeded), f"moe:{paths}", shards, overrides=[*base, *seeded])
     parts = PATH_PARTS if family == "dipaco" else SHARED_PARTS
-    return bq.Row(with_extra(f"{family}_{paths}", seeded), GRID_PRESETS[paths], shards, overrides=[*parts, *base, *seeded])
+    return Row(with_extra(f"{family}_{paths}", seeded), GRID_PRESETS[paths], shards, overrides=[*parts, *base, *seeded])
 
 
 @dataclass(frozen=True)
@@ -218,7 +233,7 @@ class Plan:
             return []
         return [(), *self.grids.get(family, ())]
 
-    def tuning_rows(self) -> list[bq.Row]:
+    def tuning_rows(self) -> list[Row]:
         out = [family_row("dense", 1)] if 1 in self.paths else []
         for p in sorted(x for x in self.paths if x > 1):
             out += [family_row(f, p, extra, outer=self.preset.outer)
@@ -236,10 +251,10 @@ class Plan:
             return None
         return min(zip(points, names), key=lambda pn: done[pn[1]]["ppl"])[0]
 
-    def rows(self, done: dict[str, dict]) -> list[bq.Row]:
+    def rows(self, done: dict[str, dict]) -> list[Row]:
         """Every row the sweep runs given the rows ``done``: the grids, then each family's best setting on the fresh
         seeds (known once its grid finished), the 16-path extras, and the big dense reference. Cheapest P first."""
-        out: list[bq.Row] = []
+        out: list[Row] = []
         tuning = self.tuning_rows()
         for p in sorted(self.paths):
             out += [r for r in tuning if family_of(r.name)[1] == p]
@@ -298,11 +313,11 @@ class BigDense:
     path_flops_per_token: float
     big_flops_per_token: float
 
-    def row(self) -> bq.Row:
+    def row(self) -> Row:
         m = self.model
         shape = [f"model.num_layers={m.num_layers}", f"model.hidden_size={m.hidden_size}",
                  f"model.intermediate_size={m.intermediate_size}", f"model.num_heads={m.num_heads}"]
-        return bq.Row("dense_big_16x", "dense", None, model=shape, overrides=[*PLAIN, f"train.rounds={self.rounds}"])
+        return Row("dense_big_16x", "dense", None, model=shape, overrides=[*PLAIN, f"train.rounds={self.rounds}"])
 
 
 def plan_big_dense(base: Config, vocab: int) -> BigDense:
@@ -364,13 +379,9 @@ def shard_spread(cfg: Config, paths: int) -> dict:
             "tokens_cv": statistics.pstdev(tokens) / mean if mean else None}
 
 
-def row_diagnostics(row: bq.Row, result: dict, base: Config, out_dir: Path) -> dict:
+def row_diagnostics(row: Row, result: dict, base: Config, out_dir: Path) -> dict:
     """What a finished row's metrics, shards and per-path perplexities say (added to its result)."""
-    if row.model:  # its own run dir (bench_quality.architecture_run)
-        run = apply_overrides(base, [f"run.dir={out_dir / f'run_{row.experiment}'}", *row.model])
-    else:
-        run = bq.variant_run(base, row.routing, out_dir)
-    cfg = apply_overrides(run, bq.row_overrides(row, base))
+    cfg = row_config(row, base, out_dir)
     out: dict = {"bank_over_path": result["params_total"] / result["params_per_path"]}
     metrics = RunDir(cfg.run.dir).experiment(row.experiment) / "metrics.jsonl"
     out["outer"] = outer_diagnostics(read_metrics(metrics, "outer")) if metrics.is_file() else None
@@ -404,7 +415,7 @@ def fresh_seed_rows(results: list[dict], default_seed: int = 0) -> dict[tuple[st
     the tuning seed, not extras (top-2). At P = 1: dense_1x for dense, diloco_1 for every family with an outer step."""
     out: dict[tuple[str, int], dict[int, float]] = {}
     for r in results:
-        group, seed = bq.seed_group(r["name"], default_seed)
+        group, seed = seed_group(r["name"], default_seed)
         family, p = family_of(group)
         if seed == default_seed or not is_grid_point(group):
             continue
@@ -417,7 +428,7 @@ def tuning_seed_rows(results: list[dict], default_seed: int = 0) -> dict[tuple[s
     """Perplexity of each grid point on the tuning seed, by (family, P)."""
     out: dict[tuple[str, int], dict[str, float]] = {}
     for r in results:
-        group, seed = bq.seed_group(r["name"], default_seed)
+        group, seed = seed_group(r["name"], default_seed)
         family, p = family_of(group)
         if seed == default_seed and p > 1 and is_grid_point(group):
             out.setdefault((family, p), {})[group] = r["ppl"]
@@ -444,67 +455,86 @@ def scaling_table(results: list[dict], paths: Sequence[int], default_seed: int =
                   families: Sequence[str] = FAMILIES) -> str:
     """Validation perplexity by family (rows) and P (columns): mean ± std over the fresh seeds (number of seeds)."""
     main = fresh_seed_rows(results, default_seed)
-    lines = ["| family (inference: one path) | " + " | ".join(f"P = {p}" for p in paths) + " |",
-             "|---|" + "---|" * len(paths)]
-    for fam in families:
-        lines.append(f"| {LABELS[fam]} | " + " | ".join(_cell(main.get((fam, p))) for p in paths) + " |")
-    return "\n".join(lines)
+    def at(p: int) -> Cell:
+        return lambda r: _cell(main.get((r["family"], p)))
+
+    columns: list[Column] = [("family (inference: one path)", lambda r: LABELS[r["family"]])]
+    columns += [(f"P = {p}", at(p)) for p in paths]
+    return markdown_table([{"family": fam} for fam in families], columns)
 
 
 def grid_table(results: list[dict], default_seed: int = 0) -> str:
     """The outer-step search: every grid point's tuning-seed perplexity, the chosen one in bold."""
-    lines = ["| family | P | outer step (on top of the family's default) | tuning-seed ppl |", "|---|---|---|---|"]
+    lines = []
     for (family, p), points in sorted(tuning_seed_rows(results, default_seed).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         best = min(points, key=points.__getitem__)
         for group, ppl in points.items():
             setting = "@".join(group.split("@")[1:]) or "default (" + ", ".join(DEFAULT_OUTER[family]) + ")"
             cell = f"**{ppl:.3f}**" if group == best and len(points) > 1 else f"{ppl:.3f}"
-            lines.append(f"| {family} | {p} | {setting} | {cell} |")
-    return "\n".join(lines)
+            lines.append({"family": family, "P": p, "setting": setting, "ppl": cell})
+    return markdown_table(lines, [("family", "family"), ("P", "P"),
+                                  ("outer step (on top of the family's default)", "setting"), ("tuning-seed ppl", "ppl")])
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _shard_spread(r: Mapping[str, Any]) -> str:
+    shards = (r.get("diagnostics") or {}).get("shards")
+    if not shards:
+        return "-"
+    return f"{count_text(shards['tokens_min'])}-{count_text(shards['tokens_max'])} ({shards['tokens_cv']:.2f})"
+
+
 def rows_table(results: list[dict], nonemb: int, tokens_per_step: int, bytes_per_token: float | None) -> str:
-    lines = ["| row | paths | params/path | params total | bank / path | tokens/path | tokens per non-emb param "
-             "| shard NMI | shard tokens min-max (CV) | wall | val ppl | bits/byte |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        per_path = r["steps_per_path"] * tokens_per_step
-        d = r.get("diagnostics") or {}
-        shards = d.get("shards")
-        spread = "-" if not shards else (f"{bq._count(shards['tokens_min'])}-{bq._count(shards['tokens_max'])} "
-                                         f"({shards['tokens_cv']:.2f})")
-        lines.append(f"| {r['name']} | {r['paths']} | {bq._count(r['params_per_path'])} | {bq._count(r['params_total'])} "
-                     f"| {r['params_total'] / r['params_per_path']:.1f} | {bq._count(per_path)} | {per_path / nonemb:.1f} "
-                     f"| {_fmt(r.get('nmi'))} | {spread} | {r['wall_time_s'] / 60:.1f} min"
-                     f"{' (resumed)' if r.get('resumed') else ''} | {r['ppl']:.3f} "
-                     f"| {_fmt(bits_per_byte(r['ppl'], bytes_per_token), '.4f')} |")
-    return "\n".join(lines)
+    """Every row: its size, tokens per path and per non-embedding parameter, shards, wall time and perplexity."""
+    def per_path(r: Mapping[str, Any]) -> int:
+        return int(r["steps_per_path"] * tokens_per_step)
+
+    return markdown_table(results, [
+        ("row", "name"), ("paths", "paths"), ("params/path", lambda r: count_text(r["params_per_path"])),
+        ("params total", lambda r: count_text(r["params_total"])),
+        ("bank / path", lambda r: f"{r['params_total'] / r['params_per_path']:.1f}"),
+        ("tokens/path", lambda r: count_text(per_path(r))),
+        ("tokens per non-emb param", lambda r: f"{per_path(r) / nonemb:.1f}"),
+        ("shard NMI", lambda r: _fmt(r.get("nmi"))), ("shard tokens min-max (CV)", _shard_spread),
+        ("wall", lambda r: f"{r['wall_time_s'] / 60:.1f} min{' (resumed)' if r.get('resumed') else ''}"),
+        ("val ppl", lambda r: f"{r['ppl']:.3f}"),
+        ("bits/byte", lambda r: _fmt(bits_per_byte(r["ppl"], bytes_per_token), ".4f")),
+    ])
+
+
+def _diagnostics(r: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    return ((r.get("diagnostics") or {}).get("outer") or {}).get(kind) or {}
+
+
+def _per_path_ppl(r: Mapping[str, Any]) -> str:
+    per_path = (r.get("diagnostics") or {}).get("per_path_ppl")
+    return "-" if not per_path else f"{per_path['min']:.2f} / {per_path['median']:.2f} / {per_path['max']:.2f}"
 
 
 def diagnostics_table(results: list[dict], default_seed: int = 0) -> str:
     """One line per (family, P) at its first fresh seed: what the outer step and the paths did."""
-    lines = ["| row | per-path ppl min / median / max | outer-grad norm: levels, emb, head | path cosine: levels "
-             "(first -> last round) | path cosine: emb, head | path change norm: levels |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        group, seed = bq.seed_group(r["name"], default_seed)
-        family, p = family_of(group)
-        if seed != default_seed + 1 or not is_grid_point(group):
-            continue
-        d = r.get("diagnostics") or {}
-        outer, per_path = d.get("outer") or {}, d.get("per_path_ppl")
-        lv, em, hd = (outer.get(k) or {} for k in ("levels", "embedding", "head"))
-        ppl = "-" if not per_path else f"{per_path['min']:.2f} / {per_path['median']:.2f} / {per_path['max']:.2f}"
-        lines.append(f"| {r['name']} | {ppl} | {_fmt(lv.get('outer_grad_norm'), '.4f')}, "
-                     f"{_fmt(em.get('outer_grad_norm'), '.4f')}, {_fmt(hd.get('outer_grad_norm'), '.4f')} "
-                     f"| {_fmt(lv.get('path_cosine'))} ({_fmt(lv.get('path_cosine_first'))} -> "
-                     f"{_fmt(lv.get('path_cosine_last'))}) | {_fmt(em.get('path_cosine'))}, {_fmt(hd.get('path_cosine'))} "
-                     f"| {_fmt(lv.get('path_delta_norm'), '.4f')} |")
-    return "\n".join(lines)
+    def first_fresh_seed(r: dict) -> bool:
+        group, seed = seed_group(r["name"], default_seed)
+        return seed == default_seed + 1 and is_grid_point(group)
+
+    def pair(key: str, spec: str, *kinds: str) -> Cell:
+        return lambda r: ", ".join(_fmt(_diagnostics(r, kind).get(key), spec) for kind in kinds)
+
+    def levels_cosine(r: Mapping[str, Any]) -> str:
+        lv = _diagnostics(r, "levels")
+        return (f"{_fmt(lv.get('path_cosine'))} ({_fmt(lv.get('path_cosine_first'))} -> "
+                f"{_fmt(lv.get('path_cosine_last'))})")
+
+    return markdown_table([r for r in results if first_fresh_seed(r)], [
+        ("row", "name"), ("per-path ppl min / median / max", _per_path_ppl),
+        ("outer-grad norm: levels, emb, head", pair("outer_grad_norm", ".4f", "levels", "embedding", "head")),
+        ("path cosine: levels (first -> last round)", levels_cosine),
+        ("path cosine: emb, head", pair("path_cosine", ".3f", "embedding", "head")),
+        ("path change norm: levels", pair("path_delta_norm", ".4f", "levels")),
+    ])
 
 
 def targets(results: list[dict], default_seed: int = 0) -> list[str]:
@@ -549,7 +579,7 @@ def targets(results: list[dict], default_seed: int = 0) -> list[str]:
     by = {r["name"]: r for r in results}
     if "dense_big_16x" in by and d16 is not None:
         big = by["dense_big_16x"]
-        out.append(f"- (info) dense_big_16x ({bq._count(big['params_total'])} parameters, DiPaCo-16's compute): "
+        out.append(f"- (info) dense_big_16x ({count_text(big['params_total'])} parameters, DiPaCo-16's compute): "
                    f"{big['ppl']:.3f} vs DiPaCo-16 {d16:.3f}")
     for r in results:
         if "route.topk=2" in r["name"]:
@@ -577,7 +607,7 @@ def plot(results: list[dict], paths: Sequence[int], path: Path, default_seed: in
     big = next((r for r in results if r["name"] == "dense_big_16x"), None)
     if big is not None:
         ax.plot([16], [big["ppl"]], marker="*", markersize=11, linestyle="none", color="black",
-                label=f"dense with DiPaCo-16's parameters ({bq._count(big['params_total'])}), same compute")
+                label=f"dense with DiPaCo-16's parameters ({count_text(big['params_total'])}), same compute")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(paths), [str(p) for p in paths])
     ax.set_xlabel("paths P (equal compute: P x one path's steps)")
@@ -625,7 +655,7 @@ def parse_paths(text: str) -> list[int]:
     return paths
 
 
-def known_rows(preset: Preset) -> dict[str, bq.Row]:
+def known_rows(preset: Preset) -> dict[str, Row]:
     """Every row a ``--rows ROW@key=value`` may start from: each family at each P at its default outer step."""
     out = {family_row("dense", 1).name: family_row("dense", 1)}
     for p in GRID_PRESETS:
@@ -663,8 +693,9 @@ def shard_passes(out_dir: Path, paths: int, tokens_per_path: int) -> dict | None
             "passes_max": tokens_per_path / max(min(shard), 1), "passes_mean": tokens_per_path / statistics.fmean(shard)}
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The flags; ``--families`` becomes a tuple of the preset's families (an unknown one is refused, named)."""
+    p = argument_parser("path_scaling", __doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="the regime (default cpu; see above)")
     p.add_argument("--smoke", action="store_true", help="the preset's rows at a tiny size on 450 documents (CI)")
     p.add_argument("--paths", default=None, help="comma-separated P among 1, 4, 16, 64 (default: the preset's)")
@@ -672,13 +703,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fresh seeds of each family's best setting (default 2; 1 with --smoke or the gpu preset)")
     p.add_argument("--families", default=None,
                    help=f"comma-separated subset of the preset's families ({', '.join(FAMILIES)}); default: all of them")
-    p.add_argument("--corpus", choices=sorted(bq.CORPORA), default="mix",
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="mix",
                    help="the shared corpora: mix (all three, the default) or one of them")
     p.add_argument("--out-dir", default=None,
                    help="default runs/bench_scaling_<preset>[_smoke] (runs/bench_scaling for the cpu preset)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the rows results.json already holds (same base config); a row cut off continues "
-                        "from its last round's checkpoint")
+                   help="keep the rows results.json already holds (same base config and row settings); a row cut "
+                        "off continues from its last round's checkpoint")
     p.add_argument("--report", action="store_true", help="train nothing: the tables and targets of --out-dir's rows")
     p.add_argument("--data", type=Path, default=None, help="the folder holding the shared corpora "
                    "(default: shared/data beside the repository)")
@@ -712,34 +743,28 @@ def default_out_dir(args: argparse.Namespace) -> Path:
     return Path(args.out_dir or f"runs/{name}").resolve()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Runs the sweep until every planned row is in results.json (or, with --report, reads it), then prints the
+    tables, diagnostics and targets."""
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     plan = make_plan(args)
     known = known_rows(plan.preset)
-    try:
-        asked = [bq.named_row(row, known) for row in args.rows]
-    except KeyError as err:
-        sys.exit(f"error: unknown row {err.args[0]!r} (FAMILY_P or FAMILY_P@key=value@...); known: {', '.join(known)}")
+    unknown = unknown_rows(args.rows, known)
+    if unknown:
+        sys.exit(f"error: unknown row {unknown[0]!r} (FAMILY_P or FAMILY_P@key=value@...); known: {', '.join(known)}")
+    asked = [named_row(row, known) for row in args.rows]
     out_dir = default_out_dir(args)
     if args.report:
         return report(out_dir, plan)
-    sources = bq.CORPORA[args.corpus]
-    data_dir = (bq.SHARED if args.data is None else args.data).resolve()
-    missing = [source for source in sources if not (data_dir / source).is_file()]
-    if missing:
-        sys.exit(f"error: the shared corpora are not at {data_dir} (missing {', '.join(missing)}); name their folder "
-                 "with --data")
+    sources = CORPORA[args.corpus]
+    data_dir = (SHARED if args.data is None else args.data).resolve()
+    missing_corpora(data_dir, sources)
 
     quiet_library_progress_bars()
     out_dir.mkdir(parents=True, exist_ok=True)
-    corpus = out_dir / "corpus.jsonl"
     docs = SMOKE_DOCS // len(sources) if args.smoke else None
-    fresh = bq.write_corpus(out_dir / "corpus.jsonl.new", docs, sources, data_dir)
-    if (out_dir / "base" / "pretrain" / "config.json").is_file() and corpus.is_file() \
-            and corpus.read_bytes() != fresh.read_bytes():
-        fresh.unlink()
-        sys.exit(f"error: {out_dir} was prepared on another corpus (--corpus, --smoke); use another --out-dir")
-    fresh.replace(corpus)
+    corpus = out_dir_corpus(out_dir, docs, sources, data_dir, "this one (--corpus, --smoke)")
     base = load_config(REPO / "configs/bench/quality.yaml",
                        [*plan.preset.overrides, *(SMOKE if args.smoke else ()), "train.diagnostics=true",
                         f"run.dir={out_dir / 'base'}", f"data.corpus={corpus}", *args.overrides])
@@ -751,75 +776,80 @@ def main(argv: Sequence[str] | None = None) -> None:
          f"non-embedding parameter)")
 
     started = time.perf_counter()
-    if not (Path(base.run.dir) / "pretrain" / "config.json").is_file():
-        bq.prepare(base)
-        bq.pretrain(base)
-    init = Run(base).evaluate_pretrained()
+    init_ppl = prepared_init(base)
     if plan.preset.big_dense and 16 in plan.paths:
         plan = replace(plan, big=plan_big_dense(base, len(Run(base).prepared(routed=False).tokenizer)))
-    by_name = bq.finished_rows(out_dir / "results.json", base) if args.resume else {}
-    if not args.resume and (out_dir / "results.json").is_file():
-        echo(f"[bench] starting over: {out_dir / 'results.json'} will be replaced (--resume keeps its rows)")
+    path = out_dir / "results.json"
+    results = open_results(path, "path_scaling", base, args.resume)
+    results.meta["pretrained_ppl"] = init_ppl
+    if not args.resume and path.is_file():
+        echo(f"[bench] starting over: {path} will be replaced (--resume keeps its rows)")
 
-    def planned() -> list[bq.Row]:
-        rows = plan.rows(by_name)
+    def planned() -> list[Row]:
+        rows = plan.rows({r["name"]: r for r in results.rows})
         return rows + [r for r in asked if r.name not in {x.name for x in rows}]
 
-    def ordered() -> list[dict]:
+    def in_plan_order() -> None:
         order = {r.name: i for i, r in enumerate(planned())}
-        return [by_name[n] for n in sorted(by_name, key=lambda n: order.get(n, len(order)))]
+        results.sort(key=lambda r: order.get(r["name"], len(order)))
 
-    while todo := [r for r in planned() if r.name not in by_name]:
+    while todo := [r for r in planned() if not finished(results, r)]:
         row = todo[0]
         echo(f"[bench] === {row.name} ({row.preset}, shards {row.routing or 'iid'}); {len(todo)} rows to go, more "
              f"once a grid finishes ===")
-        result = bq.run_row(row, base, out_dir, resume=args.resume, curve_at=lambda last: [last])
+        # A row cut off mid-way (not in results.json) continues from its checkpoint; one whose settings changed
+        # trains again from scratch.
+        result = run_row(row, base, out_dir, resume=args.resume and results.get(row.name) is None,
+                         curve_at=lambda last: [last])
         result["diagnostics"] = row_diagnostics(row, result, base, out_dir)
-        by_name[row.name] = result
+        put_row(results, row, result)
         echo(f"[bench] {row.name}: ppl {result['ppl']:.3f} in {result['wall_time_s']:.0f}s "
              f"({time.perf_counter() - started:.0f}s into this invocation)")
-        bq.write_results(out_dir / "results.json", base, init, ordered())
-    results = ordered()
+        in_plan_order()
+        results.write()
+    in_plan_order()
+    done = results.rows
 
     bytes_per_token = scored_bytes_per_token(base)
     passes = {p: shard_passes(out_dir, p, tokens_per_path) for p in plan.paths if p > 1}
-    text = summary_text(results, plan, nonemb, tokens_per_step, bytes_per_token, base.run.seed, passes)
-    png = plot(results, plan.paths, out_dir / "scaling_ppl_vs_paths.png", base.run.seed, plan_families(plan))
+    text = summary_text(done, plan, nonemb, tokens_per_step, bytes_per_token, base.run.seed, passes)
+    png = plot(done, plan.paths, out_dir / "scaling_ppl_vs_paths.png", base.run.seed, plan_families(plan))
     total = time.perf_counter() - started
-    bq.write_results(out_dir / "results.json", base, init, results, invocation_wall_time_s=total,
-                     rows_wall_time_s=sum(r["wall_time_s"] for r in results), command=" ".join(sys.argv),
-                     preset=args.preset, smoke=args.smoke, targets="\n".join(targets(results, base.run.seed)),
-                     non_embedding_params=nonemb, tokens_per_path=tokens_per_path, shard_passes=passes,
-                     scored_bytes_per_token=bytes_per_token,
-                     big_dense=None if plan.big is None else {**asdict(plan.big), "model": asdict(plan.big.model)})
+    results.meta.update(invocation_wall_time_s=total, rows_wall_time_s=sum(r["wall_time_s"] for r in done),
+                        command=command_line("path_scaling", argv), preset=args.preset, smoke=args.smoke,
+                        targets="\n".join(targets(done, base.run.seed)), non_embedding_params=nonemb,
+                        tokens_per_path=tokens_per_path, shard_passes=passes, scored_bytes_per_token=bytes_per_token,
+                        big_dense=None if plan.big is None else {**asdict(plan.big), "model": asdict(plan.big.model)},
+                        environment=environment(None if base.run.device == "auto" else base.run.device))
+    results.write()
     write_text(out_dir / "scaling.md", text + "\n")
-    print(f"\npreset {args.preset}; pretrained init: val ppl {init['overall']['ppl']:.3f}; path: {nonemb:,} "
+    print(f"\npreset {args.preset}; pretrained init: val ppl {init_ppl:.3f}; path: {nonemb:,} "
           f"non-embedding parameters, {tokens_per_path:,} tokens per path ({tokens_per_path / nonemb:.1f} per "
           f"non-embedding parameter); {_fmt(bytes_per_token)} bytes per scored token\n")
     print(text)
-    print(f"\n{len(results)} rows (training {sum(r['wall_time_s'] for r in results) / 60:.1f} min); this invocation "
+    print(f"\n{len(done)} rows (training {sum(r['wall_time_s'] for r in done) / 60:.1f} min); this invocation "
           f"took {total / 60:.1f} min; results in {out_dir}; plot: {png or 'none'}")
-    if any(not math.isfinite(r["ppl"]) for r in results):
+    if any(r["ppl"] is None or not math.isfinite(r["ppl"]) for r in done):
         sys.exit("error: a row's validation perplexity is not finite")
 
 
 def report(out_dir: Path, plan: Plan) -> None:
-    """The tables and targets of the rows results.json holds, without training."""
+    """The tables and targets of the rows results.json holds, without training. Reads the files written before
+    the benchmark moved here (scripts/bench_scaling.py's) too."""
     path = out_dir / "results.json"
     if not path.is_file():
         sys.exit(f"error: --report: no {path}")
-    payload = json.loads(path.read_text())
+    results = Results.load(path, "path_scaling", resume=True)
+    if "base_config" not in results.meta:
+        sys.exit(f"error: --report: {path} records no base config")
     # A sweep still running has written only its rows and base config: derive the rest from the config.
-    base: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), payload["base_config"]))
+    base = recorded_base_config(results.meta["base_config"])
     tokens_per_step = base.train.optim.batch_size * base.data.seq_len
     tokens_per_path = base.train.rounds * base.train.inner_steps * tokens_per_step
-    bytes_per_token = payload.get("scored_bytes_per_token")
+    bytes_per_token = results.meta.get("scored_bytes_per_token")
     if bytes_per_token is None and (Path(base.run.dir) / "tokenizer").is_dir():
         bytes_per_token = scored_bytes_per_token(base)
-    passes = payload.get("shard_passes") or {p: shard_passes(out_dir, p, tokens_per_path) for p in plan.paths if p > 1}
-    print(summary_text(payload["rows"], plan, non_embedding_params(base.model), tokens_per_step, bytes_per_token,
+    passes = results.meta.get("shard_passes") or {p: shard_passes(out_dir, p, tokens_per_path)
+                                                  for p in plan.paths if p > 1}
+    print(summary_text(results.rows, plan, non_embedding_params(base.model), tokens_per_step, bytes_per_token,
                        base.run.seed, passes))
-
-
-if __name__ == "__main__":
-    main()

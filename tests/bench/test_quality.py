@@ -1,36 +1,35 @@
-"""scripts/bench_quality.py: the pieces that decide what a 2-hour run measures and keeps.
+"""bench/quality.py (and the row training it shares with path_scaling, bench/lm_training.py): the pieces that
+decide what a 2-hour run measures and keeps.
 
-The whole script runs end to end in CI (`.ci/run`, `--smoke`); these tests pin the bookkeeping
+The whole benchmark runs end to end in CI (`.ci/run`, `--smoke`); these tests pin the bookkeeping
 that the smoke run cannot show: curve points, the compute column, and `--resume`."""
 
 from __future__ import annotations
 
 import json
-import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from bench import lm_training as lm
+from bench import quality as bench
+from bench.harness import ResultsFileError
 from dipaco.config import Config
 from dipaco.model.topology import topology_from_config
 from dipaco.run import apply_overrides, load_config
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_quality.py"
+SOURCES = [Path(bench.__file__), Path(lm.__file__)]  # the benchmark's code and the row training it uses
 
 
-@pytest.fixture(scope="module")
-def bench(load_script):
-    return load_script("bench_quality")
+def test_curve_rounds_are_powers_of_two_and_the_last():
+    assert lm.curve_rounds(1) == [1]
+    assert lm.curve_rounds(4) == [1, 2, 4]
+    assert lm.curve_rounds(6) == [1, 2, 4, 6]
+    assert lm.curve_rounds(16) == [1, 2, 4, 8, 16]
 
 
-def test_curve_rounds_are_powers_of_two_and_the_last(bench):
-    assert bench.curve_rounds(1) == [1]
-    assert bench.curve_rounds(4) == [1, 2, 4]
-    assert bench.curve_rounds(6) == [1, 2, 4, 6]
-    assert bench.curve_rounds(16) == [1, 2, 4, 8, 16]
-
-
-def test_rows_cover_the_issue_and_names_are_unique(bench):
+def test_rows_cover_the_issue_and_names_are_unique():
     names = [r.name for r in bench.rows(4, 16, True, num_layers=4)]
     assert len(names) == len(set(names))
     for expected in ("dense_1x", "dense_4x", "diloco_4", "moe_4", "dipaco_2x2_kmeans", "dipaco_2x2_product",
@@ -47,8 +46,8 @@ def _row(name: str, paths: int, steps: int, params: int, ppl: float) -> dict:
             "params_total": params, "tokens_seen": 1000, "wall_time_s": 60.0, "ppl": ppl}
 
 
-def test_compute_column_scales_with_paths_steps_and_path_size(bench):
-    table = bench.markdown_table([
+def test_compute_column_scales_with_paths_steps_and_path_size():
+    table = bench.results_table([
         _row("dense_1x", 1, 100, 1000, 10.0),
         _row("diloco_4", 4, 100, 1000, 9.0),
         _row("dense_deep_4x", 1, 400, 1500, 8.0),
@@ -57,24 +56,57 @@ def test_compute_column_scales_with_paths_steps_and_path_size(bench):
     assert compute == {"dense_1x": "1x", "diloco_4": "4x", "dense_deep_4x": "6x"}
 
 
-def test_resume_keeps_rows_of_the_same_base_config(bench, tmp_path):
+def _finished_rows(path: Path, base: Config) -> dict[str, dict]:
+    """The rows `--resume` finds in ``path`` for a run of ``base``, by name."""
+    return {r["name"]: r for r in lm.open_results(path, "quality", base, resume=True).rows}
+
+
+def _write_results(path: Path, base: Config, rows: list[dict]) -> None:
+    """What a run of ``base`` writes after its rows (each one a row of :func:`bench.quality.rows`)."""
+    every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
+    results = lm.open_results(path, "quality", base, resume=False)
+    results.meta["pretrained_ppl"] = 50.0
+    for row in rows:
+        lm.put_row(results, every[row["name"]], {k: v for k, v in row.items() if k != "name"})
+    results.write()
+
+
+def test_resume_keeps_rows_of_the_same_base_config(tmp_path):
     base = Config()
     results = tmp_path / "results.json"
-    assert bench.finished_rows(results, base) == {}
-    init = {"overall": {"ppl": 50.0}}
-    bench.write_results(results, base, init, [_row("dense_1x", 1, 100, 1000, 10.0)])
-    assert list(bench.finished_rows(results, base)) == ["dense_1x"]
+    assert _finished_rows(results, base) == {}
+    _write_results(results, base, [_row("dense_1x", 1, 100, 1000, 10.0)])
+    assert list(_finished_rows(results, base)) == ["dense_1x"]
 
 
-def test_resume_refuses_another_base_config_naming_the_key(bench, tmp_path):
+def test_resume_refuses_another_base_config_naming_the_key(tmp_path):
     results = tmp_path / "results.json"
-    bench.write_results(results, Config(), {"overall": {"ppl": 50.0}}, [_row("dense_1x", 1, 100, 1000, 10.0)])
+    _write_results(results, Config(), [_row("dense_1x", 1, 100, 1000, 10.0)])
     with pytest.raises(SystemExit, match="train.rounds"):
-        bench.finished_rows(results, apply_overrides(Config(), ["train.rounds=9"]))
+        _finished_rows(results, apply_overrides(Config(), ["train.rounds=9"]))
     assert json.loads(results.read_text())["rows"][0]["name"] == "dense_1x"  # nothing lost
 
 
-def test_targets_are_checked_on_both_grids(bench):
+def test_resume_reruns_a_row_whose_settings_changed_and_keeps_the_rows_of_older_files(tmp_path):
+    every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
+    path = tmp_path / "results.json"
+    _write_results(path, Config(), [_row("dipaco_2x2_em", 4, 100, 1000, 10.0)])
+    results = lm.open_results(path, "quality", Config(), resume=True)
+    assert lm.finished(results, every["dipaco_2x2_em"])
+    assert not lm.finished(results, replace(every["dipaco_2x2_em"], reroutes=2))  # e.g. EM_REROUTES changed
+    assert results.payload()["benchmark"] == "quality" and results.meta["base_config"]["train"]["rounds"] == 4
+    # scripts/bench_quality.py's files record no settings: their rows are kept as that script kept them.
+    path.write_text(json.dumps({"base_config": results.meta["base_config"], "pretrained_ppl": 50.0,
+                                "rows": [_row("dense_1x", 1, 100, 1000, 10.0)]}))
+    older = lm.open_results(path, "quality", Config(), resume=True)
+    assert lm.finished(older, every["dense_1x"]) and older.get("dense_1x")["ppl"] == 10.0
+    assert older.get("dense_1x")["settings"] == lm.row_settings(every["dense_1x"])
+    older.write()
+    with pytest.raises(ResultsFileError, match="not of 'path_scaling'"):  # another benchmark's file is refused
+        lm.open_results(path, "path_scaling", Config(), resume=True)
+
+
+def test_targets_are_checked_on_both_grids():
     rows = [_row(name, 4, 100, 1000, ppl) for name, ppl in [
         ("dense_1x", 200.0), ("dipaco_2x2_kmeans", 180.0), ("dipaco_2x2_reroute", 181.0),
         ("diloco_16", 160.0), ("dipaco_4x4_kmeans", 150.0), ("dipaco_4x4_product", 149.0)]]
@@ -85,7 +117,7 @@ def test_targets_are_checked_on_both_grids(bench):
     assert any("(4x4): met (dipaco_4x4_product 149.00" in line for line in lines)
 
 
-def test_every_routed_row_has_an_iid_control_of_its_topology_and_the_smoke_run_keeps_one(bench):
+def test_every_routed_row_has_an_iid_control_of_its_topology_and_the_smoke_run_keeps_one():
     every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
     for routed in (r for r in every.values() if r.routing is not None and bench.iid_control(r.name)):
         control = every[bench.iid_control(routed.name)]
@@ -102,20 +134,20 @@ def test_every_routed_row_has_an_iid_control_of_its_topology_and_the_smoke_run_k
     assert every["dipaco_2x2_top2"].overrides == ["route.topk=2"] and every["dipaco_2x2_em"].reroutes == 3
 
 
-def test_reroute_rounds_are_evenly_spaced_inside_the_run(bench):
-    assert bench.reroute_rounds(4, 1) == [2]
-    assert bench.reroute_rounds(4, 3) == [1, 2, 3]
-    assert bench.reroute_rounds(16, 3) == [4, 8, 12]
-    assert bench.reroute_rounds(2, 3) == [1]
-    assert bench.reroute_rounds(1, 3) == []
+def test_reroute_rounds_are_evenly_spaced_inside_the_run():
+    assert lm.reroute_rounds(4, 1) == [2]
+    assert lm.reroute_rounds(4, 3) == [1, 2, 3]
+    assert lm.reroute_rounds(16, 3) == [4, 8, 12]
+    assert lm.reroute_rounds(2, 3) == [1]
+    assert lm.reroute_rounds(1, 3) == []
 
 
-def test_iid_controls_and_routing_agreement_are_in_the_table_and_targets(bench):
+def test_iid_controls_and_routing_agreement_are_in_the_table_and_targets():
     rows = [{**_row(name, 4, 100, 1000, ppl), "nmi": nmi, "purity": pur} for name, ppl, nmi, pur in [
         ("diloco_4", 100.0, 0.1, 0.4), ("moe_4", 96.0, 0.3, 0.6), ("moe_4_iid", 100.0, 0.01, 0.3),
         ("dipaco_2x2_kmeans", 99.0, 0.1, 0.4), ("dipaco_2x2_featurizer", 95.0, 0.38, 0.61),
         ("dipaco_2x2_iid", 100.0, 0.01, 0.3)]]
-    table = bench.markdown_table(rows, dense_steps=100)
+    table = bench.results_table(rows, dense_steps=100)
     assert "| NMI | purity |" in table.splitlines()[0]
     assert "| dipaco_2x2_featurizer | 4 | 1.0k | 1.0k | 100 | 4x | 1.0k | 0.380 | 0.610 |" in table
     lines = bench.targets(rows)
@@ -126,7 +158,7 @@ def test_iid_controls_and_routing_agreement_are_in_the_table_and_targets(bench):
                                "dipaco_2x2_featurizer") for line in lines)
 
 
-def test_path_embedding_rows_are_judged_against_their_own_iid_control(bench):
+def test_path_embedding_rows_are_judged_against_their_own_iid_control():
     rows = [_row(name, 4, 100, 1000, ppl) for name, ppl in [
         ("dipaco_2x2_featurizer", 148.0), ("dipaco_2x2_iid", 147.0),
         ("dipaco_2x2_pathemb_featurizer", 153.0), ("dipaco_2x2_pathemb_iid", 170.0)]]
@@ -138,28 +170,28 @@ def test_path_embedding_rows_are_judged_against_their_own_iid_control(bench):
     assert not any(line.startswith("- dipaco_2x2_pathemb_iid beats") for line in lines)
 
 
-def test_path_embedding_rows_give_every_path_its_own_embedding_and_head(bench):
+def test_path_embedding_rows_give_every_path_its_own_embedding_and_head():
     every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
     base = load_config(None, [])
     for name in ("dipaco_2x2_pathemb_featurizer", "dipaco_2x2_pathemb_top2", "dipaco_2x2_pathemb_iid"):
-        cfg = apply_overrides(base, bench.row_overrides(every[name], base))
+        cfg = apply_overrides(base, lm.row_overrides(every[name], base))
         topo = topology_from_config(cfg.topology, cfg.model.num_layers)
         assert topo.parts[0].num_modules == topo.parts[-1].num_modules == 4 == topo.num_paths
 
 
-def test_the_product_featurizer_row_routes_each_grid_level_on_the_improved_featurizer(bench):
-    preset, method, settings = bench.ROUTINGS["featurizer_product2x2"]
+def test_the_product_featurizer_row_routes_each_grid_level_on_the_improved_featurizer():
+    preset, method, settings = lm.ROUTINGS["featurizer_product2x2"]
     assert (preset, method) == ("grid:2x2", "product")
     # The flat featurizer row's features and metric; top-1 shards, as the other non-top-2 rows train.
-    assert set(settings) == set(bench.improved_featurizer()) - {"route.topk=2"}
+    assert set(settings) == set(lm.improved_featurizer()) - {"route.topk=2"}
     cfg = apply_overrides(load_config(None, []), [f"topology.preset={preset}", f"route.method={method}", *settings])
     assert (cfg.route.method, cfg.route.featurizer, cfg.route.topk) == ("product", "tfidf_svd", 1)
     row = next(r for r in bench.rows(4, 16, True, num_layers=4) if r.name == "dipaco_2x2_product_featurizer")
     assert row.routing == "featurizer_product2x2" and bench.iid_control(row.name) == "dipaco_2x2_iid"
 
 
-def test_the_doc_topics_rows_route_on_doc_topics_and_are_judged_against_their_iid_controls(bench):
-    preset, method, settings = bench.ROUTINGS["doctopics4"]
+def test_the_doc_topics_rows_route_on_doc_topics_and_are_judged_against_their_iid_controls():
+    preset, method, settings = lm.ROUTINGS["doctopics4"]
     cfg = apply_overrides(load_config(None, []), [f"topology.preset={preset}", f"route.method={method}", *settings])
     assert (cfg.route.method, cfg.route.featurizer, cfg.route.metric) == ("kmeans", "doc_topics", "cosine")
     assert cfg.route.topics == 0  # one topic per path
@@ -170,11 +202,11 @@ def test_the_doc_topics_rows_route_on_doc_topics_and_are_judged_against_their_ii
     assert "dipaco_2x2_doctopics" not in bench.SMOKE_SKIP  # CI routes and trains it at the smoke size
 
 
-def test_the_arranged_doc_topics_rows_differ_from_doctopics4_only_in_the_numbering(bench):
-    base = bench.ROUTINGS["doctopics4"][2]
+def test_the_arranged_doc_topics_rows_differ_from_doctopics4_only_in_the_numbering():
+    base = lm.ROUTINGS["doctopics4"][2]
     for mode in ("similar", "dissimilar"):
-        preset, method, settings = bench.ROUTINGS[f"doctopics4_{mode}"]
-        assert (preset, method) == bench.ROUTINGS["doctopics4"][:2]
+        preset, method, settings = lm.ROUTINGS[f"doctopics4_{mode}"]
+        assert (preset, method) == lm.ROUTINGS["doctopics4"][:2]
         assert settings == [*base, f"route.arrange={mode}"]
         cfg = apply_overrides(load_config(None, []), [f"topology.preset={preset}", f"route.method={method}", *settings])
         assert cfg.route.arrange == mode
@@ -183,51 +215,51 @@ def test_the_arranged_doc_topics_rows_differ_from_doctopics4_only_in_the_numberi
     assert "dipaco_2x2_doctopics_similar" in bench.GPU_ROWS
 
 
-def test_rerouting_rows_reroute_inside_dipaco_train_at_their_points(bench):
+def test_rerouting_rows_reroute_inside_dipaco_train_at_their_points():
     """One code path: the reroute and EM rows set route.em_rounds and train with one `train` call."""
     every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
     base = apply_overrides(Config(), ["train.rounds=16", "train.sharding=kmeans"])
 
     def em_rounds(name: str) -> list[int]:
-        return apply_overrides(base, bench.row_overrides(every[name], base)).route.em_rounds
+        return apply_overrides(base, lm.row_overrides(every[name], base)).route.em_rounds
 
     assert em_rounds("dipaco_2x2_em") == [4, 8, 12]
     assert em_rounds("dipaco_2x2_reroute") == [8]
     assert em_rounds("dipaco_2x2_kmeans") == [] and em_rounds("dense_4x") == []
-    assert "route.em_rounds=[1,2,3]" in bench.row_overrides(every["dipaco_2x2_em"], Config())  # 4 rounds
-    assert "reroute(" not in SCRIPT.read_text()  # no re-routing loop of its own
+    assert "route.em_rounds=[1,2,3]" in lm.row_overrides(every["dipaco_2x2_em"], Config())  # 4 rounds
+    assert not any("reroute(" in source.read_text() for source in SOURCES)  # no re-routing loop of its own
 
 
-def test_corpus_option_writes_only_the_named_shared_corpora(bench, tmp_path, monkeypatch):
+def test_corpus_option_writes_only_the_named_shared_corpora(tmp_path, monkeypatch):
     import gzip
 
     shared = tmp_path / "shared"
     shared.mkdir()
-    for name in bench.SOURCES:
+    for name in lm.SOURCES:
         source = name.split("_")[0]
         docs = [{"source": source, "label": f"t{i % 2}", "id": str(i), "text": f"{source} document {i}"} for i in range(3)]
         with gzip.open(shared / name, "wt", encoding="utf-8") as f:
             f.write("".join(json.dumps(d) + "\n" for d in docs))
-    monkeypatch.setattr(bench, "SHARED", shared)
-    assert set(bench.CORPORA) == {"mix", "bbc", "20ng", "brown"} and bench.CORPORA["mix"] == bench.SOURCES
-    bbc = [json.loads(line) for line in bench.write_corpus(tmp_path / "bbc.jsonl", 2, bench.CORPORA["bbc"]).open()]
+    monkeypatch.setattr(lm, "SHARED", shared)
+    assert set(lm.CORPORA) == {"mix", "bbc", "20ng", "brown"} and lm.CORPORA["mix"] == lm.SOURCES
+    bbc = [json.loads(line) for line in lm.write_corpus(tmp_path / "bbc.jsonl", 2, lm.CORPORA["bbc"]).open()]
     assert [d["id"] for d in bbc] == ["bbc/0", "bbc/1"] and {d["label"] for d in bbc} == {"bbc:t0", "bbc:t1"}
-    mix = [json.loads(line) for line in bench.write_corpus(tmp_path / "mix.jsonl", None).open()]
+    mix = [json.loads(line) for line in lm.write_corpus(tmp_path / "mix.jsonl", None).open()]
     assert len(mix) == 9 and {d["id"].split("/")[0] for d in mix} == {"20news", "bbc", "brown"}
 
 
-def test_a_row_with_overrides_is_that_row_judged_against_its_control_with_the_same_overrides(bench):
+def test_a_row_with_overrides_is_that_row_judged_against_its_control_with_the_same_overrides():
     every = {r.name: r for r in bench.rows(4, 16, True, num_layers=4)}
-    row = bench.named_row("dipaco_2x2_pathemb_top2@outer.rescale=sqrt_paths@outer.lr=0.5", every)
+    row = lm.named_row("dipaco_2x2_pathemb_top2@outer.rescale=sqrt_paths@outer.lr=0.5", every)
     assert row.overrides == [*every["dipaco_2x2_pathemb_top2"].overrides, "outer.rescale=sqrt_paths", "outer.lr=0.5"]
     assert row.routing == "featurizer4" and row.preset == "grid:2x2"
     assert row.experiment == "dipaco_2x2_pathemb_top2_outer.rescale_sqrt_paths_outer.lr_0.5"
-    cfg = apply_overrides(load_config(None, []), bench.row_overrides(row, load_config(None, [])))
+    cfg = apply_overrides(load_config(None, []), lm.row_overrides(row, load_config(None, [])))
     assert cfg.outer.rescale == "sqrt_paths" and cfg.train.name == row.experiment and cfg.route.topk == 2
-    assert bench.named_row("moe_4", every) is every["moe_4"]
+    assert lm.named_row("moe_4", every) is every["moe_4"]
     for bad in ("moe_5", "moe_4@outer.lr", "nope@outer.lr=1"):
         with pytest.raises(KeyError):
-            bench.named_row(bad, every)
+            lm.named_row(bad, every)
 
     sweep = "@outer.rescale=sqrt_paths"
     assert bench.iid_control(f"dipaco_2x2_featurizer{sweep}") == f"dipaco_2x2_iid{sweep}"
@@ -257,9 +289,9 @@ def test_a_row_with_overrides_is_that_row_judged_against_its_control_with_the_sa
 
 
 
-def test_rows_repeated_over_seeds_are_judged_on_their_means(bench):
-    assert bench.seed_group("diloco_4@train.rounds=16@run.seed=2", 0) == ("diloco_4@train.rounds=16", 2)
-    assert bench.seed_group("diloco_4@train.rounds=16", 7) == ("diloco_4@train.rounds=16", 7)
+def test_rows_repeated_over_seeds_are_judged_on_their_means():
+    assert lm.seed_group("diloco_4@train.rounds=16@run.seed=2", 0) == ("diloco_4@train.rounds=16", 2)
+    assert lm.seed_group("diloco_4@train.rounds=16", 7) == ("diloco_4@train.rounds=16", 7)
     s16 = "@outer.rescale=sqrt_paths@train.rounds=16"
     rows = [_row(name, 4, 800, 1000, ppl) for name, ppl in [
         ("diloco_4@train.rounds=16", 95.0),
@@ -282,7 +314,7 @@ def test_rows_repeated_over_seeds_are_judged_on_their_means(bench):
     assert len(table) == 4 and bench.seed_table(rows[:2], 0) == ""
 
 
-def test_an_unknown_row_fails_before_anything_is_prepared(bench, tmp_path, monkeypatch):
+def test_an_unknown_row_fails_before_anything_is_prepared(tmp_path, monkeypatch):
     import gzip
 
     shared = tmp_path / "shared"
@@ -290,14 +322,14 @@ def test_an_unknown_row_fails_before_anything_is_prepared(bench, tmp_path, monke
     with gzip.open(shared / "bbc_news.jsonl.gz", "wt", encoding="utf-8") as f:
         f.write(json.dumps({"source": "bbc", "label": "t", "id": "0", "text": "a document"}) + "\n")
     monkeypatch.setattr(bench, "SHARED", shared)
-    monkeypatch.setattr(bench, "prepare", lambda cfg: pytest.fail("prepared before the rows were checked"))
-    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--corpus", "bbc", "--out-dir", str(tmp_path / "out"),
-                                      "--rows", "dipaco_2x2_iid@outer.rescale=sqrt_paths", "dipaco_2x2_idd"])
+    monkeypatch.setattr(lm, "prepare", lambda cfg: pytest.fail("prepared before the rows were checked"))
+    argv = ["--corpus", "bbc", "--out-dir", str(tmp_path / "out"),
+            "--rows", "dipaco_2x2_iid@outer.rescale=sqrt_paths", "dipaco_2x2_idd"]
     with pytest.raises(SystemExit, match=r"unknown row 'dipaco_2x2_idd' \(ROW or ROW@key=value@...\)"):
-        bench.main()
+        bench.main(argv)
 
 
-def test_data_option_names_the_corpora_folder_and_a_missing_one_is_named(bench, tmp_path, monkeypatch):
+def test_data_option_names_the_corpora_folder_and_a_missing_one_is_named(tmp_path, monkeypatch):
     """The repository travels to a GPU machine without ../shared: --data points at a carried copy."""
     import gzip
 
@@ -306,18 +338,18 @@ def test_data_option_names_the_corpora_folder_and_a_missing_one_is_named(bench, 
     with gzip.open(carried / "bbc_news.jsonl.gz", "wt", encoding="utf-8") as f:
         f.write(json.dumps({"source": "bbc", "label": "t", "id": "0", "text": "a document"}) + "\n")
     monkeypatch.setattr(bench, "SHARED", tmp_path / "absent")
-    written = bench.write_corpus(tmp_path / "bbc.jsonl", None, bench.CORPORA["bbc"], carried)
+    written = lm.write_corpus(tmp_path / "bbc.jsonl", None, lm.CORPORA["bbc"], carried)
     assert [json.loads(line)["id"] for line in written.open()] == ["bbc/0"]
 
-    monkeypatch.setattr(bench, "prepare", lambda cfg: pytest.fail("prepared without the corpora"))
+    monkeypatch.setattr(lm, "prepare", lambda cfg: pytest.fail("prepared without the corpora"))
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--out-dir", str(out), "--data", str(carried)])
+    argv = ["--out-dir", str(out), "--data", str(carried)]
     with pytest.raises(SystemExit, match=r"not at .*carried \(missing 20news_bydate.jsonl.gz, "
                                          r"brown_genres.jsonl.gz\); name their folder with --data"):
-        bench.main()  # the mix needs all three corpora
-    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--corpus", "bbc", "--out-dir", str(out)])
+        bench.main(argv)  # the mix needs all three corpora
+    argv = ["--corpus", "bbc", "--out-dir", str(out)]
     with pytest.raises(SystemExit, match=r"absent \(missing bbc_news.jsonl.gz\)"):
-        bench.main()
+        bench.main(argv)
     assert not out.exists()
 
 
@@ -327,10 +359,10 @@ def _results_file(path: Path, rows: list[dict], pretrained_ppl: float = 211.08, 
     return path
 
 
-def test_report_judges_rows_of_several_out_dirs_together_without_training(bench, tmp_path, monkeypatch, capsys):
+def test_report_judges_rows_of_several_out_dirs_together_without_training(tmp_path, monkeypatch, capsys):
     """Rows of one corpus run side by side in two out-dirs; --report reads both, with no corpora at hand."""
     monkeypatch.setattr(bench, "SHARED", tmp_path / "absent")
-    monkeypatch.setattr(bench, "prepare", lambda cfg: pytest.fail("--report prepared data"))
+    monkeypatch.setattr(lm, "prepare", lambda cfg: pytest.fail("--report prepared data"))
     s16 = "@outer.rescale=sqrt_paths@train.rounds=16"
     one = _results_file(tmp_path / "a.json", [_row(f"dipaco_2x2_doctopics{s16}", 4, 800, 1000, 90.0),
                                               _row(f"dipaco_2x2_doctopics{s16}@run.seed=1", 4, 800, 1000, 92.0)])
@@ -338,8 +370,8 @@ def test_report_judges_rows_of_several_out_dirs_together_without_training(bench,
                                               _row("diloco_4@train.rounds=16", 4, 800, 1000, 95.0),
                                               _row(f"dipaco_2x2_doctopics{s16}", 4, 800, 1000, 90.0)])
     merged = tmp_path / "merged.json"
-    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--report", str(one), str(two), "--merged", str(merged)])
-    bench.main()
+    argv = ["--report", str(one), str(two), "--merged", str(merged)]
+    bench.main(argv)
     out = capsys.readouterr().out
     # Table order (DiLoCo before DiPaCo), the row both files hold once, and the seed means across files.
     names = [line.split(" | ")[0].removeprefix("| ") for line in out.splitlines() if line.startswith("| d")]
@@ -349,13 +381,13 @@ def test_report_judges_rows_of_several_out_dirs_together_without_training(bench,
     assert (f"best 2x2 row dipaco_2x2_doctopics{s16} (mean of seeds 0,1) 91.00 vs "
             "diloco_4@train.rounds=16 (mean of seeds 0,1) 94.00") in out
     # The merged file is a results file: reporting it again prints the same tables.
-    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--report", str(merged)])
-    bench.main()
+    argv = ["--report", str(merged)]
+    bench.main(argv)
     table, wrote = out.rsplit("[bench] wrote", 1)
     assert wrote.startswith(" the 4 rows to ") and capsys.readouterr().out == table
 
 
-def test_report_refuses_rows_it_cannot_compare(bench, tmp_path, monkeypatch):
+def test_report_refuses_rows_it_cannot_compare(tmp_path, monkeypatch):
     row = _row("diloco_4", 4, 800, 1000, 95.0)
     good = _results_file(tmp_path / "good.json", [row])
     cases = {
@@ -367,19 +399,19 @@ def test_report_refuses_rows_it_cannot_compare(bench, tmp_path, monkeypatch):
     }
     for name, (kwargs, message) in cases.items():
         other = _results_file(tmp_path / name, **kwargs)
-        monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--report", str(good), str(other)])
+        argv = ["--report", str(good), str(other)]
         with pytest.raises(SystemExit, match=message):
-            bench.main()
+            bench.main(argv)
     (tmp_path / "table.md").write_text("| not json |")
-    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--report", str(tmp_path / "table.md")])
-    with pytest.raises(SystemExit, match=r"table.md: not a bench_quality results file"):
-        bench.main()
-    monkeypatch.setattr(sys, "argv", ["bench_quality.py", "--merged", str(tmp_path / "m.json")])
+    argv = ["--report", str(tmp_path / "table.md")]
+    with pytest.raises(SystemExit, match=r"table.md: not a results file of the quality benchmark"):
+        bench.main(argv)
+    argv = ["--merged", str(tmp_path / "m.json")]
     with pytest.raises(SystemExit):
-        bench.main()
+        bench.main(argv)
 
 
-def test_a_rounds_override_keeps_the_rows_compute_factor_and_rerouting_points(bench):
+def test_a_rounds_override_keeps_the_rows_compute_factor_and_rerouting_points():
     """ROW@train.rounds=16: dense_4x still trains 4x as long as a path, and EM re-routes inside the 16 rounds
     (before the fix dense_4x@train.rounds=16 trained 16 rounds, as long as dense_1x, and the EM row
     re-routed after rounds 1, 2 and 3 of the base schedule)."""
@@ -387,7 +419,7 @@ def test_a_rounds_override_keeps_the_rows_compute_factor_and_rerouting_points(be
     base = apply_overrides(Config(), ["train.sharding=kmeans"])  # 4 rounds
 
     def cfg(name: str) -> Config:
-        return apply_overrides(base, bench.row_overrides(bench.named_row(name, every), base))
+        return apply_overrides(base, lm.row_overrides(lm.named_row(name, every), base))
 
     assert cfg("dense_4x@train.rounds=16").train.rounds == 64
     assert cfg("dense_1x@train.rounds=16").train.rounds == 16
