@@ -11,10 +11,13 @@ comm          multi-worker communication: bytes per round against DDP, outer-ste
 quality       the paper's comparison table at this machine's scale: DiPaCo against dense, DiLoCo and flat MoE (issue 14)
 path_scaling  validation perplexity against the number of paths P at a fixed path size (issues 36, 49)
 serve         `dipaco serve`: a path against dense, HTTP load per batching mode, APIs, abuse, soak (issues 5, 47, 59, 61, 62)
+routing       the routing package: k-means against scikit-learn, routing NMI of every featurizer on the shared corpora
+corpus_scale  time, peak memory and disk of prepare, route and train as the corpus grows to 10M documents (issue 33)
+throughput    one path's inner loop against the best hand-written loop: tokens/s, MFU, profile, round overhead (issue 48)
 
-The benchmarks not yet moved here are still scripts under scripts/. No benchmark module imports another
-(import-linter checks it). Run them through ``python -m bench``; never put bench/ itself on ``sys.path``
-(``bench/tokenize.py`` and ``bench/codecs.py`` would shadow the standard library's modules of those names).
+No benchmark module imports another (import-linter checks it). Run them through ``python -m bench``; never
+put bench/ itself on ``sys.path``: ``bench/tokenize.py`` and ``bench/codecs.py`` would shadow the standard
+library's modules of those names, and ``bench/routing.py`` this repository's ``routing`` package.
 """
 
 # name -> one-line summary: what `python -m bench` lists without importing any benchmark (nor torch).
@@ -27,4 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "quality": "the paper's comparison table at this machine's scale: DiPaCo against dense, DiLoCo and flat MoE (issue 14)",
     "path_scaling": "validation perplexity against the number of paths P at a fixed path size (issues 36, 49)",
     "serve": "`dipaco serve`: a path against dense, HTTP load per batching mode, APIs, abuse, soak (issues 5, 47, 59, 61, 62)",
+    "routing": "the routing package: k-means against scikit-learn, routing NMI of every featurizer on the shared corpora",
+    "corpus_scale": "time, peak memory and disk of prepare, route and train as the corpus grows to 10M documents (issue 33)",
+    "throughput": "one path's inner loop against the best hand-written loop: tokens/s, MFU, profile, round overhead (issue 48)",
 }

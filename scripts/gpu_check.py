@@ -7,7 +7,7 @@ reaches its cap is cut off there (what it finished is kept). The environment alw
 
 1. **environment**: device, torch, CUDA, bf16, the flash SDPA kernel, free memory; Python packages that
    are missing are installed offline from ``--wheels`` (``scripts/gpu_wheels.sh`` fills that folder).
-2. **throughput**: ``scripts/bench_throughput.py``'s comparison (our inner loop against the best
+2. **throughput**: ``python -m bench throughput``'s comparison (our inner loop against the best
    hand-written loop, in one process) at the 125M path (seq 1024) and the demo size, compiled and eager:
    tokens/s, the ratio, MFU against the device's bf16 peak, peak memory. Each timed block lasts at least
    ``--min-block-s`` (2 s; the steps per block, the same for both sides, calibrated after the warm-up), and
@@ -71,7 +71,6 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "scripts"
 
 # Import name -> distribution, of what dipaco and the bench scripts import. torch is assumed (the device
 # image has it); the optional ones only turn single checks off.
@@ -283,9 +282,9 @@ def dist_version(name: str) -> str | None:
 # --- sizes -------------------------------------------------------------------------------------------
 
 def bench(ctx: Context) -> ModuleType:
-    """scripts/bench_throughput.py, imported by the environment section (it imports dipaco)."""
+    """bench/throughput.py (``bench.throughput``), imported by the environment section (it imports dipaco)."""
     if ctx.bench_throughput is None:
-        raise RuntimeError("scripts/bench_throughput.py is not loaded: the environment section did not import dipaco")
+        raise RuntimeError("bench.throughput is not loaded: the environment section did not import dipaco")
     return ctx.bench_throughput
 
 
@@ -428,14 +427,14 @@ def install_wheels(wheels: Path, site: Path) -> list[str]:
 
 
 def load_project(ctx: Context, section: Section) -> None:
-    """Imports dipaco through scripts/bench_throughput.py (after the wheels are in)."""
+    """Imports dipaco through bench/throughput.py (after the wheels are in); the bench package is at the repository
+    root, which this script (run by path) puts on sys.path."""
     sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(SCRIPTS))
     # Ray's workers import dipaco too: they get the repository on PYTHONPATH.
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     start = time.perf_counter()
     try:
-        import bench_throughput
+        from bench import throughput
     except Exception as exc:  # a missing package, or one whose version the image's others refuse
         ctx.import_error = f"dipaco cannot be imported: {type(exc).__name__}: {exc}"
         section.checks.append(Check("import_dipaco", "failed", ctx.device.type, ctx.import_error))
@@ -443,7 +442,7 @@ def load_project(ctx: Context, section: Section) -> None:
     from dipaco.runtime import configure_backends
 
     configure_backends(ctx.device, None)  # what `dipaco train` does: TF32 on CUDA, determinism on CPU only
-    ctx.bench_throughput = bench_throughput
+    ctx.bench_throughput = throughput
     section.results["import_s"] = time.perf_counter() - start
 
 
@@ -463,7 +462,7 @@ def throughput_plan(ctx: Context, steps: SimpleNamespace) -> list[tuple[str, boo
     """(size, compiled, least seconds it needs), in priority order: the 125M path first, compiled first (the
     loop issue 48's target is set on)."""
     cost = {(False, True): 3, (True, True): 3, (False, False): 15, (True, False): 60}  # (compiled, tiny) -> s
-    # The timed part: the blocks (both sides, over the minimum by bench_throughput's margin), calibration, profile.
+    # The timed part: the blocks (both sides, over the minimum by bench.throughput's margin), calibration, profile.
     timed = (steps.blocks * 2 * steps.min_block_seconds * 1.3 + 2 * min(steps.min_block_seconds / 4, 0.5)
              + (0 if steps.profile_steps <= 0 else 0.5 if ctx.tiny else 3))
     names = list(sizes(ctx))
@@ -489,7 +488,7 @@ def run_throughput(ctx: Context, section: Section) -> None:
 
 def throughput_run(ctx: Context, section: Section, name: str, compiled: bool, need: float, steps: SimpleNamespace,
                    precision: Any) -> None:
-    """One size, eager or compiled: bench_throughput.bench_size, ours against the best hand-written loop."""
+    """One size, eager or compiled: bench.throughput.bench_size, ours against the best hand-written loop."""
     bt = bench(ctx)
     label = f"{name} {'compiled' if compiled else 'eager'}"
     if section.left() < need:
@@ -500,7 +499,7 @@ def throughput_run(ctx: Context, section: Section, name: str, compiled: bool, ne
     args = SimpleNamespace(**vars(steps), compile=compiled, data="disk")  # rows read as `dipaco train` reads them
     if compiled:
         # A fresh compile per size: dynamo would recompile the second size with dynamic shapes (slower kernels).
-        # Inside one size, the hand-written loop reuses our loop's compilation, as bench_throughput documents.
+        # Inside one size, the hand-written loop reuses our loop's compilation, as bench.throughput documents.
         import torch._dynamo
 
         torch._dynamo.reset()
@@ -846,7 +845,7 @@ def check_process_group(ctx: Context) -> Check:
 
 
 def check_round(ctx: Context) -> Check:
-    """bench_throughput's whole 2x2 round (4 paths' inner steps, the outer step, a checkpoint): the outer
+    """bench.throughput's whole 2x2 round (4 paths' inner steps, the outer step, a checkpoint): the outer
     step's and the checkpoint's shares of a round, each in [0, 1] and inside the non-inner share."""
     from dipaco.precision import resolve_precision
 

@@ -245,7 +245,9 @@ def test_the_registry_lists_exactly_the_benchmark_modules():
                if p.stem != "__main__" and "\ndef main(" in p.read_text(encoding="utf-8")}
     assert set(bench.BENCHMARKS) == modules
     assert all(f"\n{name} " in bench.__doc__ for name in modules)  # the package docstring lists them too
-    assert not any((REPO / "scripts" / f"bench_{m}.py").exists() for m in ("codecs", "checkpoint", "tokenize", "comm", "async"))
+    moved = ("codecs", "checkpoint", "tokenize", "comm", "async", "serve", "quality", "scaling", "routing", "scale",
+             "throughput")
+    assert not any((REPO / "scripts" / f"bench_{m}.py").exists() for m in moved)
 
 
 def test_the_import_contract_keeps_every_benchmark_apart():

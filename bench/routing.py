@@ -1,4 +1,4 @@
-"""Benchmark the routing package (no trainer needed).
+"""Benchmarks of the routing package: k-means, routing quality and featurizers (no trainer needed).
 
 1. kmeans:  our torch k-means vs scikit-learn KMeans on the same features, same k and n_init,
             run alternately in one process: wall time (best and median of --repeats) and inertia.
@@ -20,11 +20,14 @@
             (routed one by one): TF-IDF + SVD of the prefix, whole-document topics routed by nearest
             centroid of the prefix's projection (c-BTM's rule), and the doc_topics featurizer.
 
-    python scripts/bench_routing.py                       # sections 1 and 2
-    python scripts/bench_routing.py --sections 20ng --lm-model runs/demo/pretrain --out bench.json
-    python scripts/bench_routing.py --sections featurizers --lm-model RUN/pretrain --lm-tokenizer RUN/tokenizer
-    python scripts/bench_routing.py --sections context --lm-tokenizer RUN/tokenizer --corpora bbc,mix
-    python scripts/bench_routing.py --sections doc_topics --lm-tokenizer RUN/tokenizer --seeds 0,1,2
+    python -m bench routing                       # sections 1 and 2
+    python -m bench routing --sections 20ng --lm-model runs/demo/pretrain --out bench.json
+    python -m bench routing --sections featurizers --lm-model RUN/pretrain --lm-tokenizer RUN/tokenizer
+    python -m bench routing --sections context --lm-tokenizer RUN/tokenizer --corpora bbc,mix
+    python -m bench routing --sections doc_topics --lm-tokenizer RUN/tokenizer --seeds 0,1,2
+
+Every section prints markdown tables; ``--out`` writes the figures as JSON (``args`` with paths relative to the
+checkout, the machine as ``environment`` (:func:`bench.harness.environment`), the command, each section's rows).
 """
 
 from __future__ import annotations
@@ -44,10 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from routing.featurize import (  # noqa: E402
+from bench.harness import REPO, Column, argument_parser, command_line, environment, markdown_table, write_json
+from routing.featurize import (
     doc_topics_features,
     encoder_features,
     lm_prefix_features,
@@ -56,10 +57,10 @@ from routing.featurize import (  # noqa: E402
     tfidf_svd_features,
     tokenize_prefixes,
 )
-from routing.kmeans import kmeans  # noqa: E402
-from routing.quality import routing_report  # noqa: E402
-from routing.router import fit_router  # noqa: E402
-from routing.transform import FeatureTransform  # noqa: E402
+from routing.kmeans import Metric, kmeans
+from routing.quality import routing_report
+from routing.router import fit_router
+from routing.transform import FeatureTransform
 
 SUMMARY_COLS = ["router", "slack", "seeds", "mean_train_nmi", "min_train_nmi", "max_train_nmi",
                 "mean_test_nmi", "min_test_nmi", "max_test_nmi"]
@@ -110,17 +111,18 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
+def _figure(key: str) -> Column:
+    """A column of the row's ``key``, a float to 4 significant digits (what a table of NMIs and seconds needs)."""
+    def cell(row: Any) -> Any:
+        value = row.get(key)
+        return f"{value:.4g}" if isinstance(value, float) else value
 
-    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
+    return key, cell
+
+
+def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    """The rows as the harness's markdown table, one column per key."""
+    return markdown_table(rows, [_figure(c) for c in cols])
 
 
 # ----------------------------------------------------------------------------------------
@@ -281,7 +283,7 @@ def load_shared(shared: Path, name: str, max_docs: int | None) -> dict[str, list
 # name -> (hidden states pooled, first tokens skipped, transform, principal axes kept, k-means metric).
 # "L" is the last state (after the final norm), "M" the middle block's output, "A" every block's output
 # concatenated.
-LM_VARIANTS = {
+LM_VARIANTS: dict[str, tuple[str, int, str | None, int | None, Metric]] = {
     "lm raw last (default)": ("L", 0, None, None, "euclidean"),
     "lm raw last, cosine": ("L", 0, None, None, "cosine"),
     "lm last, center+l2": ("L", 0, "center_l2", None, "cosine"),
@@ -293,6 +295,8 @@ LM_VARIANTS = {
     "lm all layers, whiten+l2": ("A", 0, "whiten_l2", None, "cosine"),
     "lm last, skip 4, cosine": ("L", 4, None, None, "cosine"),
 }
+
+
 def _layer_slice(which: str, num_states: int, width: int) -> slice:
     """Columns of the all-states feature block (states 0..num_states-1 concatenated) for a variant."""
     if which == "L":
@@ -322,7 +326,7 @@ def anisotropy(x: torch.Tensor, labels: list, seed: int = 0, pairs: int = 20000)
 
 
 def score_variant(name: str, x: torch.Tensor, labels: list, k: int, slack: float, seeds: list[int], n_init: int,
-                  transform: str | None, metric: str, components: int | None = None) -> dict[str, Any]:
+                  transform: str | None, metric: Metric, components: int | None = None) -> dict[str, Any]:
     nmi, purity, ratio = [], [], []
     fitted = FeatureTransform.fit(x, transform, components) if transform else None
     for seed in seeds:
@@ -516,8 +520,9 @@ def bench_doc_topics(args) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``python -m bench routing`` (see the module docstring for the sections they drive)."""
+    p = argument_parser("routing", __doc__)
     p.add_argument("--sections", default="kmeans,20ng", help="comma list of kmeans, 20ng, featurizers, context, doc_topics "
                    "(lm runs with --lm-model)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="20news_bydate.jsonl.gz")
@@ -549,26 +554,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch and BLAS/OpenMP threads (default: as is)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = p.parse_args(argv)
-    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    return p
 
-    if args.threads:
+
+# The sections that need a tokenizer or a model, and the flag that gives it.
+NEEDS = {"context": ("lm_tokenizer", "--lm-tokenizer (a run's tokenizer/ directory)"),
+         "doc_topics": ("lm_tokenizer", "--lm-tokenizer (a run's tokenizer/ directory)"),
+         "featurizers": ("lm_model", "--lm-model (a run's pretrain/ directory)")}
+
+
+def check_sections(p: argparse.ArgumentParser, args: argparse.Namespace, sections: set[str]) -> None:
+    """Ends the run, before any section runs, when a section lacks the tokenizer or model it reads."""
+    for section in sorted(sections & set(NEEDS)):
+        attribute, flag = NEEDS[section]
+        if not getattr(args, attribute):
+            p.error(f"--sections {section} needs {flag}")
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's and the BLAS/OpenMP pools' threads (scikit-learn's k-means runs in the latter)."""
+    if threads:
         from threadpoolctl import threadpool_limits
 
-        torch.set_num_threads(args.threads)
-        threadpool_limits(args.threads)
-    # Paths relative to the checkout, so a results file names no machine's folders.
-    results: dict[str, Any] = {"args": {k: (os.path.relpath(v, REPO) if isinstance(v, Path) else v)
-                                        for k, v in vars(args).items()},
-                               "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
-    # Timings on a shared machine are only comparable at similar load: print it with them.
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}")
+        torch.set_num_threads(threads)
+        threadpool_limits(threads)
 
+
+def header(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """The results' first fields: the arguments and the command (paths relative to the checkout, so a results
+    file names no machine's folders) and the machine (:func:`bench.harness.environment`). The machine's
+    ``torch_threads``, ``torch`` and ``cpus`` stay at the top as well, where the files of docs/ hold them."""
+    env = environment(args.device)
+    command = [os.path.relpath(a, REPO) if os.path.isabs(a) else a for a in argv]
+    return {"args": {k: (os.path.relpath(v, REPO) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "torch_threads": env["threads"], "torch": env["torch"], "cpus": env["cpus"],
+            "loadavg_start": os.getloadavg(), "command": command_line("routing", command), "environment": env}
+
+
+def load_texts(args: argparse.Namespace, sections: set[str]) -> dict[str, dict[str, list]] | None:
+    """20 Newsgroups for the k-means, 20ng and LM sections (None when none of them runs); with
+    --tfidf-prefix-tokens each document cut to its first tokens, as the trainer routes."""
     need_text = bool(sections & {"kmeans", "20ng"}) or (args.lm_model and "featurizers" not in sections)
-    data = load_20ng(args.data, args.keep_subject) if need_text else None
-    if data is not None and args.tfidf_prefix_tokens:
+    if not need_text:
+        return None
+    data = load_20ng(args.data, args.keep_subject)
+    if args.tfidf_prefix_tokens:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.lm_tokenizer or args.lm_model, local_files_only=True)
@@ -576,6 +606,62 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ids = tok(split["text"], add_special_tokens=False)["input_ids"]
             split["text"] = tok.batch_decode([i[: args.tfidf_prefix_tokens] for i in ids])
         print(f"TF-IDF sees each document's first {args.tfidf_prefix_tokens} tokens only")
+    return data
+
+
+def kmeans_section(args: argparse.Namespace, tfidf: tuple[np.ndarray, np.ndarray] | None) -> list[dict[str, Any]]:
+    """Section 1: ours against scikit-learn on the 20NG features (when loaded) and the synthetic blobs."""
+    rows = []
+    if tfidf is not None:
+        rows.append(bench_kmeans("20ng tfidf+svd (train)", tfidf[0], args.k, args.n_init, args.repeats, 0))
+    if args.blobs:
+        n, d, k = (int(v) for v in args.blobs.split(","))
+        rows.append(bench_kmeans(f"blobs {n}x{d}", blobs(n, d, k), k, args.n_init, args.repeats, 0))
+    print("\n## k-means: ours vs scikit-learn (time: best and median of repeats; inertia, iterations: mean)")
+    print(table(rows, ["features", "N", "D", "k", "n_init", "sklearn_s", "ours_s", "time_ratio",
+                       "sklearn_median_s", "ours_median_s", "sklearn_inertia", "ours_inertia",
+                       "inertia_ratio", "sklearn_iter", "ours_iter"]))
+    return rows
+
+
+def twenty_newsgroups_section(args: argparse.Namespace, tfidf: tuple[np.ndarray, np.ndarray],
+                              data: dict[str, dict[str, list]]) -> dict[str, Any]:
+    """Section 2: the TF-IDF+SVD router on 20NG, unbalanced and balanced, every seed."""
+    rows = [route_and_score("tfidf_svd", tfidf[0], tfidf[1], data, args.k, slack, seed, args.n_init)
+            for seed in args.seeds for slack in (None, args.slack)]
+    out = {"rows": rows, "summary": summarize(rows)}
+    print(f"\n## 20 Newsgroups routing, k={args.k} (train = fitted shards, test = nearest centroid)")
+    print(table(rows, ["router", "slack", "seed", "train_nmi", "test_nmi", "train_ari", "train_purity",
+                       "train_max_min", "train_max_docs", "fit_s"]))
+    print("\n" + table(out["summary"], SUMMARY_COLS))
+    return out
+
+
+def lm_section(args: argparse.Namespace, data: dict[str, dict[str, list]] | None) -> dict[str, Any]:
+    """Section 3: the LM-prefix featurizer's NMI and speed against the model's plain forward pass."""
+    lm = bench_lm(args, data)
+    print(f"\n## LM-prefix featurizer ({lm['model']}, {lm['device']}, {lm['docs']} docs, hidden {lm['hidden']})")
+    print(f"featurizer {lm['featurizer_docs_per_s']:.1f} docs/s, plain forward {lm['forward_docs_per_s']:.1f} "
+          f"docs/s, fraction {lm['featurizer_fraction_of_forward']:.2f} "
+          f"(tokenizing alone: {lm['tokenize_docs_per_s']:.1f} docs/s)")
+    print(table(lm["rows"], ["router", "slack", "seed", "train_nmi", "test_nmi", "fit_s"]))
+    print("\n" + table(lm["summary"], SUMMARY_COLS))
+    return lm
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    """Runs the sections ``argv`` asks for and returns the results (what ``--out`` writes)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    check_sections(p, args, sections)
+    set_threads(args.threads)
+    results = header(args, argv)
+    # Timings on a shared machine are only comparable at similar load: print it with them.
+    print(f"torch {results['torch']}, {results['torch_threads']} threads, {results['cpus']} CPUs, "
+          f"load average {results['loadavg_start'][0]:.2f}")
+
+    data = load_texts(args, sections)
     tfidf = None
     if data is not None and sections & {"kmeans", "20ng"}:
         (train_x, fitted), secs = timed(lambda: tfidf_svd_features(data["train"]["text"], n_components=args.svd))
@@ -583,59 +669,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tfidf = (train_x, test_x)
         results["tfidf_fit_s"] = secs
         print(f"20 Newsgroups: {len(train_x)} train / {len(test_x)} test docs, TF-IDF+SVD({args.svd}) in {secs:.1f}s")
-
     if "kmeans" in sections:
-        rows = []
-        if tfidf is not None:
-            rows.append(bench_kmeans("20ng tfidf+svd (train)", tfidf[0], args.k, args.n_init, args.repeats, 0))
-        if args.blobs:
-            n, d, k = (int(v) for v in args.blobs.split(","))
-            rows.append(bench_kmeans(f"blobs {n}x{d}", blobs(n, d, k), k, args.n_init, args.repeats, 0))
-        results["kmeans"] = rows
-        print("\n## k-means: ours vs scikit-learn (time: best and median of repeats; inertia, iterations: mean)")
-        print(table(rows, ["features", "N", "D", "k", "n_init", "sklearn_s", "ours_s", "time_ratio",
-                           "sklearn_median_s", "ours_median_s", "sklearn_inertia", "ours_inertia",
-                           "inertia_ratio", "sklearn_iter", "ours_iter"]))
-
-    if "20ng" in sections and tfidf is not None:
-        rows = [route_and_score("tfidf_svd", tfidf[0], tfidf[1], data, args.k, slack, seed, args.n_init)
-                for seed in args.seeds for slack in (None, args.slack)]
-        results["20ng"] = {"rows": rows, "summary": summarize(rows)}
-        print(f"\n## 20 Newsgroups routing, k={args.k} (train = fitted shards, test = nearest centroid)")
-        print(table(rows, ["router", "slack", "seed", "train_nmi", "test_nmi", "train_ari", "train_purity",
-                           "train_max_min", "train_max_docs", "fit_s"]))
-        print(table(results["20ng"]["summary"], SUMMARY_COLS))
-
+        results["kmeans"] = kmeans_section(args, tfidf)
+    if "20ng" in sections and tfidf is not None and data is not None:
+        results["20ng"] = twenty_newsgroups_section(args, tfidf, data)
     if "context" in sections:
-        if not args.lm_tokenizer:
-            p.error("--sections context needs --lm-tokenizer (a run's tokenizer/ directory)")
         results["context"] = bench_context(args)
     if "doc_topics" in sections:
-        if not args.lm_tokenizer:
-            p.error("--sections doc_topics needs --lm-tokenizer (a run's tokenizer/ directory)")
         results["doc_topics"] = bench_doc_topics(args)
     if "featurizers" in sections:
-        if not args.lm_model:
-            p.error("--sections featurizers needs --lm-model (a run's pretrain/ directory)")
         results["featurizers"] = bench_featurizers(args)
     elif args.lm_model:
-        lm = bench_lm(args, data)
-        results["lm"] = lm
-        print(f"\n## LM-prefix featurizer ({lm['model']}, {lm['device']}, {lm['docs']} docs, hidden {lm['hidden']})")
-        print(f"featurizer {lm['featurizer_docs_per_s']:.1f} docs/s, plain forward {lm['forward_docs_per_s']:.1f} "
-              f"docs/s, fraction {lm['featurizer_fraction_of_forward']:.2f} "
-              f"(tokenizing alone: {lm['tokenize_docs_per_s']:.1f} docs/s)")
-        print(table(lm["rows"], ["router", "slack", "seed", "train_nmi", "test_nmi", "fit_s"]))
-        print(table(lm["summary"], SUMMARY_COLS))
+        results["lm"] = lm_section(args, data)
 
     results["loadavg_end"] = os.getloadavg()
     print(f"\nload average at the end {results['loadavg_end'][0]:.2f}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1, allow_nan=False))
+        write_json(args.out, results)
         print(f"\nwrote {args.out}")
     return results
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench routing ARGS``: :func:`run`, its results printed and, with --out, written."""
+    run(sys.argv[1:] if argv is None else argv)
+    return 0

