@@ -121,10 +121,10 @@ def fault_run(cfg: Config, per_round: int, kills: int) -> dict[str, Any]:
             # The driver gives a restarted worker tasks only once it answers, so a task running on
             # worker 0 for 0.2 s is running on a live worker: killing it kills a task mid-way.
             while len(killed) < kills:
-                busy = [t for t in list(run.queue.running.values())
+                busy = [t for t in list(run.flight.queue.running.values())
                         if t.worker == 0 and time.monotonic() - t.started > 0.2 and t.id not in killed]
                 if busy:
-                    ray.kill(run.workers[0], no_restart=False)
+                    ray.kill(run.flight.workers[0], no_restart=False)
                     killed.append(busy[0].id)
                 time.sleep(0.02)
 

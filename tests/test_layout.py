@@ -153,7 +153,8 @@ def test_no_function_in_dipaco_takes_more_than_seven_parameters():
 # stop after the step in progress and its exact continuation, then 585 with one handler table for
 # everything the driver waits on and one worker model for every path. A dead worker's task stays the
 # queue's (Ray's retry would hold it for the restart of its worker). This caps today's size so it
-# cannot grow back unnoticed. The goal is not met: see the issue's note.
+# cannot grow back unnoticed. The goal is not met: see the issue's note. Issue 60 withdrew it and kept this cap;
+# the scheduler's run state went into one dataclass (tasks.InFlight) within it.
 RAY_SCHEDULER = ("dipaco/train/tasks.py", "dipaco/train/task_actors.py")
 RAY_SCHEDULER_MAX_LINES = 585
 ASYNC_SCHEDULE_MAX_LINES = 158

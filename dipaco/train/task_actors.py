@@ -78,50 +78,40 @@ class PathWorker:
 
 
 def _to_cpu(state: Any) -> Any:
-    if torch.is_tensor(state):
-        return state.cpu()
     if isinstance(state, dict):
         return {k: _to_cpu(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
         return type(state)(_to_cpu(v) for v in state)
-    return state
+    return state.cpu() if torch.is_tensor(state) else state
 
 
 @dataclass(frozen=True)
-class ExecutorModules:
-    """The modules of one executor and their outer step, by global module id."""
+class ExecutorSpec:
+    """One executor: its modules and their outer step, by global module id; where it checkpoints itself, how often."""
 
     names: dict[int, str]
     path_weights: dict[int, dict[int, float]]  # module -> the weight of each path through it
     lr: float | dict[int, float]  # the outer lr (per module: embedding and head may be scaled)
     momentum: float
     delay: dict[int, int]  # arrivals per momentum step (delayed Nesterov's N)
-    rescale: str = "none"  # outer.rescale
-
-
-@dataclass(frozen=True)
-class ExecutorCheckpoints:
-    """Where an executor checkpoints itself, and how often."""
-
     root: str
     every: int  # ray.executor_checkpoint_every: applied updates between checkpoints
     config_yaml: str  # the run's resolved config, written into each checkpoint
+    rescale: str = "none"  # outer.rescale
 
 
 class ModuleExecutor:
     """The outer executor of a group of modules: their :class:`AsyncNesterov` and update log. It checkpoints
-    itself (the store's format) every ``checkpoints.every`` updates; constructed again by Ray after a crash,
+    itself (the store's format) every ``spec.every`` updates; constructed again by Ray after a crash,
     it restores its newest checkpoint. ``init`` (each module's parameters) and ``saved`` (tensors by part
     and counters from a run checkpoint, which win) are arguments of their own: Ray resolves the object
     references it is given there, not inside a dataclass."""
 
-    def __init__(self, modules: ExecutorModules, checkpoints: ExecutorCheckpoints, init: dict[int, torch.Tensor],
-                 saved: tuple[dict, dict] | None = None) -> None:
+    def __init__(self, spec: ExecutorSpec, init: dict[int, torch.Tensor], saved: tuple[dict, dict] | None = None) -> None:
         torch.set_num_threads(1)
-        self.names, self.every, self.config_yaml = dict(modules.names), checkpoints.every, checkpoints.config_yaml
-        self.sync = AsyncNesterov(init, modules.path_weights, modules.lr, modules.momentum, modules.delay,
-                                  modules.rescale)
-        self.checkpoints = CheckpointManager(checkpoints.root, keep=2)
+        self.names, self.every, self.config_yaml = dict(spec.names), spec.every, spec.config_yaml
+        self.sync = AsyncNesterov(init, spec.path_weights, spec.lr, spec.momentum, spec.delay, spec.rescale)
+        self.checkpoints = CheckpointManager(spec.root, keep=2)
         self.restored_from = None
         if self.checkpoints.latest() is not None:
             ckpt = SavedCheckpoint(resolve_checkpoint(self.checkpoints))
@@ -135,9 +125,6 @@ class ModuleExecutor:
 
     def pid(self) -> int:
         return os.getpid()
-
-    def status(self) -> dict:
-        return {"updates": len(self.sync.log), "restored_from": self.restored_from}
 
     def pull(self, module: int) -> torch.Tensor:
         return self.sync.params[module].clone()
@@ -156,9 +143,6 @@ class ModuleExecutor:
 
     def state(self) -> tuple[dict, dict]:
         return self.sync.tensors(self.names), self.sync.counters()
-
-    def log(self) -> list[dict]:
-        return self.sync.counters()["log"]
 
     def _checkpoint(self) -> None:
         n = len(self.sync.log)

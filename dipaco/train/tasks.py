@@ -35,6 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -52,8 +53,7 @@ from dipaco.train.task_actors import (
     EXECUTORS_DIR,
     SYNC_PARTS,
     TASK_BASE,
-    ExecutorCheckpoints,
-    ExecutorModules,
+    ExecutorSpec,
     ExecutorState,
     ModuleExecutor,
     PathWorker,
@@ -80,10 +80,34 @@ def init_ray(ray: Any, **options: Any) -> None:
         signal.signal(signal.SIGTERM, ours)
 
 
+@dataclass
+class InFlight:
+    """A run's state on Ray, made by :meth:`TaskScheduler.run`: its queue, its actors, what is in flight."""
+
+    queue: TaskQueue
+    started_ray: bool  # this run called ray.init, so close() shuts Ray down
+    last_checkpoint: int  # tasks completed as of the last checkpoint
+    workers: list = field(default_factory=list)  # PathWorker actors
+    actors: list = field(default_factory=list)  # ModuleExecutor actors, one per module group
+    executors: dict[int, Any] = field(default_factory=dict)  # module -> its group's actor
+    held: list = field(default_factory=list)  # the actors' arguments in the object store, which Ray restarts them with
+    inner: dict[int, Any] = field(default_factory=dict)  # path -> its AdamW state (a ref)
+    partial: dict[int, Any] = field(default_factory=dict)  # path a signal stopped mid-task -> its parameters (a ref)
+    free: deque[int] = field(default_factory=deque)  # workers without a task
+    tasks: dict[Any, Callable[[Any], None]] = field(default_factory=dict)  # a task's first return ref (or a probe) -> handler
+    acks: dict[Any, Callable[[Any], None]] = field(default_factory=dict)  # a sent update's push ref -> its handler
+    records: list[tuple[str, int | None, dict]] = field(default_factory=list)  # to log once checkpointed
+    staleness: list[int] = field(default_factory=list)
+    requeues: int = 0
+    start: float = 0.0  # perf_counter once the actors answer
+    checkpoint_due: bool = False
+
+
 class TaskScheduler:
     """Path tasks on Ray workers, one outer executor per module group (see the module docstring)."""
 
     driver = "ray"
+    flight: InFlight  # set by run()
 
     def __init__(self, experiment: BuiltExperiment, ray: RayConfig, outer: OuterConfig, dynamic_steps: bool = False,
                  on_start: Callable[[TaskScheduler], None] | None = None) -> None:
@@ -99,8 +123,6 @@ class TaskScheduler:
         self.counters: dict[str, dict] | None = None  # each module's executor counters, as of the last checkpoint
         self.paused: dict[int, dict] = {}  # path -> its task a signal stopped: where it is, the modules it started from
         self.ray: Any = None
-        self.workers: list = []
-        self.actors: list = []
 
     def describe(self) -> str:
         return (f"on Ray: {len(self.speeds)} workers (speeds {self.speeds}), {len(self.groups)} executors for "
@@ -110,18 +132,17 @@ class TaskScheduler:
         """``until_round`` rounds' worth of inner steps in tasks, from the queue state restored; yields every
         ``ray.checkpoint_every`` completed tasks and at the end."""
         steps, cfg = self.experiment.inner_steps, self.ray_cfg
-        self.queue = TaskQueue(self.topology, steps, until_round * steps * self.topology.num_paths, cfg.schedule,
-                               cfg.max_staleness, self.dynamic_steps, self.queue_state)
+        queue = TaskQueue(self.topology, steps, until_round * steps * self.topology.num_paths, cfg.schedule,
+                          cfg.max_staleness, self.dynamic_steps, self.queue_state)
         for p, t in self.paused.items():
-            self.queue.resume(Task(p, t["index"], t["steps"], start=dict(t["start"]), attempt=t["attempt"], done=t["done"]))
+            queue.resume(Task(p, t["index"], t["steps"], start=dict(t["start"]), attempt=t["attempt"], done=t["done"]))
         self.ray = ray = _ray()
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
+        self.flight = InFlight(queue, started_ray=not ray.is_initialized(), last_checkpoint=queue.completed)
+        if self.flight.started_ray:
             init_ray(ray, address=cfg.address, include_dashboard=False, log_to_driver=False,
                      **({"num_cpus": cfg.num_cpus} if cfg.address is None else {}))
         self._start_actors()
-        left = self.queue.budget - self.queue.steps_done - sum(task["done"] for task in self.paused.values())
-        echo(f"[train] {left} inner steps to go")
+        echo(f"[train] {queue.budget - queue.steps_done - sum(t['done'] for t in self.paused.values())} inner steps to go")
         if self.on_start is not None:
             self.on_start(self)
         yield from self._events()
@@ -129,7 +150,7 @@ class TaskScheduler:
     def _start_actors(self) -> None:
         """Ray restarts a dead actor with the arguments it was created with; it sends an executor's calls
         again (the executor restores its own checkpoint), not a worker's: the queue gives its task to any worker."""
-        ray, topo = self.ray, self.topology
+        ray, topo, flight = self.ray, self.topology, self.flight
         resources = ray.cluster_resources()
         share = {"num_cpus": min(1.0, resources.get("CPU", 1.0) / len(self.speeds))}
         if resources.get("GPU", 0) > 0:  # the workers train on the node's GPUs, as lock-step ranks do
@@ -137,36 +158,30 @@ class TaskScheduler:
         # max_concurrency=2: a stop() call reaches a worker while it runs a task
         worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=0, max_concurrency=2)
         llama = next(iter(self.loops.values())).model.config
-        self.held = [ray.put(self.experiment.path_loops)]  # the actors' arguments, which Ray restarts them with
-        self.workers = [worker_cls.remote(speed, self.held[0], llama, topo) for speed in self.speeds]
+        flight.held.append(ray.put(self.experiment.path_loops))
+        flight.workers += [worker_cls.remote(speed, flight.held[0], llama, topo) for speed in self.speeds]
         executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1)
         root = self.experiment.dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
         for g, group in enumerate(self.groups):
             through = {m: topo.paths_through(m) for m in group}
-            modules = ExecutorModules(
+            spec = ExecutorSpec(
                 names={m: self.names[m] for m in group},
                 path_weights={m: {p: self.experiment.weights[p] for p in through[m]} for m in group},
                 lr={m: module_outer_lr(self.outer, topo, m) for m in group}, momentum=self.outer.momentum,
                 delay={m: default_delay(len(through[m]), self.outer.nesterov_delay) for m in group},
-                rescale=self.outer.rescale)
-            checkpoints = ExecutorCheckpoints(str(root / f"executor_{g:03d}"), self.ray_cfg.executor_checkpoint_every,
-                                              self.experiment.config_yaml)
-            self.held += [ray.put({m: self.bank.params[m].detach().clone() for m in group}), self._saved(group)]
-            self.actors.append(executor_cls.remote(modules, checkpoints, *self.held[-2:]))
-        self.executors = {m: self.actors[g] for g, group in enumerate(self.groups) for m in group}
-        ray.get([actor.pid.remote() for actor in (*self.workers, *self.actors)])  # started: the clock starts now
+                root=str(root / f"executor_{g:03d}"), every=self.ray_cfg.executor_checkpoint_every,
+                config_yaml=self.experiment.config_yaml, rescale=self.outer.rescale)
+            flight.held += [ray.put({m: self.bank.params[m].detach().clone() for m in group}), self._saved(group)]
+            flight.actors.append(executor_cls.remote(spec, *flight.held[-2:]))
+        flight.executors = {m: flight.actors[g] for g, group in enumerate(self.groups) for m in group}
+        ray.get([actor.pid.remote() for actor in (*flight.workers, *flight.actors)])
+        flight.start = time.perf_counter()  # started: the clock starts now
         for old in root.parent.glob("run_*"):  # an earlier run's executors: its checkpoint is the truth now
             if old != root:
                 shutil.rmtree(old, ignore_errors=True)
-        self.inner: dict[int, Any] = {p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}
-        self.partial = {p: ray.put(dict(self.loops[p].model.named_parameters())) for p in self.paused}  # mid-task
-        self.tasks: dict[Any, Callable[[Any], None]] = {}  # a running task's first return ref (or a probe) -> handler
-        self.acks: dict[Any, Callable[[Any], None]] = {}  # a sent update's push ref -> its handler
-        self.free: deque[int] = deque(range(len(self.workers)))
-        self.records: list[tuple[str, int | None, dict]] = []  # to log once checkpointed
-        self.staleness: list[int] = []
-        self.requeues, self.start, self.checkpoint_due = 0, time.perf_counter(), False
-        self.last_checkpoint = self.queue.completed
+        flight.inner = {p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}
+        flight.partial = {p: ray.put(dict(self.loops[p].model.named_parameters())) for p in self.paused}
+        flight.free.extend(range(len(flight.workers)))
 
     def _saved(self, group: list[int]) -> Any:
         """A group's executor state from the restored run checkpoint (tensors by part, counters), or None."""
@@ -179,44 +194,44 @@ class TaskScheduler:
                                        "log": [u for n in names for u in self.counters[n]["log"]]}))
 
     def _events(self) -> Iterator[Progress]:
-        while not self.queue.done():
+        while not self.flight.queue.done():
             if (signal := interrupted()) is not None:
                 yield from self._stop(signal)
             self._dispatch()
-            if not self.tasks and not self.acks:
-                raise DistributedError(f"no task can start and none is running ({self.queue.remaining} inner steps "
+            if not self.flight.tasks and not self.flight.acks:
+                raise DistributedError(f"no task can start and none is running ({self.flight.queue.remaining} inner steps "
                                        f"left); ray.max_staleness may be too small")
-            self._next({**self.tasks, **self.acks}, SIGNAL_POLL_S)
-            if self.checkpoint_due:
+            self._next({**self.flight.tasks, **self.flight.acks}, SIGNAL_POLL_S)
+            if self.flight.checkpoint_due:
                 yield self.checkpoint()
-        if self.last_checkpoint != self.queue.completed:
+        if self.flight.last_checkpoint != self.flight.queue.completed:
             yield self.checkpoint()
 
     def _next(self, waiting: dict[Any, Callable[[Any], None]], timeout: float | None = None) -> None:
         """Handles the next of the ``waiting`` calls to return (none when ``timeout`` seconds pass first)."""
         for ref in self.ray.wait(list(waiting), num_returns=1, timeout=timeout)[0]:
-            (self.tasks.pop(ref, None) or self.acks.pop(ref))(ref)
+            (self.flight.tasks.pop(ref, None) or self.flight.acks.pop(ref))(ref)
 
     def _stop(self, signal: type[KeyboardInterrupt]) -> Iterator[Progress]:
         """A signal (under runtime.finish_the_step): each running task stops after its step in progress and is
         kept as it is; once every sent update is applied, the state is yielded, then the signal raised."""
-        for task in self.queue.running.values():
-            self.workers[task.worker].stop.remote()
-        while self.queue.running:
-            self._next(self.tasks)
+        for task in self.flight.queue.running.values():
+            self.flight.workers[task.worker].stop.remote()
+        while self.flight.queue.running:
+            self._next(self.flight.tasks)
         yield self.checkpoint()
         raise signal()
 
     def _dispatch(self) -> None:
-        while self.free and (task := self.queue.dispatch(self.free[0])) is not None:
-            self.free.popleft()
+        while self.flight.free and (task := self.flight.queue.dispatch(self.flight.free[0])) is not None:
+            self.flight.free.popleft()
             paused = self.paused.get(task.path) if task.done else None
-            modules = paused["base"] if paused else [self.executors[m].pull.remote(m)
+            modules = paused["base"] if paused else [self.flight.executors[m].pull.remote(m)
                                                      for m in self.topology.path_modules(task.path)]
-            refs = self.workers[task.worker].run.options(num_returns=3 + len(self.topology.parts)).remote(
-                task.path, task.steps - task.done, self.inner[task.path], *modules,
-                params=self.partial[task.path] if paused else None)
-            self.tasks[refs[0]] = partial(self._on_task, task, refs, modules)
+            refs = self.flight.workers[task.worker].run.options(num_returns=3 + len(self.topology.parts)).remote(
+                task.path, task.steps - task.done, self.flight.inner[task.path], *modules,
+                params=self.flight.partial[task.path] if paused else None)
+            self.flight.tasks[refs[0]] = partial(self._on_task, task, refs, modules)
 
     def _on_task(self, task: Task, refs: list, modules: list, ref: Any) -> None:
         try:
@@ -225,15 +240,15 @@ class TaskScheduler:
             raise  # the task itself failed (a bug or bad data): not something a retry heals
         except self.ray.exceptions.RayError as exc:
             return self._requeue(task, exc)
-        self.free.append(task.worker)
+        self.flight.free.append(task.worker)
         if meta["steps"] < task.steps - task.done:
             return self._pause(task, meta["steps"], refs, modules)
         self.paused.pop(task.path, None)
-        self.queue.sent(task, meta["tokens_per_s"])
+        self.flight.queue.sent(task, meta["tokens_per_s"])
         waiting, result = set(task.start), {**meta, "inner": refs[1], "staleness": {}}
         for m, delta in zip(self.topology.path_modules(task.path), refs[3:]):
-            push = self.executors[m].push.remote(task.id, task.path, m, task.start[m], delta)
-            self.acks[push] = partial(self._on_push, task, m, waiting, result)
+            push = self.flight.executors[m].push.remote(task.id, task.path, m, task.start[m], delta)
+            self.flight.acks[push] = partial(self._on_push, task, m, waiting, result)
 
     def _pause(self, task: Task, steps: int, refs: list, modules: list) -> None:
         """A signal stopped the task after ``steps`` more of its steps. Nothing of it is applied: its AdamW state,
@@ -242,22 +257,23 @@ class TaskScheduler:
         task.done += steps
         self.paused[task.path] = {"index": task.index, "steps": task.steps, "done": task.done, "start": dict(task.start),
                                   "attempt": task.attempt, "base": base}
-        self.inner[task.path], self.partial[task.path] = refs[1], refs[2]
-        self.queue.paused(task)
+        self.flight.inner[task.path], self.flight.partial[task.path] = refs[1], refs[2]
+        self.flight.queue.paused(task)
         echo(f"[train] {task.id} stopped after {task.done} of its {task.steps} steps; --resume continues it there")
 
     def _requeue(self, task: Task, exc: Exception) -> None:
         """The task's worker died (killed, preempted, out of memory): the task goes back to the queue with the
         path's previous AdamW state; the worker, which Ray restarts, is free again once it answers a probe."""
         never_ran = isinstance(exc, self.ray.exceptions.ActorUnavailableError)  # sent while it was restarting
-        self.tasks[self.workers[task.worker].pid.options(max_task_retries=-1).remote()] = partial(self._on_probe, task.worker)
+        probe = self.flight.workers[task.worker].pid.options(max_task_retries=-1).remote()
+        self.flight.tasks[probe] = partial(self._on_probe, task.worker)
         if not never_ran and task.attempt >= self.ray_cfg.task_retries:
             raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
                                    f"(ray.task_retries={self.ray_cfg.task_retries}): {type(exc).__name__}") from None
-        self.queue.failed(task, count=not never_ran)
-        self.requeues += 1
+        self.flight.queue.failed(task, count=not never_ran)
+        self.flight.requeues += 1
         echo(f"[train] worker {task.worker} died during {task.id}: re-queued")
-        self.records.append(("requeue", None, {"task": task.id, "path": task.path, "worker": task.worker,
+        self.flight.records.append(("requeue", None, {"task": task.id, "path": task.path, "worker": task.worker,
                                                "attempt": task.attempt, "reason": "worker"}))
 
     def _on_probe(self, worker: int, ref: Any) -> None:
@@ -265,31 +281,31 @@ class TaskScheduler:
             self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
             raise DistributedError(f"worker {worker} died and Ray could not restart it: {exc}") from None
-        self.free.append(worker)
+        self.flight.free.append(worker)
 
     def _on_push(self, task: Task, module: int, waiting: set[int], result: dict, ref: Any) -> None:
         if (update := self.ray.get(ref)) is not None:  # None: the executor had applied it before it restarted
-            self.staleness.append(update["staleness"])
+            self.flight.staleness.append(update["staleness"])
             result["staleness"][self.names[module]] = update["staleness"]
         waiting.discard(module)
         if waiting:
             return
-        self.inner[task.path] = result["inner"]
-        self.queue.applied(task)
-        self.records.append(("task", self.queue.completed, {
+        self.flight.inner[task.path] = result["inner"]
+        self.flight.queue.applied(task)
+        self.flight.records.append(("task", self.flight.queue.completed, {
             "task": task.id, "path": task.path, "worker": task.worker, "steps": task.steps, "attempt": task.attempt,
             **{k: result[k] for k in ("loss", "tokens", "seconds", "compute_seconds", "tokens_per_s", "lr", "staleness")},
-            "steps_done": self.queue.steps_done, "elapsed": time.perf_counter() - self.start}))
+            "steps_done": self.flight.queue.steps_done, "elapsed": time.perf_counter() - self.flight.start}))
         every = self.ray_cfg.checkpoint_every or self.topology.num_paths
-        self.checkpoint_due = self.checkpoint_due or self.queue.completed % every == 0
+        self.flight.checkpoint_due = self.flight.checkpoint_due or self.flight.queue.completed % every == 0
 
     def checkpoint(self) -> Progress:
         """The completed tasks' state in the bank, the paths and the sync component: every sent update is
         applied first, so they agree (tasks still computing are run again on resume)."""
-        while self.acks:
-            self._next(self.acks)
-        states = self.ray.get([actor.state.remote() for actor in self.actors])
-        inner = dict(zip(self.inner, self.ray.get(list(self.inner.values()))))
+        while self.flight.acks:
+            self._next(self.flight.acks)
+        states = self.ray.get([actor.state.remote() for actor in self.flight.actors])
+        inner = dict(zip(self.flight.inner, self.ray.get(list(self.flight.inner.values()))))
         self.counters = {}
         with torch.no_grad():
             for group, (tensors, counter) in zip(self.groups, states):
@@ -307,14 +323,14 @@ class TaskScheduler:
             for p, loop in self.loops.items():
                 loop.load_state_dict(inner[p])
                 if p in self.paused:  # mid-task: its own parameters, not the bank's
-                    loop.model.load_state_dict(self.ray.get(self.partial[p]), strict=False)
+                    loop.model.load_state_dict(self.ray.get(self.flight.partial[p]), strict=False)
                 else:
                     self.bank.load_path(p, loop.model)
-        self.checkpoint_due, self.last_checkpoint = False, self.queue.completed
-        records, self.records = self.records, []
-        info = {"tasks": self.queue.completed, "inner_steps": self.queue.steps_done,
-                "elapsed": time.perf_counter() - self.start}
-        return Progress(self.queue.completed, records, info)
+        self.flight.checkpoint_due, self.flight.last_checkpoint = False, self.flight.queue.completed
+        records, self.flight.records = self.flight.records, []
+        info = {"tasks": self.flight.queue.completed, "inner_steps": self.flight.queue.steps_done,
+                "elapsed": time.perf_counter() - self.flight.start}
+        return Progress(self.flight.queue.completed, records, info)
 
     def logged(self, records: list[dict], index: int) -> bool:
         return any(r["event"] == "checkpoint" and r.get("step") == index for r in records)
@@ -327,16 +343,16 @@ class TaskScheduler:
             metrics.log("checkpoint", step=index, checkpoint=checkpoint_name, **info)
 
     def summary(self, metrics: MetricsLogger) -> None:
-        wall, summary = time.perf_counter() - self.start, staleness_summary(self.staleness)
-        metrics.log("async", step=self.queue.completed, wall_seconds=wall, tasks=self.queue.completed,
-                    inner_steps=self.queue.steps_done, requeues=self.requeues, staleness=summary,
+        wall, summary = time.perf_counter() - self.flight.start, staleness_summary(self.flight.staleness)
+        metrics.log("async", step=self.flight.queue.completed, wall_seconds=wall, tasks=self.flight.queue.completed,
+                    inner_steps=self.flight.queue.steps_done, requeues=self.flight.requeues, staleness=summary,
                     worker_speeds=self.speeds)
-        echo(f"[train] {self.queue.completed} tasks, {self.queue.steps_done} inner steps in {wall:.1f}s; "
-             f"staleness mean {summary['mean']:.2f} max {summary['max']}; {self.requeues} re-queued")
+        echo(f"[train] {self.flight.queue.completed} tasks, {self.flight.queue.steps_done} inner steps in {wall:.1f}s; "
+             f"staleness mean {summary['mean']:.2f} max {summary['max']}; {self.flight.requeues} re-queued")
 
     def state_dict(self) -> dict:  # the stopped tasks' base modules are the sync component's TASK_BASE part
         paused = {p: {k: v for k, v in task.items() if k != "base"} for p, task in self.paused.items()}
-        return {"queue": self.queue.state(), "executors": self.counters, "paused": paused}
+        return {"queue": self.flight.queue.state(), "executors": self.counters, "paused": paused}
 
     def load_state_dict(self, state: dict) -> None:
         self.queue_state, self.counters = state["queue"], state["executors"]
@@ -345,16 +361,15 @@ class TaskScheduler:
                        for p, task in state.get("paused", {}).items()}
 
     def close(self) -> None:
-        for actor in (*self.workers, *self.actors):
+        flight = self.__dict__.pop("flight", None)  # None: run() never started, or closed already
+        for actor in (*flight.workers, *flight.actors) if flight else ():
             self.ray.kill(actor, no_restart=True)
-        self.workers, self.actors = [], []
-        if self.ray is not None and self.started_ray:
+        if flight is not None and flight.started_ray:
             self.ray.shutdown()
 
 
 def worker_speeds(ray: RayConfig, num_paths: int) -> list[float]:
-    count = ray.num_workers or (len(ray.simulate_speeds) if ray.simulate_speeds else num_paths)
-    return list(ray.simulate_speeds) if ray.simulate_speeds else [1.0] * count
+    return list(ray.simulate_speeds) if ray.simulate_speeds else [1.0] * (ray.num_workers or num_paths)
 
 
 def executor_groups(num_modules: int, executors: int | None) -> list[list[int]]:

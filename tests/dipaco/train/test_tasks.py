@@ -20,11 +20,11 @@ from dipaco.run import Run, apply_overrides
 
 ray = pytest.importorskip("ray", reason='the Ray driver needs Ray: pip install -e ".[ray]" (dev includes it)')
 
-from dipaco.train.task_actors import ExecutorCheckpoints, ExecutorModules, ModuleExecutor  # noqa: E402
+from dipaco.train.task_actors import ExecutorSpec, ModuleExecutor  # noqa: E402
 
 
-def executor(root: str, every: int, config_yaml: str, init: dict, **modules) -> ModuleExecutor:
-    return ModuleExecutor(ExecutorModules(**modules), ExecutorCheckpoints(root, every, config_yaml), init)
+def executor(init: dict, **spec) -> ModuleExecutor:
+    return ModuleExecutor(ExecutorSpec(**spec), init)
 
 ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", "run.progress=false", "ray.executors=2"]
 
@@ -123,7 +123,7 @@ def signal_mid_task(run, sent: list[str], signum) -> None:
     def watch() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if any(time.monotonic() - t.started > 0.3 for t in list(run.queue.running.values())):
+            if any(time.monotonic() - t.started > 0.3 for t in list(run.flight.queue.running.values())):
                 sent.append(signum.name)
                 os.kill(os.getpid(), signum)
                 return
@@ -231,14 +231,15 @@ def test_killed_worker_and_executor_lose_no_update(ray_session, run_cfg):
         def kill() -> None:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not killed["worker"]:
-                busy = [t for t in list(run.queue.running.values()) if t.worker == 1 and time.monotonic() - t.started > 0.2]
+                running = list(run.flight.queue.running.values())
+                busy = [t for t in running if t.worker == 1 and time.monotonic() - t.started > 0.2]
                 if busy:
-                    ray.kill(run.workers[1], no_restart=False)
+                    ray.kill(run.flight.workers[1], no_restart=False)
                     killed["worker"] += 1
                 time.sleep(0.05)
-            while time.monotonic() < deadline and run.queue.completed < 2:
+            while time.monotonic() < deadline and run.flight.queue.completed < 2:
                 time.sleep(0.05)
-            ray.kill(run.executors[1], no_restart=False)  # level0.0 or the like: a shared module
+            ray.kill(run.flight.executors[1], no_restart=False)  # level0.0 or the like: a shared module
             killed["executor"] += 1
 
         threading.Thread(target=kill, daemon=True).start()
@@ -262,8 +263,8 @@ def test_an_executor_killed_as_a_run_checkpoint_starts_loses_nothing(ray_session
 
         def killed_first():
             if not killed:
-                ray.kill(run.actors[0], no_restart=False)
-                killed.append(run.checkpoint_due and "due" or "final")
+                ray.kill(run.flight.actors[0], no_restart=False)
+                killed.append(run.flight.checkpoint_due and "due" or "final")
             return write()
 
         run.checkpoint = killed_first
@@ -303,7 +304,7 @@ def test_executor_restores_its_checkpoint(tmp_path):
     first.push("p001-t0000", 1, 0, 0, torch.tensor([0.3, -0.2, 0.0]))
     first.push("p000-t0001", 0, 0, 2, torch.tensor([0.0, 0.1, 0.1]))
     again = executor(**args)
-    assert again.restored_from == "round_000003" and again.status()["updates"] == 3
+    assert again.restored_from == "round_000003" and len(again.sync.log) == 3
     tensors, counters = again.state()
     want, _ = first.state()
     for stem in want:
@@ -326,8 +327,8 @@ def test_a_restarted_executor_takes_a_task_that_started_after_its_lost_updates(t
     update = again.push("p001-t0001", 1, 0, 3, torch.tensor([0.1, 0.0, 0.0]))  # pulled version 3
     assert update is not None and update["staleness"] == 0
     assert again.push("p000-t0001", 0, 0, 2, torch.tensor([0.0, 0.1, 0.1])) is not None  # the resend
-    assert again.status()["updates"] == 4
-    assert {u["task"] for u in again.log()} == {"p000-t0000", "p001-t0000", "p000-t0001", "p001-t0001"}
+    assert len(again.sync.log) == 4
+    assert {u["task"] for u in again.sync.counters()["log"]} == {"p000-t0000", "p001-t0000", "p000-t0001", "p001-t0001"}
 
 
 
