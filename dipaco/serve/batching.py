@@ -191,13 +191,13 @@ class PathBatcher:
 
     def _work(self) -> None:
         while (batch := self._next_batch()) is not None:
-            path, tickets = batch
             try:
-                self._decode(path, tickets)
+                self._decode(*batch)
             finally:
                 with self._cond:
-                    self._decoding.discard(path)
+                    self._decoding.discard(batch[0])
                     self._cond.notify_all()  # its path may have a batch due, and other workers may wait on it
+                batch = None  # its requests are freed while this worker waits for the next
 
     def _joinable(self, path: int) -> bool:
         """Whether requests may join ``path``'s running batch: not while another path's request waits for

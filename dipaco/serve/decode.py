@@ -167,8 +167,12 @@ class DecodeRow:
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:
             self.finish_reason = reason
-            if self.on_finish is not None:
-                self.on_finish(self)
+            # Dropped once called: the batcher's callback holds the request's ticket, which holds this row; kept,
+            # that cycle left every answered request (about 45 objects) to the cyclic collector, whose full
+            # passes paused the server (docs/notes/2026-11-27-serving-memory.md).
+            on_finish, self.on_finish = self.on_finish, None
+            if on_finish is not None:
+                on_finish(self)
 
 
 # --- the loop ---------------------------------------------------------------------------------------
