@@ -250,19 +250,29 @@ class Measured:
     peak_disk_bytes: int | None = None  # sampled peak of the files under the step's directory (DiskPeak)
 
 
-class TreeRss:
-    """Samples the summed anonymous RSS (``RssAnon``: heap and stacks, not file pages) of a process and its
-    descendants from /proc (Linux; None elsewhere). Peak RSS counts the pages of the memory-mapped data a
-    step reads, which the OS reads ahead and drops at will; this is the memory the processes own."""
+class PeakSampler:
+    """A peak sampled on a thread every ``every_s`` while the ``with`` block runs (when :meth:`_can_sample`), once
+    at the start and once at the end."""
 
-    def __init__(self, pid: int, every_s: float = 0.2) -> None:
-        self.pid, self.every_s = pid, every_s
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
         self.peak: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> TreeRss:
-        if Path("/proc/self/stat").exists():
+    def _can_sample(self) -> bool:
+        return True
+
+    def _measure(self) -> int:
+        raise NotImplementedError
+
+    def _sample(self) -> None:
+        value = self._measure()
+        self.peak = value if self.peak is None else max(self.peak, value)
+
+    def __enter__(self):
+        if self._can_sample():
+            self._sample()
             self._thread.start()
         return self
 
@@ -270,14 +280,26 @@ class TreeRss:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+            self._sample()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            total = self._tree_rss()
-            self.peak = total if self.peak is None else max(self.peak, total)
-            self._stop.wait(self.every_s)
+        while not self._stop.wait(self.every_s):
+            self._sample()
 
-    def _tree_rss(self) -> int:
+
+class TreeRss(PeakSampler):
+    """Samples the summed anonymous RSS (``RssAnon``: heap and stacks, not file pages) of a process and its
+    descendants from /proc (Linux; None elsewhere). Peak RSS counts the pages of the memory-mapped data a
+    step reads, which the OS reads ahead and drops at will; this is the memory the processes own."""
+
+    def __init__(self, pid: int, every_s: float = 0.2) -> None:
+        super().__init__(every_s)
+        self.pid = pid
+
+    def _can_sample(self) -> bool:
+        return Path("/proc/self/stat").exists()
+
+    def _measure(self) -> int:
         parents: dict[int, int] = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
@@ -304,30 +326,19 @@ class TreeRss:
 DISK_EVERY_S = 2.0  # a walk of a 10M-document size's directory (a few thousand files) takes milliseconds
 
 
-class DiskPeak:
+class DiskPeak(PeakSampler):
     """Samples the bytes of the files under a directory (:func:`du`) at the start, every ``every_s`` and at
     the end: a step's peak disk, scratch included, which the bytes left after it do not show (at 10M
     documents the corpus read held two copies of the corpus in its scratch)."""
 
     def __init__(self, path: Path | None, every_s: float | None = None) -> None:
-        self.path, self.every_s = path, DISK_EVERY_S if every_s is None else every_s
-        self.peak: int | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        super().__init__(DISK_EVERY_S if every_s is None else every_s)
+        self.path = path
 
-    def __enter__(self) -> DiskPeak:
-        if self.path is not None:
-            self._sample()
-            self._thread.start()
-        return self
+    def _can_sample(self) -> bool:
+        return self.path is not None
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-            self._sample()
-
-    def _sample(self) -> None:
+    def _measure(self) -> int:
         size = 0
         for root, _, files in os.walk(str(self.path)):
             for name in files:
@@ -335,11 +346,7 @@ class DiskPeak:
                     size += os.lstat(os.path.join(root, name)).st_size
                 except OSError:  # written under a temporary name and renamed, or deleted, while we walked
                     continue
-        self.peak = size if self.peak is None else max(self.peak, size)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self._sample()
+        return size
 
 
 def maxrss_mb(usage: Any) -> float:
