@@ -162,3 +162,17 @@ class ModuleBank:
 
     def module_name(self, module_id: int) -> str:
         return self.topology.modules[module_id].name
+
+    @torch.no_grad()
+    def colocate(self, module_ids: Sequence[int]) -> torch.Tensor:
+        """Moves these modules' flat vectors (of one part: equal sizes) into the rows of one [modules, n] tensor
+        and returns it: the same weights at equal spacing in one storage, so that a view can stack them (module
+        batching's grouped levels, :mod:`dipaco.serve.grouped_level`). Values are unchanged; views taken of the
+        old vectors before the move no longer follow the bank."""
+        sizes = {self.params[m].numel() for m in module_ids}
+        if len(sizes) != 1 or not all(self.holds(m) for m in module_ids):
+            raise ValueError(f"colocate needs held modules of one size, got modules {list(module_ids)} of sizes {sizes}")
+        rows = torch.stack([self.params[m].detach() for m in module_ids])
+        for m, row in zip(module_ids, rows, strict=True):
+            self.params[m] = nn.Parameter(row, requires_grad=False)
+        return rows

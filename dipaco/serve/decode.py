@@ -266,13 +266,6 @@ def join_caches(cache, other, width: int) -> None:
         mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
 
 
-def pad_cache_left(cache, width: int) -> None:
-    """Every layer of a transformers 5 cache left-padded to ``width`` columns (masked: their values never count)."""
-    for layer in cache.layers:
-        layer.keys = _left_pad(layer.keys, width, 2)
-        layer.values = _left_pad(layer.values, width, 2)
-
-
 def attention_mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
     """An all-ones mask as None, as ``generate`` passes it: a batch without padding takes the unmasked kernels."""
     return None if bool(mask.all()) else mask

@@ -7,25 +7,27 @@ batch holds rows of any paths:
 
 - embedding: each embedding module embeds the rows whose path goes through it (one call when it is shared);
 - each level: every module of the level runs its decoder blocks once, on the rows whose path goes through
-  it: gather those rows' hidden states, run the blocks with those rows' KV caches, scatter them back;
+  it. A level whose rows all go through one module runs that module's transformers blocks on the batch; a
+  level whose rows spread over several runs them as one (:class:`dipaco.serve.grouped_level.GroupedLevel`):
+  the rows laid out module by module, each projection one batched matmul over the modules' stacked weights;
 - head: the final norm and the LM head of each row's path, grouped by module the same way (a tied head is
   the row's embedding matrix, so with a path-owned embedding it is grouped by embedding module).
 
 A level's rows at a module are about N / K of the batch's N, where per-path batching gives N / P.
 
-The blocks are transformers' own (``LlamaDecoderLayer``, ``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, the
-causal mask of ``transformers.masking_utils``), called as ``LlamaModel.forward`` calls them, so a row's
-computation is the one its composed path (an ordinary ``LlamaForCausalLM``) runs on the same batch of rows.
-Their weights are views of the bank's flat vectors on its device (no copy; a copy per module elsewhere):
-serving every path costs the bank's memory, not one model per path.
+The one-module blocks are transformers' own (``LlamaDecoderLayer``, ``LlamaRMSNorm``, ``LlamaRotaryEmbedding``,
+the causal mask of ``transformers.masking_utils``), called as ``LlamaModel.forward`` calls them, so a lone row's
+computation is the one its composed path (an ordinary ``LlamaForCausalLM``) runs. Every weight is a view of the
+bank's on its device (the bank first moves each level's modules into one tensor, ``ModuleBank.colocate``, so that
+a level's stacked weights are views too): serving every path costs the bank's memory, not one model per path.
 
-KV caches: each module of a level keeps one cache of its layers for the rows through it, in batch order,
-every row right-aligned to the batch's width (shorter rows left-padded and masked, as in a per-path batch).
-A row that leaves is selected out of its modules' caches; rows that join are prefilled apart and appended,
-both sides left-padded to the wider, exactly as :mod:`dipaco.serve.decode` does for one cache.
+KV caches: each level keeps one cache of its layers for the batch's rows, in batch order, every row
+right-aligned to the batch's width (shorter rows left-padded and masked, as in a per-path batch). A row that
+leaves is selected out of the caches; rows that join are prefilled apart and appended, both sides left-padded to
+the wider, exactly as :mod:`dipaco.serve.decode` does for one cache.
 
-Exactness: a row's logits are its path's on the same rows; against the row alone they can differ in the last
-bits of float32 where padding or the batch size changes a kernel's summation order, as per-path batching's
+Exactness: a lone row's logits are its path's, bitwise. In a batch they can differ in the last bits of float32
+where padding, the batch size or a batched matmul changes a kernel's summation order, as per-path batching's
 can (docs/results.md measures how often a token changes: the exactness tests require none on 200 prompts).
 """
 
@@ -40,12 +42,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from dipaco.errors import DipacoError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import EMBEDDING, HEAD, Topology
-from dipaco.serve.decode import CACHE_KWARG, DecodeRow, attention_mask_or_none, cut_cache_left, join_caches, pad_cache_left
+from dipaco.serve.decode import CACHE_KWARG, DecodeRow, attention_mask_or_none, cut_cache_left, join_caches
+from dipaco.serve.grouped_level import GroupedLevel, GroupLayout
 
 try:
     from transformers.masking_utils import create_causal_mask
@@ -64,7 +67,7 @@ class ModuleBatchStats:
     passes: int = 0
     module_calls: int = 0  # level modules run, summed over passes
     module_rows: int = 0  # rows those calls ran on
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # embed, gather, blocks, scatter, head
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # embed, mask, layout, blocks, head
 
     def rows_per_module(self) -> float:
         return self.module_rows / self.module_calls if self.module_calls else 0.0
@@ -89,25 +92,25 @@ class ModuleBatchedDecoder:
         missing = [bank.module_name(m) for m in range(len(self.topology.modules)) if not bank.holds(m)]
         if missing:
             raise DipacoError(f"the bank does not hold every module: {missing[:3]}")
+        for part in self.topology.parts:  # a level's modules in one tensor: its stacked weights are views of it
+            if part.kind not in (EMBEDDING, HEAD) and part.num_modules > 1 and bank.device == self.device:
+                bank.colocate([m.id for m in self.topology.modules if m.part.name == part.name])
         tensors = bank.state_dict()  # views of the flat vectors
         self.parts = self.topology.parts
         self.embeddings: list[nn.Embedding] = []
-        self.levels: list[list[nn.ModuleList]] = []  # per level part, per module: its blocks
+        self.levels: list[GroupedLevel] = []  # per level part: its modules' blocks
         self.norms: list[LlamaRMSNorm] = []
         self.heads: list[torch.Tensor | None] = []  # untied: each head module's matrix
         for part in self.parts:
-            for index in range(part.num_modules):
-                name = f"{part.name}.{index}"
-                own = {k.split("/", 1)[1]: self._on_device(v) for k, v in tensors.items() if k.startswith(name + "/")}
-                if part.kind == EMBEDDING:
-                    self.embeddings.append(self._embedding(own))
-                elif part.kind == HEAD:
-                    self.norms.append(self._norm(own))
-                    self.heads.append(None if self.tied else own["lm_head.weight"])
-                else:
-                    if index == 0:
-                        self.levels.append([])
-                    self.levels[-1].append(self._blocks(part.layers, own))
+            states = [{k.split("/", 1)[1]: self._on_device(v) for k, v in tensors.items() if k.startswith(f"{part.name}.{i}/")}
+                      for i in range(part.num_modules)]
+            if part.kind == EMBEDDING:
+                self.embeddings += [self._embedding(own) for own in states]
+            elif part.kind == HEAD:
+                self.norms += [self._norm(own) for own in states]
+                self.heads += [None if self.tied else own["lm_head.weight"] for own in states]
+            else:
+                self.levels.append(GroupedLevel(config, states, part.layers))
         self.rotary = LlamaRotaryEmbedding(config=config).to(self.device)
         # per path: its module index in every part, in forward order
         self.path_modules = [tuple(self.topology.module_index(part, p) for part in self.parts)
@@ -131,17 +134,6 @@ class ModuleBatchedDecoder:
             norm = LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
         norm.load_state_dict({"weight": own["model.norm.weight"]}, assign=True)
         return norm.eval()
-
-    def _blocks(self, layers: range, own: dict[str, torch.Tensor]) -> nn.ModuleList:
-        """The module's decoder blocks, numbered from 0 (layer_idx) within its own cache."""
-        with torch.device("meta"):
-            blocks = nn.ModuleList([LlamaDecoderLayer(self.config, j) for j in range(len(layers))])
-        state = {}
-        for j, layer in enumerate(layers):
-            prefix = f"model.layers.{layer}."
-            state.update({f"{j}.{k[len(prefix):]}": v for k, v in own.items() if k.startswith(prefix)})
-        blocks.load_state_dict(state, assign=True)
-        return blocks.eval()
 
     # --- the Decoder protocol -----------------------------------------------------------------
     def new_state(self, rows: Sequence[DecodeRow]) -> ModuleBatchState:
@@ -184,13 +176,14 @@ def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 class ModuleBatchState:
-    """A running batch's KV caches under module batching: one cache per (level, module) for its rows."""
+    """A running batch's KV caches under module batching: one cache per level for every row, in batch order."""
 
     def __init__(self, decoder: ModuleBatchedDecoder, paths: list[int]) -> None:
         self.decoder = decoder
         self.paths = paths
-        self.caches: dict[tuple[int, int], DynamicCache] = {}  # (level, module index) -> its rows' cache, in batch order
+        self.caches = [DynamicCache() for _ in decoder.levels]
         self._groups: dict[int | str, list[tuple]] = {}  # part (or "head") -> its modules' rows, while the rows stay
+        self._layouts: dict[int, GroupLayout] = {}  # level -> its rows module by module, while the rows stay
 
     def _level_groups(self, part: int) -> list[tuple[int, torch.Tensor | None]]:
         if part not in self._groups:
@@ -201,6 +194,11 @@ class ModuleBatchState:
         if "head" not in self._groups:
             self._groups["head"] = self.decoder.head_groups(self.paths)
         return self._groups["head"]
+
+    def _layout(self, level: int, groups: list[tuple[int, torch.Tensor | None]]) -> GroupLayout:
+        if level not in self._layouts:
+            self._layouts[level] = GroupLayout.of(groups, self.decoder.levels[level].num_modules, self.decoder.device)
+        return self._layouts[level]
 
     @property
     def joinable(self) -> bool:
@@ -214,40 +212,28 @@ class ModuleBatchState:
         hidden = self._embed(input_ids)
         t = d._tick("embed", t)
         position_embeddings = d.rotary(hidden, positions)
+        # every level's cache holds the same positions: one mask serves them all
+        causal = create_causal_mask(config=d.config, inputs_embeds=hidden, attention_mask=attention_mask_or_none(mask),
+                                    position_ids=positions, **{MASK_CACHE_KWARG: self.caches[0]})
+        t = d._tick("mask", t)
         for level, part in enumerate(d.level_parts):
-            for k, rows in self._level_groups(part):
-                blocks = d.levels[level][k]
-                x = _take(hidden, rows)
-                group_mask = _take(mask, rows)
-                group_positions = _take(positions, rows)
-                cos, sin = (_take(e, rows) for e in position_embeddings)
-                t = d._tick("gather", t)
-                x = self._run_blocks(blocks, self._cache(level, k), x, group_mask, group_positions, (cos, sin))
-                t = d._tick("blocks", t)
-                hidden = x if rows is None else hidden.index_copy_(0, rows, x)
-                t = d._tick("scatter", t)
-                d.stats.module_calls += 1
-                d.stats.module_rows += x.shape[0]
+            groups = self._level_groups(part)
+            cache = self.caches[level]
+            if groups[0][1] is None:  # one module: its transformers blocks, as the row's composed path runs them
+                k = groups[0][0]
+                for block in d.levels[level].modules[k]:
+                    hidden = block(hidden, attention_mask=causal, position_ids=positions, use_cache=True,
+                                   position_embeddings=position_embeddings, **{CACHE_KWARG: cache})
+            else:
+                layout = self._layout(level, groups)
+                t = d._tick("layout", t)
+                hidden = d.levels[level].forward(hidden, layout, cache, causal, position_embeddings)
+            t = d._tick("blocks", t)
+            d.stats.module_calls += len(groups)
+            d.stats.module_rows += hidden.shape[0]
         logits = self._head(hidden, keep)
         d._tick("head", t)
         return logits
-
-    def _cache(self, level: int, k: int) -> DynamicCache:
-        cache = self.caches.get((level, k))
-        if cache is None:
-            cache = self.caches[(level, k)] = DynamicCache()
-        return cache
-
-    def _run_blocks(self, blocks: nn.ModuleList, cache: DynamicCache, x: torch.Tensor, mask: torch.Tensor,
-                    positions: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``LlamaModel.forward``'s layer loop over one module's blocks; an all-ones mask passes as None, as a
-        per-path batch's does."""
-        causal = create_causal_mask(config=self.decoder.config, inputs_embeds=x, attention_mask=attention_mask_or_none(mask),
-                                    position_ids=positions, **{MASK_CACHE_KWARG: cache})
-        for block in blocks:
-            x = block(x, attention_mask=causal, position_ids=positions, use_cache=True,
-                      position_embeddings=position_embeddings, **{CACHE_KWARG: cache})
-        return x
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         d = self.decoder
@@ -281,36 +267,19 @@ class ModuleBatchState:
 
     # --- rows leaving and joining --------------------------------------------------------------
     def select(self, index: torch.Tensor) -> None:
-        kept = index.tolist()
-        old_paths = self.paths
-        self.paths = [old_paths[i] for i in kept]
+        self.paths = [self.paths[i] for i in index.tolist()]
         self._groups.clear()
-        for level, part in enumerate(self.decoder.level_parts):
-            position: dict[int, dict[int, int]] = defaultdict(dict)  # module -> batch row -> its row in the cache
-            for i, path in enumerate(old_paths):
-                k = self.decoder.path_modules[path][part]
-                position[k][i] = len(position[k])
-            for k, rows in position.items():
-                cache = self.caches.get((level, k))
-                if cache is None:
-                    continue
-                local = [rows[i] for i in kept if i in rows]
-                if not local:
-                    del self.caches[(level, k)]
-                elif len(local) < len(rows):
-                    cache.batch_select_indices(torch.tensor(local, dtype=torch.long, device=self.decoder.device))
+        self._layouts.clear()
+        for cache in self.caches:
+            cache.batch_select_indices(index)
 
     def cut_left(self, columns: int) -> None:
-        for cache in self.caches.values():
+        for cache in self.caches:
             cut_cache_left(cache, columns)
 
     def append(self, other: ModuleBatchState, width: int) -> None:
-        for key in set(self.caches) | set(other.caches):
-            mine, theirs = self.caches.get(key), other.caches.get(key)
-            if mine is not None and theirs is not None:
-                join_caches(mine, theirs, width)
-            else:  # only one side has rows through this module
-                self.caches[key] = only = mine if mine is not None else theirs
-                pad_cache_left(only, width)
+        for mine, theirs in zip(self.caches, other.caches, strict=True):
+            join_caches(mine, theirs, width)
         self.paths = self.paths + other.paths
         self._groups.clear()
+        self._layouts.clear()

@@ -71,3 +71,18 @@ def test_state_dict_round_trip_and_mismatch_errors():
     assert all(torch.equal(a, b) for a, b in zip(other.params, bank.params))
     with pytest.raises(CheckpointError, match="missing"):
         other.load_state_dict({k: v for k, v in state.items() if not k.startswith("head")})
+
+
+def test_colocate_moves_a_parts_modules_into_one_tensor_and_keeps_every_path():
+    topo = Topology.grid(4, [2, 2])
+    bank = distinct_bank(topo, template())
+    level = [m.id for m in topo.modules if m.part.name == "level0"]
+    composed = [bank.compose(p, template()).state_dict() for p in range(topo.num_paths)]
+    rows = bank.colocate(level)
+    assert rows.shape == (2, bank.params[level[0]].numel())
+    assert all(bank.params[m].untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() for m in level)
+    for p in range(topo.num_paths):  # the same paths, composed from the moved modules
+        again = bank.compose(p, template()).state_dict()
+        assert all(torch.equal(again[k], v) for k, v in composed[p].items())
+    with pytest.raises(ValueError, match="held modules of one size"):
+        bank.colocate([0, level[0]])  # the embedding and a level module

@@ -13,13 +13,15 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dipaco.errors import DipacoError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
-from dipaco.serve.decode import DecodeRow, decode_batch, sampling_processors
-from dipaco.serve.module_batch import ModuleBatchedDecoder
+from dipaco.serve.decode import CACHE_KWARG, DecodeRow, decode_batch, sampling_processors
+from dipaco.serve.grouped_level import GroupedLevel, GroupLayout, stack
+from dipaco.serve.module_batch import MASK_CACHE_KWARG, ModuleBatchedDecoder, create_causal_mask
 
 EOS, PAD = 1, 0
 GRIDS = {
@@ -109,16 +111,76 @@ def test_a_4x4_level_module_runs_on_the_rows_of_its_four_paths():
     stats = decoder.stats
     # one prefill: 2 levels x 4 modules, each on the 4 rows whose path goes through it (per-path batching: 1 row)
     assert stats.passes == 1 and stats.module_calls == 8 and stats.rows_per_module() == 4.0
-    assert set(stats.as_dict()["seconds"]) == {"embed", "gather", "blocks", "scatter", "head"}
+    assert set(stats.as_dict()["seconds"]) == {"embed", "mask", "layout", "blocks", "head"}
 
 
-def test_the_modules_weights_are_the_banks_own_memory():
+def test_every_weight_is_the_banks_memory():
     config, _, bank = random_bank(**GRIDS["path_owned"])
+    before = {k: v.clone() for k, v in bank.state_dict().items()}
     decoder = ModuleBatchedDecoder(bank, config)
     storages = {p.untyped_storage().data_ptr() for p in bank.params}
-    weights = [w for blocks in decoder.levels for module in blocks for w in module.parameters()]
+    weights = [w for level in decoder.levels for module in level.modules for w in module.parameters()]
+    weights += [t for level in decoder.levels for b in level.blocks for t in vars(b).values() if t is not None]
     weights += [e.weight for e in decoder.embeddings] + [n.weight for n in decoder.norms]
-    assert weights and all(w.untyped_storage().data_ptr() in storages for w in weights)
+    assert weights and all(w.untyped_storage().data_ptr() in storages for w in weights)  # views: no second copy
+    after = bank.state_dict()  # the bank moved its level modules, not their values
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_stacking_is_a_view_of_colocated_modules_and_a_copy_otherwise():
+    rows = torch.arange(24.0).view(2, 12)  # two modules' flat vectors, as ModuleBank.colocate keeps them
+    parts = [[row[:4].view(2, 2), row[4:8].view(2, 2)] for row in rows]  # e.g. q and k of each module
+    view = stack(parts)
+    assert view.shape == (2, 4, 2) and view.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+    assert torch.equal(view, torch.stack([torch.cat(p) for p in parts]))
+    apart = [[row[:4].view(2, 2), row[8:12].view(2, 2)] for row in rows]  # not end to end: copied
+    copied = stack(apart)
+    assert copied.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
+    assert torch.equal(copied, torch.stack([torch.cat(p) for p in apart]))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "biased"])
+@pytest.mark.parametrize("members", [[[0, 3], [1], [2, 4, 5]], [[1, 2], [], [0], []]], ids=["every_module", "some"])
+def test_a_grouped_level_computes_what_each_modules_blocks_do(bias, members):
+    """The stacked-weight level against each module's transformers blocks on its own rows: rows padded and
+    masked, a prefill then a decoding step, every module or a selection of them, with biases or without."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attention_bias=bias, mlp_bias=bias, use_cache=True)
+    states = [{k: torch.randn_like(v) * 0.2 for k, v in LlamaForCausalLM(config).state_dict().items()}
+              for _ in members]
+    level = GroupedLevel(config, states, range(2))
+    rows = sorted(r for group in members for r in group)
+    groups = [(k, torch.tensor(g)) for k, g in enumerate(members) if g]
+    layout = GroupLayout.of(groups, len(members), torch.device("cpu"))
+    rotary = LlamaRotaryEmbedding(config)
+    mask = torch.ones(len(rows), 7, dtype=torch.long)
+    mask[0, :3] = 0  # a left-padded row
+    cache, alone = DynamicCache(), {k: DynamicCache() for k, _ in groups}
+    for step in (slice(0, 6), slice(6, 7)):
+        hidden = torch.randn(len(rows), step.stop - step.start, 32)
+        positions = (mask[:, :step.stop].cumsum(-1) - 1).clamp(min=0)[:, step]
+        embeddings = rotary(hidden, positions)
+        causal = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mask[:, :step.stop],
+                                    position_ids=positions, **{MASK_CACHE_KWARG: cache})
+        got = level.forward(hidden, layout, cache, causal, embeddings)
+        for k, index in groups:
+            x, part_mask = hidden[index], mask[index, :step.stop]
+            group_causal = create_causal_mask(config=config, inputs_embeds=x, attention_mask=part_mask,
+                                              position_ids=positions[index], **{MASK_CACHE_KWARG: alone[k]})
+            for block in level.modules[k]:
+                x = block(x, attention_mask=group_causal, position_ids=positions[index], use_cache=True,
+                          position_embeddings=tuple(e[index] for e in embeddings), **{CACHE_KWARG: alone[k]})
+            torch.testing.assert_close(got[index], x, rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_layout_pads_each_module_to_the_largest_and_gathers_back():
+    groups = [(0, torch.tensor([1, 3])), (2, torch.tensor([0, 2, 4]))]
+    layout = GroupLayout.of(groups, 4, torch.device("cpu"))
+    assert layout.width == 3 and layout.modules.tolist() == [0, 2] and not layout.all_modules
+    assert layout.pad_index.tolist() == [1, 3, 1, 0, 2, 4]  # module 0's rows, one pad (its first row), module 2's
+    rows = torch.arange(5.0)
+    assert torch.equal(rows[layout.pad_index][layout.inverse], rows)
 
 
 def test_a_path_outside_the_bank_is_refused():
