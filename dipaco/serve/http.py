@@ -395,6 +395,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         raise DipacoError(f"--batch-wait-ms must be a finite number of milliseconds, got {batch_wait_ms}")
     routing_prefix = pipeline.routing_prefix_tokens()
     metrics = ServeMetrics()
+    metrics.watch_routing(pipeline.router_stats)
     if options.batching not in BATCHING_MODES:
         raise DipacoError(f"--batching must be one of {', '.join(BATCHING_MODES)}, got {options.batching!r}")
     by_module = options.batching == "module"

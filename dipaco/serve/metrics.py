@@ -12,7 +12,10 @@ Metrics (each server has its own registry, so several apps in one process do not
     dipaco_connections_closed_total{reason}         closed by the server: header_timeout, evicted, refused
     dipaco_module_calls_total                       module batching: level modules run (one per module per pass)
     dipaco_module_rows_total                        module batching: rows those modules ran on (/ calls: rows per module)
-    dipaco_module_seconds_total{stage}              module batching: time in embed, gather, blocks, scatter, head
+    dipaco_module_seconds_total{stage}              module batching: time in embed, mask, layout, blocks, head
+    dipaco_routed_requests_total                    requests the server routed (one router pass each)
+    dipaco_router_seconds_total{stage}              pass: time in router passes; request: summed over requests,
+                                                    from asking for a route to its answer (waiting included)
 
 The access log (logger ``dipaco.serve.access``, INFO) writes, per request::
 
@@ -85,6 +88,22 @@ class ServeMetrics:
                 return [calls, rows, seconds]
 
         self.registry.register(ModuleBatching())
+
+    def watch_routing(self, stats) -> None:
+        """Reports the pipeline's :class:`~dipaco.serve.pipeline.RouterStats` at each scrape."""
+        from prometheus_client.core import CounterMetricFamily
+
+        class Routing:
+            def collect(self):
+                routed = CounterMetricFamily("dipaco_routed_requests", "Requests the server routed (one router pass each)")
+                routed.add_metric([], stats.requests)
+                seconds = CounterMetricFamily("dipaco_router_seconds", "Time in router passes (pass), and summed over "
+                                              "requests from asking for a route to its answer (request)", labels=["stage"])
+                seconds.add_metric(["pass"], stats.pass_seconds)
+                seconds.add_metric(["request"], stats.request_seconds)
+                return [routed, seconds]
+
+        self.registry.register(Routing())
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -28,7 +28,8 @@ so no lock is held while text is tokenized. The bound is a memory bound: each co
 word cache (the ``tokenizers`` library's, up to 10,000 words) for the server's life, a few MB a copy,
 and a pool that grew to every concurrent caller grew the server by that much per caller (issue 62,
 docs/notes/2026-11-27-serving-memory.md); the router's featurizer
-model is shared behind its own lock (it reads only the routing prefix).
+model is shared behind its own lock (it reads only the routing prefix; a request routed alone gets the same
+scores whatever else is routed, which a batch of prompts of other lengths would not give bit for bit).
 Sampling draws from a private ``torch.Generator`` per request, so a seeded request returns the
 same text whatever else runs concurrently.
 """
@@ -73,7 +74,7 @@ from dipaco.serve.decode import (  # noqa: F401  (SeededSampler, SafeTemperature
     sampling_processors,
 )
 from dipaco.serve.module_batch import ModuleBatchedDecoder
-from routing.featurize import pool_prefix_states
+from routing.featurize import pad_right, pool_prefix_states
 
 DEFAULT_CACHE_SIZE = 4
 # Tokenizer copies a Pipeline keeps: each holds a BPE word cache of up to 10,000 words for its life, so the pool,
@@ -142,6 +143,20 @@ def load_experiment(run_dir: str | Path, experiment: str | None = None, checkpoi
 
 
 # --- the router ------------------------------------------------------------------------------------
+@dataclass
+class RouterStats:
+    """The router's passes (one per routed request) and their time, alone and from asking (waiting included)."""
+
+    requests: int = 0
+    pass_seconds: float = 0.0
+    request_seconds: float = 0.0
+
+    def add(self, pass_seconds: float, request_seconds: float) -> None:
+        self.requests += 1
+        self.pass_seconds += pass_seconds
+        self.request_seconds += request_seconds
+
+
 def experiment_router(loaded: LoadedExperiment):
     """The experiment's router, or None when it was not trained on routed shards."""
     from dipaco.route.artifact import load_router
@@ -297,6 +312,7 @@ class Pipeline:
         # Token ids a prompt may hold: those of both the tokenizer and the model's embedding.
         self.vocab_size = min(len(self.tokenizer), int(loaded.llama_config().vocab_size))
         self._router_lock = threading.Lock()
+        self.router_stats = RouterStats()
         self._module_decoder: ModuleBatchedDecoder | None = None
         self._module_decoder_lock = threading.Lock()
         self._module_batch_lock = threading.Lock()  # one module batch at a time: its caches are its own, its timers shared
@@ -460,31 +476,36 @@ class Pipeline:
             )
         if not ids:
             raise DipacoError("cannot route an empty text: it has no tokens")
-        # Like `dipaco route`, the featurizer reads only the routing context: the first prefix_tokens tokens.
-        lm_prefix = self.router.featurizer.get("kind") == "lm_prefix"
-        context = None if lm_prefix else self.decode(ids[: self.spec.prefix_tokens or len(ids)])
+        asked = time.perf_counter()
         with self._router_lock:
-            if lm_prefix:
-                features = self._lm_prefix_features(ids)
-            else:
-                features = self.router.featurize([context]).float()
-            scores = self.router.scores(features)[0]
+            start = time.perf_counter()
+            scores = self._route_scores([ids])[0]
+            self.router_stats.add(time.perf_counter() - start, time.perf_counter() - asked)
         # Router contract: assign() is the argmax of scores() (nearest centroid, per-level nearest for
         # product k-means, best logit for the linear router); one pass instead of two.
         path = int(torch.argmax(scores))
         return path, scores.tolist()
 
+    def _route_scores(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """The router's scores of every path for each prompt's token ids, in one featurizer pass."""
+        if self.router.featurizer.get("kind") == "lm_prefix":
+            features = self._lm_prefix_features(prompts)
+        else:  # like `dipaco route`, the featurizer reads only the routing context: the first prefix_tokens tokens
+            features = self.router.featurize([self.decode(ids[: self.spec.prefix_tokens or len(ids)])
+                                              for ids in prompts]).float()
+        return list(self.router.scores(features))
+
     @torch.inference_mode()
-    def _lm_prefix_features(self, ids: list[int]) -> torch.Tensor:
-        """The router's LM-prefix feature of one token sequence: the mean of the hidden states it names
-        over its first ``prefix_tokens`` tokens, pooled by ``routing.featurize.pool_prefix_states`` as
-        ``lm_prefix_features`` does for a batch (which also moves the model and flips train/eval on
-        every call: too slow per request)."""
+    def _lm_prefix_features(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The router's LM-prefix features of token sequences: the mean of the hidden states it names over
+        each one's first ``prefix_tokens`` tokens, right-padded into one batch and pooled by
+        ``routing.featurize.pool_prefix_states`` as ``lm_prefix_features`` does (which also moves the model
+        and flips train/eval on every call: too slow per request)."""
         spec = self.router.featurizer
         k = int(spec.get("prefix_tokens", 32))
         layers = [int(layer) for layer in spec.get("layers", [-1])]
-        x = torch.tensor([ids[:k]], dtype=torch.long, device=self.device)
-        mask = torch.ones_like(x)
+        x, mask = pad_right([ids[:k] for ids in prompts], self.tokenizer.pad_token_id or 0)
+        x, mask = x.to(self.device), mask.to(self.device)
         with self.precision.autocast():
             if layers == [-1]:
                 # The base model's last_hidden_state (after the final norm) is the causal LM's hidden_states[-1];
@@ -555,8 +576,8 @@ class Pipeline:
 
     @property
     def module_decoder(self) -> ModuleBatchedDecoder:
-        """Every module of the bank once, for batches of rows on any paths (built on first use: its weights are
-        views of the bank's on the CPU, so it adds no copy of them there)."""
+        """Every module of the bank once, for batches of rows on any paths (built on first use: embeddings and
+        heads are views of the bank's weights on the CPU; the levels are one stacked copy)."""
         with self._module_decoder_lock:
             if self._module_decoder is None:
                 self._module_decoder = ModuleBatchedDecoder(self.bank, self.loaded.llama_config(use_cache=True),

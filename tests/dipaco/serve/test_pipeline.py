@@ -1,6 +1,7 @@
 """Single-path inference: routing a prompt, composing its path, generating, the path cache, bad runs."""
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,7 +46,20 @@ def test_routes_prompts_as_validation_documents_were_routed(pipe, served_run):
 def test_per_request_features_equal_the_routers_batch_featurizer(pipe):
     batch = pipe.router.featurize(PROMPTS, model=pipe.featurizer_model, tokenizer=pipe.tokenizer, show_progress=False)
     for text, expected in zip(PROMPTS, batch):
-        assert torch.allclose(pipe._lm_prefix_features(pipe.encode(text))[0], expected, atol=1e-6)
+        assert torch.allclose(pipe._lm_prefix_features([pipe.encode(text)])[0], expected, atol=1e-6)
+    # the server's batch of requests (right-padded, unsorted) gives each its feature alone
+    together = pipe._lm_prefix_features([pipe.encode(text) for text in PROMPTS])
+    assert torch.allclose(together, batch, atol=1e-5)
+
+
+def test_concurrent_routes_equal_sequential_ones_bit_for_bit_and_are_counted(pipe):
+    alone = [pipe.route(text) for text in PROMPTS * 4]
+    requests, seconds = pipe.router_stats.requests, pipe.router_stats.pass_seconds
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(pipe.route, PROMPTS * 4))
+    assert together == alone
+    assert pipe.router_stats.requests - requests == 16 and pipe.router_stats.pass_seconds > seconds
+    assert pipe.router_stats.request_seconds >= pipe.router_stats.pass_seconds
 
 
 def test_greedy_generation_equals_hf_generate_on_the_composed_path(pipe):

@@ -78,6 +78,9 @@ def test_metrics_count_requests_latency_batches_tokens_and_queue(served, caplog)
     assert generated == sum(reply["completion_tokens"] for _, reply in replies)
     assert value(m, "dipaco_queue_depth") == 0
     assert value(m, "dipaco_open_connections") >= 1
+    # three generates and a route, each one router pass; a route's time from asking includes its pass
+    assert value(m, "dipaco_routed_requests_total") == 4
+    assert value(m, "dipaco_router_seconds_total", stage="request") >= value(m, "dipaco_router_seconds_total", stage="pass") > 0
 
     lines = [r.getMessage() for r in caplog.records if r.name == ACCESS_LOGGER]
     generate_lines = [line for line in lines if " POST /v1/generate 200 " in line]
@@ -125,7 +128,7 @@ def test_requests_of_different_paths_are_one_module_batch(served_by_fours):
     calls = value(after, "dipaco_module_calls_total") - value(before, "dipaco_module_calls_total")
     rows = value(after, "dipaco_module_rows_total") - value(before, "dipaco_module_rows_total")
     assert calls == 4 * 4 and rows == 4 * 8  # per pass: 2 levels x 2 modules, each on 2 of the 4 rows
-    for stage in ("embed", "gather", "blocks", "scatter", "head"):
+    for stage in ("embed", "mask", "layout", "blocks", "head"):
         assert value(after, "dipaco_module_seconds_total", stage=stage) > 0
     for body, (status, reply) in zip(bodies, replies):
         assert status == 200 and reply["text"] == pipe.generate(body["prompt"], path=body["path"], max_new_tokens=4).text
