@@ -23,13 +23,15 @@
 5. **Concurrency** (``--concurrency N``): ``N`` closed-loop clients (each sends its next request when
    its answer arrives, on a kept-alive connection) for ``--seconds`` against one `dipaco serve` per mode of
    ``--modes``, in turn, each warmed up first: ``unbatched`` (``--max-batch 1``), ``path`` (per-path
-   batching), ``module`` (module batching: rows of any paths, level by level) and ``pinned`` (module
-   batching, every request naming ``--pin-path``, default 0: one model). Prompts are validation texts cut to
+   batching), ``module`` (module batching: rows of any paths, level by level), ``named`` (module batching,
+   each request naming the path the router picks for its prompt, routed ahead: the module load without the
+   server's routing) and ``pinned`` (module batching, every request naming ``--pin-path``, default 0: one
+   model). Prompts are validation texts cut to
    between half of ``--prompt-tokens`` and all of it (so batches hold prompts of different lengths), greedy,
    ``--new-tokens`` each. Reports generated tokens/s, p50/p99 latency, rows per forward pass and, under
-   module batching, rows per level module and the time per stage (embed, gather, blocks, scatter, head),
+   module batching, rows per level module and the time per stage (embed, mask, layout, blocks, head),
    all from the server's ``/metrics``. Targets (issue 61, on a 4x4 grid: ``--grid 4x4``): module >= 3x
-   unbatched throughput and >= 0.8 of pinned, module p99 no worse than per-path batching.
+   unbatched throughput and >= 0.8 of pinned (routed, and named), module p99 no worse than per-path batching.
 6. **Agreement** (``--agreement N``): in one process, N prompts decoded alone (batches of one) and in
    batches, through the server's own code: per path (``Pipeline.run_batch``, ``--max-batch`` rows of one
    path at a time) and module-batched (``Pipeline.run_module_batch``: one running batch of up to
@@ -131,7 +133,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="concurrency: the batched server's --batch-wait-ms")
     p.add_argument("--decode-workers", type=int, default=1, help="concurrency: both servers' --decode-workers")
     p.add_argument("--pin-path", type=int, help="concurrency: the path the pinned mode's requests name (default 0)")
-    p.add_argument("--modes", default="unbatched,path,module,pinned",
+    p.add_argument("--modes", default="unbatched,path,module,named,pinned",
                    help=f"concurrency: the servers to compare, of {', '.join(SERVER_MODES)}")
     p.add_argument("--grid", default="2x2", help="the grid of the run built when --run has none (e.g. 4x4: 16 paths)")
     p.add_argument("--agreement", type=int, help="part 6: this many prompts, batched against alone")
@@ -676,12 +678,15 @@ def combined(loads: list[Json]) -> Json:
             "statuses": all_statuses(loads), **(percentiles(latencies) if latencies else {})}
 
 
-# The servers part 5 compares: (name, flags, every request on --pin-path (default 0) instead of routed).
+# The servers part 5 compares: name -> (flags, the requests' paths: "routed" by the server, "named" by the client
+# (the path the router picks for the prompt, routed ahead: the same rows without the server's routing), or "pinned":
+# every request naming --pin-path, default 0).
 SERVER_MODES = {
-    "unbatched": (("--max-batch", "1", "--batching", "path"), False),
-    "path": (("--batching", "path"), False),  # per-path batching: rows of one path per forward pass
-    "module": (("--batching", "module"), False),  # module batching: rows of any paths, level by level
-    "pinned": (("--batching", "module"), True),  # module batching, every request naming one path
+    "unbatched": (("--max-batch", "1", "--batching", "path"), "routed"),
+    "path": (("--batching", "path"), "routed"),  # per-path batching: rows of one path per forward pass
+    "module": (("--batching", "module"), "routed"),  # module batching: rows of any paths, level by level
+    "named": (("--batching", "module"), "named"),  # module batching, the router's paths named by the clients
+    "pinned": (("--batching", "module"), "pinned"),  # module batching, every request naming one path
 }
 
 
@@ -697,15 +702,23 @@ def parse_modes(text: str) -> tuple[str, ...]:
 def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float,
                       warmup_s: float, new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float,
                       decode_workers: int = 1, path: int | None = None,
-                      modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned"), cache_size: int = 4) -> Json:
+                      modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned"), cache_size: int = 4,
+                      routed_paths: list[int] | None = None) -> Json:
     """Part 5: the same closed-loop load on one `dipaco serve` per mode (:data:`SERVER_MODES`), in turn.
     ``path``: the path of the pinned mode (default 0); ``cache_size``: the servers' composed paths (at least the
-    run's paths, or the per-path modes would compose a path per request)."""
+    run's paths, or the per-path modes would compose a path per request); ``routed_paths``: each prompt's path
+    as the router picks it, which the ``named`` mode's requests name."""
     out: Json = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "prompts": len(prompts),
                  "pinned_path": path or 0}
     for name in modes:
-        flags, pinned = SERVER_MODES[name]
-        bodies = encode_bodies(prompts, max_new_tokens=new_tokens, **({"path": path or 0} if pinned else {}))
+        flags, paths = SERVER_MODES[name]
+        if paths == "named":
+            if routed_paths is None or len(routed_paths) != len(prompts):
+                raise ValueError("the named mode needs routed_paths: each prompt's path, as the router picks it")
+            bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, "path": k}).encode()
+                      for p, k in zip(prompts, routed_paths, strict=True)]
+        else:
+            bodies = encode_bodies(prompts, max_new_tokens=new_tokens, **({"path": path or 0} if paths == "pinned" else {}))
         flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
         if "--max-batch" not in flags:
             flags = (*flags, "--max-batch", str(max_batch))
@@ -715,7 +728,7 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
             row = closed_loop(port, bodies, clients, seconds)
             after = scrape(port)
         row.update(forward_passes(before, after))
-        row.update(cache_size=cache_size, server_flags=" ".join(flags), requests_name_a_path=pinned)
+        row.update(cache_size=cache_size, server_flags=" ".join(flags), paths=paths)
         out[name] = row
         module = f", {row['rows_per_module']:.1f} rows per module" if row.get("rows_per_module") else ""
         print(f"[bench] {name} ({row['server_flags']}), {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
@@ -732,6 +745,12 @@ def forward_passes(before: list, after: list) -> Json:
 
     passes, rows = delta("dipaco_batch_size_count"), delta("dipaco_batch_size_sum")
     out: Json = {"batches": int(passes), "mean_batch_size": rows / passes if passes else None}
+    routed = delta("dipaco_routed_requests_total")
+    if routed:  # requests the server routed: how long a router pass took, and a route from asking (waits included)
+        was = metric_by_label(before, "dipaco_router_seconds_total", "stage")
+        now = metric_by_label(after, "dipaco_router_seconds_total", "stage")
+        out["router"] = {"pass_ms": 1000 * (now["pass"] - was.get("pass", 0.0)) / routed,
+                         "request_ms": 1000 * (now["request"] - was.get("request", 0.0)) / routed}
     calls = delta("dipaco_module_calls_total")
     if calls:
         out["rows_per_module"] = delta("dipaco_module_rows_total") / calls
@@ -755,9 +774,11 @@ def concurrency_targets(out: Json) -> Json:
               "module_vs_unbatched": ratio("module", "unbatched", "tokens_per_s"),
               "module_vs_path": ratio("module", "path", "tokens_per_s"),
               "module_vs_pinned": ratio("module", "pinned", "tokens_per_s"),
+              "named_vs_pinned": ratio("named", "pinned", "tokens_per_s"),
               "module_p99_vs_path": ratio("module", "path", "p99_ms")}
     checks = {"module_ge_3x_unbatched": ("module_vs_unbatched", lambda r: r >= 3.0),
               "module_ge_0.8_of_pinned": ("module_vs_pinned", lambda r: r >= 0.8),
+              "named_ge_0.8_of_pinned": ("named_vs_pinned", lambda r: r >= 0.8),
               "module_p99_no_worse_than_path": ("module_p99_vs_path", lambda r: r <= 1.0)}
     targets = {name: check(ratios[key]) for name, (key, check) in checks.items() if ratios[key] is not None}
     return {"ratios": ratios, "targets": targets}
@@ -1098,10 +1119,13 @@ def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts:
         report["agreement"] = bench_agreement(pipe, varied_prompts(pipe, args.agreement, args.prompt_tokens),
                                               args.new_tokens, args.max_batch)
     if args.concurrency:
-        report["concurrency"] = bench_concurrency(*served, varied_prompts(pipe, args.prompts, args.prompt_tokens),
-                                                  args.concurrency, args.seconds, args.warmup_seconds, args.new_tokens,
-                                                  args.threads, args.max_batch, args.batch_wait_ms, args.decode_workers,
-                                                  args.pin_path, parse_modes(args.modes), max(4, pipe.num_paths))
+        prompts = varied_prompts(pipe, args.prompts, args.prompt_tokens)
+        modes = parse_modes(args.modes)
+        routed = [pipe.route(p)[0] for p in prompts] if "named" in modes else None
+        report["concurrency"] = bench_concurrency(*served, prompts, args.concurrency, args.seconds, args.warmup_seconds,
+                                                  args.new_tokens, args.threads, args.max_batch, args.batch_wait_ms,
+                                                  args.decode_workers, args.pin_path, modes, max(4, pipe.num_paths),
+                                                  routed)
     if args.apis:
         report["apis"] = bench_apis(*served, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
                                     args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,

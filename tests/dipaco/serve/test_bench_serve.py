@@ -15,22 +15,25 @@ from dipaco.serve.pipeline import Pipeline
 
 def test_concurrency_measures_every_server_mode_from_its_metrics(served_run):
     needs_web()
+    routed = [Pipeline.from_run(served_run.run.dir).route(p)[0] for p in PROMPTS]
     out = bench.bench_concurrency(Path(served_run.run.dir), None, PROMPTS, clients=4, seconds=1.0, warmup_s=0.3,
-                                  new_tokens=6, threads=1, max_batch=8, batch_wait_ms=20)
-    unbatched, path, module, pinned = (out[m] for m in ("unbatched", "path", "module", "pinned"))
+                                  new_tokens=6, threads=1, max_batch=8, batch_wait_ms=20,
+                                  modes=tuple(bench.SERVER_MODES), routed_paths=routed)
+    unbatched, path, module, named, pinned = (out[m] for m in ("unbatched", "path", "module", "named", "pinned"))
     assert unbatched["mean_batch_size"] == 1.0 and unbatched["server_flags"].startswith("--max-batch 1 ")
     assert path["mean_batch_size"] > 1.0 and module["mean_batch_size"] > 1.0  # 4 clients, a 20 ms window
     assert "--batching path" in path["server_flags"] and "--batching module" in module["server_flags"]
     assert "rows_per_module" not in path and module["rows_per_module"] > 1.0
     # a pinned load runs every module of its path on every row; a routed one splits rows between a level's modules
     assert pinned["rows_per_module"] == pytest.approx(pinned["mean_batch_size"])
-    assert set(module["module_time_share"]) == {"embed", "gather", "blocks", "scatter", "head"}
+    assert set(module["module_time_share"]) == {"embed", "mask", "layout", "blocks", "head"}
+    assert (module["paths"], named["paths"], pinned["paths"]) == ("routed", "named", "pinned")
     assert sum(module["module_time_share"].values()) == pytest.approx(1.0)
-    for row in (unbatched, path, module, pinned):
+    for row in (unbatched, path, module, named, pinned):
         assert row["requests"] > 4 and row["tokens"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0
         assert set(row["statuses"]) == {"200"} and row["batches"] >= 1
     assert out["ratios"]["module_vs_unbatched"] > 0 and set(out["targets"]) == {
-        "module_ge_3x_unbatched", "module_ge_0.8_of_pinned", "module_p99_no_worse_than_path"}
+        "module_ge_3x_unbatched", "module_ge_0.8_of_pinned", "named_ge_0.8_of_pinned", "module_p99_no_worse_than_path"}
 
 
 def test_agreement_compares_batched_and_lone_decoding(served_run):
@@ -106,6 +109,6 @@ def test_the_command_line_runs_parts_1_to_3_into_one_report(served_run, tmp_path
 
 
 def test_a_bad_mode_fails_before_any_run_is_built(tmp_path):
-    with pytest.raises(SystemExit, match="--modes: fast: choose from unbatched, path, module, pinned"):
+    with pytest.raises(SystemExit, match="--modes: fast: choose from unbatched, path, module, named, pinned"):
         bench.main(["--run", str(tmp_path / "none"), "--concurrency", "2", "--modes", "module,fast"])
     assert not (tmp_path / "none").exists()
