@@ -16,8 +16,8 @@ bf16 and int8, then reads the ``comm`` records of ``metrics.jsonl`` and evaluate
 * validation perplexity (routing prefix excluded) of the int8 and bf16 runs against fp32; target:
   int8 within 1%.
 
-The data is a slice of the shared corpora (``--data``, as the tests use), prepared and pretrained
-once in ``--work``.
+The data is a slice of the shared corpora (``--data``), or ``--corpus FILE``, prepared and pretrained once in
+``--work``.
 
     python -m bench comm --out /tmp/bench_comm.json
 
@@ -82,6 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argument_parser("comm", __doc__)
     p.add_argument("--work", default="/tmp/dipaco_bench_comm", help="run directory (prepared once, reused)")
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    p.add_argument("--corpus", help="a JSONL corpus (id, label, text) to train on instead of a slice of --data's")
     p.add_argument("--docs-per-source", type=int, default=300)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--topology", default="grid:2x2")
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         row_names(args.rows)  # a typo ends here, before the corpus is written and the model pretrained
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    corpus = work / "corpus.jsonl"
+    corpus = Path(args.corpus) if args.corpus else work / "corpus.jsonl"
     if not corpus.is_file():
         write_corpus(Path(args.data), corpus, args.docs_per_source)
     cfg = load_config(None, base_overrides(args, work, corpus))

@@ -104,15 +104,16 @@ def environment(device: str | None = None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- writing results
 
 
-def write_json(path: str | Path, value: Any, indent: int | None = 1) -> Path:
+def write_json(path: str | Path, value: Any, indent: int | None = 1, default: Callable[[Any], Any] | None = None) -> Path:
     """``value`` as strict JSON at ``path``, written atomically; the parent directory is created.
 
     Strict: a NaN or infinity is written as null with ``<key>_null_reason`` beside it, so jq and strict
     parsers read every file. Atomic: written to a sibling and renamed, so a kill mid-write leaves the
-    previous file whole (an interrupted benchmark loses at most the row in progress)."""
+    previous file whole (an interrupted benchmark loses at most the row in progress). ``default``: as
+    ``json.dumps`` takes it, for values JSON has no type for."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(path, json_text.dumps(value, indent=indent) + "\n")
+    atomic.write_text(path, json_text.dumps(value, indent=indent, default=default) + "\n")
     return path
 
 

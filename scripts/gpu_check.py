@@ -170,13 +170,6 @@ class Context:
     section: Section | None = None  # the one running
 
 
-def _dumps(value, **kwargs) -> str:
-    """``json.dumps`` without NaN or Infinity: dipaco.json_text writes null, with the reason beside it."""
-    from dipaco import json_text
-
-    return json_text.dumps(value, **kwargs)
-
-
 def say(msg: str) -> None:
     print(f"[gpu_check] {msg}", flush=True)
 
@@ -1223,8 +1216,11 @@ def to_json(record: dict[str, Any]) -> dict[str, Any]:
 def write_outputs(ctx: Context) -> None:
     ctx.record["wall_s"] = time.monotonic() - ctx.record["_start"]
     payload = to_json({k: v for k, v in ctx.record.items() if k != "_start"})
-    (ctx.out / "gpu_check.json").write_text(_dumps(payload, indent=2, default=str) + "\n")
-    (ctx.out / "gpu_check.md").write_text(markdown(payload))
+    from bench.harness import write_json  # the benchmarks' one writer: atomic, strict JSON
+    from dipaco.atomic import write_text
+
+    write_json(ctx.out / "gpu_check.json", payload, indent=2, default=str)
+    write_text(ctx.out / "gpu_check.md", markdown(payload))
 
 
 def _fmt(value: Any, spec: str = ".3g") -> str:
