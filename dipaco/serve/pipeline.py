@@ -74,7 +74,7 @@ from dipaco.serve.decode import (  # noqa: F401  (SeededSampler, SafeTemperature
     sampling_processors,
 )
 from dipaco.serve.module_batch import ModuleBatchedDecoder
-from routing.featurize import pad_right, pool_prefix_states
+from routing.featurize import pool_prefix_states
 
 DEFAULT_CACHE_SIZE = 4
 # Tokenizer copies a Pipeline keeps: each holds a BPE word cache of up to 10,000 words for its life, so the pool,
@@ -479,33 +479,32 @@ class Pipeline:
         asked = time.perf_counter()
         with self._router_lock:
             start = time.perf_counter()
-            scores = self._route_scores([ids])[0]
+            scores = self._route_scores(ids)
             self.router_stats.add(time.perf_counter() - start, time.perf_counter() - asked)
         # Router contract: assign() is the argmax of scores() (nearest centroid, per-level nearest for
         # product k-means, best logit for the linear router); one pass instead of two.
         path = int(torch.argmax(scores))
         return path, scores.tolist()
 
-    def _route_scores(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """The router's scores of every path for each prompt's token ids, in one featurizer pass."""
+    def _route_scores(self, ids: list[int]) -> torch.Tensor:
+        """The router's score of every path for a prompt's token ids."""
         if self.router.featurizer.get("kind") == "lm_prefix":
-            features = self._lm_prefix_features(prompts)
+            features = self._lm_prefix_features(ids)
         else:  # like `dipaco route`, the featurizer reads only the routing context: the first prefix_tokens tokens
-            features = self.router.featurize([self.decode(ids[: self.spec.prefix_tokens or len(ids)])
-                                              for ids in prompts]).float()
-        return list(self.router.scores(features))
+            features = self.router.featurize([self.decode(ids[: self.spec.prefix_tokens or len(ids)])]).float()
+        return self.router.scores(features)[0]
 
     @torch.inference_mode()
-    def _lm_prefix_features(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The router's LM-prefix features of token sequences: the mean of the hidden states it names over
-        each one's first ``prefix_tokens`` tokens, right-padded into one batch and pooled by
-        ``routing.featurize.pool_prefix_states`` as ``lm_prefix_features`` does (which also moves the model
-        and flips train/eval on every call: too slow per request)."""
+    def _lm_prefix_features(self, ids: list[int]) -> torch.Tensor:
+        """The router's LM-prefix feature of one token sequence: the mean of the hidden states it names
+        over its first ``prefix_tokens`` tokens, pooled by ``routing.featurize.pool_prefix_states`` as
+        ``lm_prefix_features`` does for a batch (which also moves the model and flips train/eval on
+        every call: too slow per request)."""
         spec = self.router.featurizer
         k = int(spec.get("prefix_tokens", 32))
         layers = [int(layer) for layer in spec.get("layers", [-1])]
-        x, mask = pad_right([ids[:k] for ids in prompts], self.tokenizer.pad_token_id or 0)
-        x, mask = x.to(self.device), mask.to(self.device)
+        x = torch.tensor([ids[:k]], dtype=torch.long, device=self.device)
+        mask = torch.ones_like(x)
         with self.precision.autocast():
             if layers == [-1]:
                 # The base model's last_hidden_state (after the final norm) is the causal LM's hidden_states[-1];

@@ -46,10 +46,7 @@ def test_routes_prompts_as_validation_documents_were_routed(pipe, served_run):
 def test_per_request_features_equal_the_routers_batch_featurizer(pipe):
     batch = pipe.router.featurize(PROMPTS, model=pipe.featurizer_model, tokenizer=pipe.tokenizer, show_progress=False)
     for text, expected in zip(PROMPTS, batch):
-        assert torch.allclose(pipe._lm_prefix_features([pipe.encode(text)])[0], expected, atol=1e-6)
-    # the server's batch of requests (right-padded, unsorted) gives each its feature alone
-    together = pipe._lm_prefix_features([pipe.encode(text) for text in PROMPTS])
-    assert torch.allclose(together, batch, atol=1e-5)
+        assert torch.allclose(pipe._lm_prefix_features(pipe.encode(text))[0], expected, atol=1e-6)
 
 
 def test_concurrent_routes_equal_sequential_ones_bit_for_bit_and_are_counted(pipe):
