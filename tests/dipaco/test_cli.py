@@ -179,6 +179,15 @@ def test_an_override_typo_is_placed_on_the_command_line(tmp_path, capsys):
     assert "train.rouns" in err and "(on the command line)" in err and "my.yaml" not in err
 
 
+def loading_torch(pid: int) -> bool:
+    """Whether process ``pid`` has begun importing torch (its library is mapped): dipaco's CLI is then past
+    Python's start-up and inside its KeyboardInterrupt guard, and the import has about a second to go."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except FileNotFoundError:
+        return False
+
+
 def test_ctrl_c_while_the_imports_load_is_one_line(tmp_path, sigint_from_a_terminal):
     """Issue 34: a Ctrl-C in the first second, while torch and transformers import, printed a traceback."""
     import os
@@ -191,7 +200,12 @@ def test_ctrl_c_while_the_imports_load_is_one_line(tmp_path, sigint_from_a_termi
     proc = subprocess.Popen([sys.executable, "-m", "dipaco", "train", f"run.dir={tmp_path / 'run'}"], cwd=repo,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(repo)})
-    time.sleep(0.4)  # python is up (its SIGINT handler installed); torch is still importing
+    # Sent once torch's library is mapped, not after a fixed 0.4 s: on a loaded CI machine Python was not yet up
+    # then, and the signal killed it (exit -2) before any handler ran.
+    deadline = time.monotonic() + 60
+    while not loading_torch(proc.pid):
+        assert time.monotonic() < deadline and proc.poll() is None, "the CLI never began importing torch"
+        time.sleep(0.002)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
