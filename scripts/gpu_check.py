@@ -1227,8 +1227,8 @@ def _fmt(value: Any, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
-def profile_row(r: dict[str, Any]) -> str:
-    """A throughput run's block lengths and profile, in a table row (the JSON record holds the top-10 lists)."""
+def profile_cells(r: dict[str, Any]) -> dict[str, str]:
+    """A throughput run's block lengths and profile as table cells (the JSON record holds the top-10 lists)."""
     sides = ((r.get("profile") or {}).get("sides")) or {}
     ours, best = sides.get("dipaco_path") or {}, sides.get("best_handwritten") or {}
 
@@ -1242,36 +1242,43 @@ def profile_row(r: dict[str, Any]) -> str:
         return f"{_fmt(ours.get(key), spec)} / {_fmt(best.get(key), spec)}"
 
     shortest = min((min(v) for v in (r.get("block_seconds") or {}).values() if v), default=None)
-    steps = "/".join(map(str, sorted(set(r.get("steps_per_block") or [])))) or "-"
-    return (f"| {r['size']} | {r['compile']} | {steps} | {_fmt(shortest, '.2f')} | {top(ours)} | {top(best)} | "
-            f"{pair('device_busy', '.0%')} | {pair('host_syncs', 'd')} ({pair('scalar_reads', 'd')}) |")
+    return {"steps": "/".join(map(str, sorted(set(r.get("steps_per_block") or [])))) or "-",
+            "shortest": _fmt(shortest, ".2f"), "top_ours": top(ours), "top_best": top(best),
+            "busy": pair("device_busy", ".0%"), "syncs": f"{pair('host_syncs', 'd')} ({pair('scalar_reads', 'd')})"}
 
 
 def markdown(p: dict[str, Any]) -> str:
+    from bench.harness import markdown_table  # the benchmarks' one table printer
+
     lines = [f"# GPU check: {p.get('device')}", "",
              f"torch {p.get('torch')}, CUDA {p.get('cuda')}, Python {p.get('python')}; {p['mode']} size; "
              f"budget {p['budget_s']:.0f} s, wall {p['wall_s']:.0f} s; started {p['started']}", "",
              *([f"**Aborted**: {p['aborted']}", ""] if p.get("aborted") else []),
-             "| section | status | seconds | cap s | note |", "|---|---|---|---|---|"]
-    for name, s in p["sections"].items():
-        lines.append(f"| {name} | {s['status']} | {s['seconds']:.1f} | {s['cap_s']:.0f} | {s['reason'] or ''} |")
-    lines += ["", "| check | status | ran on | detail |", "|---|---|---|---|"]
-    for s in p["sections"].values():
-        for c in s["checks"]:
-            form = c["form"] + (f" (CPU form: {c['cpu_form']})" if c["form"] == "cpu" and c["cpu_form"] else "")
-            lines.append(f"| {c['name']} | {c['status']} | {form} | {c['detail']} |")
+             markdown_table([{"name": n, **s} for n, s in p["sections"].items()], [
+                 ("section", "name"), ("status", "status"), ("seconds", lambda s: f"{s['seconds']:.1f}"),
+                 ("cap s", lambda s: f"{s['cap_s']:.0f}"), ("note", lambda s: s["reason"] or "")]),
+             "", markdown_table([c for s in p["sections"].values() for c in s["checks"]], [
+                 ("check", "name"), ("status", "status"),
+                 ("ran on", lambda c: c["form"] + (f" (CPU form: {c['cpu_form']})"
+                                                   if c["form"] == "cpu" and c["cpu_form"] else "")),
+                 ("detail", "detail")])]
     runs = [r for r in p["sections"].get("throughput", {}).get("results", {}).get("runs", []) if "ratio" in r]
     if runs:
-        lines += ["", "| size | compile | ours tok/s | best tok/s | ratio | MFU ours | MFU best | peak GiB ours |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in runs:
-            tps, mfu, mem = r["tokens_per_s_median"], r["mfu"] or {}, r["peak_memory_gib"] or {}
-            lines.append(f"| {r['size']} ({r['stands_for']}) | {r['compile']} | {tps['dipaco_path']:,.0f} | "
-                         f"{tps['best_handwritten']:,.0f} | {r['ratio']:.3f} | {_fmt(mfu.get('dipaco_path'), '.1%')} | "
-                         f"{_fmt(mfu.get('best_handwritten'), '.1%')} | {_fmt(mem.get('dipaco_path'), '.2f')} |")
-        lines += ["", "| size | compile | steps/block | shortest block s | top ours | top best | device busy ours/best | "
-                      "syncs ours/best (scalar reads) |", "|---|---|---|---|---|---|---|---|"]
-        lines += [profile_row(r) for r in runs]
+        def side(key: str, name: str, spec: str) -> Any:
+            return lambda r: _fmt((r[key] or {}).get(name), spec)
+
+        lines += ["", markdown_table(runs, [
+            ("size", lambda r: f"{r['size']} ({r['stands_for']})"), ("compile", "compile"),
+            ("ours tok/s", lambda r: f"{r['tokens_per_s_median']['dipaco_path']:,.0f}"),
+            ("best tok/s", lambda r: f"{r['tokens_per_s_median']['best_handwritten']:,.0f}"),
+            ("ratio", lambda r: f"{r['ratio']:.3f}"), ("MFU ours", side("mfu", "dipaco_path", ".1%")),
+            ("MFU best", side("mfu", "best_handwritten", ".1%")),
+            ("peak GiB ours", side("peak_memory_gib", "dipaco_path", ".2f"))])]
+        cells = [{"size": r["size"], "compile": r["compile"], **profile_cells(r)} for r in runs]
+        lines += ["", markdown_table(cells, [
+            ("size", "size"), ("compile", "compile"), ("steps/block", "steps"), ("shortest block s", "shortest"),
+            ("top ours", "top_ours"), ("top best", "top_best"), ("device busy ours/best", "busy"),
+            ("syncs ours/best (scalar reads)", "syncs")])]
     targets = p["sections"].get("throughput", {}).get("results", {}).get("targets", [])
     for check in (c for s in p["sections"].values() for c in s["checks"] if c["name"] == "round_shares"):
         share = check["values"].get("not_inner_share_at_100")
@@ -1279,15 +1286,16 @@ def markdown(p: dict[str, Any]) -> str:
             targets = [*targets, target("round overhead at inner_steps=100", share, TARGETS["round_overhead"],
                                         None if p["device_type"] == "cuda" else "CPU at the tiny size", below=True)]
     if targets:
-        lines += ["", "| target | value | goal | status | note |", "|---|---|---|---|---|"]
-        lines += [f"| {t['name']} | {_fmt(t['value'], '.3f')} | {t['target']} | {t['status']} | {t['note'] or ''} |"
-                  for t in targets]
+        lines += ["", markdown_table(targets, [("target", "name"), ("value", lambda t: _fmt(t["value"], ".3f")),
+                                               ("goal", "target"), ("status", "status"),
+                                               ("note", lambda t: t["note"] or "")])]
     quality = p["sections"].get("quality", {}).get("results", {})
     rows = quality.get("rows")
     if rows:
-        lines += ["", "| quality row | paths | steps/path | tokens seen | NMI | val ppl |", "|---|---|---|---|---|---|"]
-        lines += [f"| {n} | {r['paths']} | {r['steps_per_path']} | {r['tokens_seen']:,} | {_fmt(r['nmi'])} | "
-                  f"{r['ppl']:.3f} |" for n, r in rows.items()]
+        lines += ["", markdown_table([{"name": n, **r} for n, r in rows.items()], [
+            ("quality row", "name"), ("paths", "paths"), ("steps/path", "steps_per_path"),
+            ("tokens seen", lambda r: f"{r['tokens_seen']:,}"), ("NMI", lambda r: _fmt(r["nmi"])),
+            ("val ppl", lambda r: f"{r['ppl']:.3f}")])]
         ordering = quality.get("ordering") or {}
         if ordering:
             lines += ["", f"Quality ordering (issue 49): {ordering['status']} ({ordering['detail']})"]
