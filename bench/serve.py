@@ -91,7 +91,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -243,9 +243,10 @@ def word_prompts(pipe: Pipeline, n: int, low: int = 12, high: int = 40, seed: in
     return out
 
 
-def encode_bodies(prompts: list[str], **fields: Any) -> list[bytes]:
-    """A JSON request body per prompt: ``{"prompt": ..., **fields}``."""
-    return [json.dumps({"prompt": p, **fields}).encode() for p in prompts]
+def encode_bodies(prompts: list[str], paths: Sequence[int] | None = None, **fields: Any) -> list[bytes]:
+    """A JSON request body per prompt: ``{"prompt": ..., **fields}``, with ``"path"`` the prompt's of ``paths``."""
+    named = [{} for _ in prompts] if paths is None else [{"path": k} for k in paths]
+    return [json.dumps({"prompt": p, **fields, **n}).encode() for p, n in zip(prompts, named, strict=True)]
 
 
 # --- parts 1 and 2: in one process -----------------------------------------------------------------------
@@ -712,13 +713,10 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
                  "pinned_path": path or 0}
     for name in modes:
         flags, paths = SERVER_MODES[name]
-        if paths == "named":
-            if routed_paths is None or len(routed_paths) != len(prompts):
-                raise ValueError("the named mode needs routed_paths: each prompt's path, as the router picks it")
-            bodies = [json.dumps({"prompt": p, "max_new_tokens": new_tokens, "path": k}).encode()
-                      for p, k in zip(prompts, routed_paths, strict=True)]
-        else:
-            bodies = encode_bodies(prompts, max_new_tokens=new_tokens, **({"path": path or 0} if paths == "pinned" else {}))
+        if paths == "named" and routed_paths is None:
+            raise ValueError("the named mode needs routed_paths: each prompt's path, as the router picks it")
+        named = {"routed": None, "named": routed_paths, "pinned": [path or 0] * len(prompts)}[paths]
+        bodies = encode_bodies(prompts, named, max_new_tokens=new_tokens)
         flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
         if "--max-batch" not in flags:
             flags = (*flags, "--max-batch", str(max_batch))
@@ -795,7 +793,7 @@ def completion_tokens(reply: bytes) -> int:
 def bench_apis(run: Path, experiment: str, prompts: list[str], clients: int, seconds: float, warmup_s: float,
                new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float, rounds: int = 3) -> Json:
     """Part 8: one batched server, the same closed-loop load through the three APIs, interleaved in ``rounds``."""
-    openai = {"model": experiment, "max_tokens": new_tokens, "temperature": 0}
+    openai: dict[str, Any] = {"model": experiment, "max_tokens": new_tokens, "temperature": 0}
     apis: dict[str, tuple[str, list[bytes], Callable[[bytes], int]]] = {  # name: (endpoint, bodies, tokens of an answer)
         "generate": ("/v1/generate", encode_bodies(prompts, max_new_tokens=new_tokens), generated_tokens),
         "completions": ("/v1/completions", encode_bodies(prompts, **openai), completion_tokens),
@@ -1119,10 +1117,10 @@ def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts:
         report["agreement"] = bench_agreement(pipe, varied_prompts(pipe, args.agreement, args.prompt_tokens),
                                               args.new_tokens, args.max_batch)
     if args.concurrency:
-        prompts = varied_prompts(pipe, args.prompts, args.prompt_tokens)
+        load = varied_prompts(pipe, args.prompts, args.prompt_tokens)
         modes = parse_modes(args.modes)
-        routed = [pipe.route(p)[0] for p in prompts] if "named" in modes else None
-        report["concurrency"] = bench_concurrency(*served, prompts, args.concurrency, args.seconds, args.warmup_seconds,
+        routed = [pipe.route(p)[0] for p in load] if "named" in modes else None
+        report["concurrency"] = bench_concurrency(*served, load, args.concurrency, args.seconds, args.warmup_seconds,
                                                   args.new_tokens, args.threads, args.max_batch, args.batch_wait_ms,
                                                   args.decode_workers, args.pin_path, modes, max(4, pipe.num_paths),
                                                   routed)

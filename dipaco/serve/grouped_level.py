@@ -35,16 +35,15 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, apply_ro
 class GroupLayout:
     """Rows laid out module by module, each group padded to the largest: ``pad_index`` (length groups x width)
     gathers batch rows into that layout (a pad slot repeats its group's first row), ``inverse`` (length of the
-    batch) gathers them back; ``modules`` are the groups' module indices."""
+    batch) gathers them back; ``modules`` are the groups' module indices, ascending."""
 
     modules: torch.Tensor
     pad_index: torch.Tensor
     inverse: torch.Tensor
     width: int
-    all_modules: bool  # the groups are every module of the level, in order: the stacked weights need no selection
 
     @staticmethod
-    def of(groups: Sequence[tuple[int, torch.Tensor | None]], num_modules: int, device: torch.device) -> GroupLayout:
+    def of(groups: Sequence[tuple[int, torch.Tensor | None]], device: torch.device) -> GroupLayout:
         members = [rows.tolist() for _, rows in groups if rows is not None]
         width = max(len(rows) for rows in members)
         pad, inverse = [], [0] * sum(len(rows) for rows in members)
@@ -57,7 +56,13 @@ class GroupLayout:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        return GroupLayout(tensor(modules), tensor(pad), tensor(inverse), width, modules == list(range(num_modules)))
+        return GroupLayout(tensor(modules), tensor(pad), tensor(inverse), width)
+
+
+# A stacked projection: the Llama linear layers it concatenates along their outputs, in a module's flat order.
+PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+               "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
 
 
 @dataclass
@@ -89,7 +94,11 @@ class GroupedLevel:
         self.config = config
         self.eps = config.rms_norm_eps
         self.num_modules = len(module_states)
-        self.blocks = [self._stack(config, module_states, f"model.layers.{layer}.") for layer in layers]
+        first_layer = f"model.layers.{layers[0]}."
+        # rows of each linear layer within its stacked projection
+        self.rows = {n: module_states[0][first_layer + n + ".weight"].shape[0] for ns in PROJECTIONS.values() for n in ns}
+        self.split = [self.rows[n] for n in PROJECTIONS["qkv"]]
+        self.blocks = [self._stack(module_states, f"model.layers.{layer}.") for layer in layers]
         # each module's blocks as transformers layers whose weights are views of the stacked tensors
         self.modules = [self._layers(k, len(layers)) for k in range(self.num_modules)]
         first: LlamaDecoderLayer = self.modules[0][0]
@@ -98,71 +107,50 @@ class GroupedLevel:
         self.head_dim: int = first.self_attn.head_dim
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = first.mlp.act_fn
         self.attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
-        self.split = (config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim,
-                      config.num_key_value_heads * self.head_dim)
-        self._selected: tuple[torch.Tensor, list[StackedBlock]] | None = None
 
     @staticmethod
-    def _stack(config: LlamaConfig, states: Sequence[dict[str, torch.Tensor]], prefix: str) -> StackedBlock:
-        def stacked(*names: str) -> torch.Tensor:
-            return stack([[s[prefix + n] for n in names] for s in states])
+    def _stack(states: Sequence[dict[str, torch.Tensor]], prefix: str) -> StackedBlock:
+        def stacked(names: Sequence[str], kind: str) -> torch.Tensor | None:
+            if prefix + names[0] + kind not in states[0]:
+                return None  # no biases
+            return stack([[s[prefix + n + kind] for n in names] for s in states])
 
-        def bias(*names: str) -> torch.Tensor | None:
-            return stacked(*(n + ".bias" for n in names)) if prefix + names[0] + ".bias" in states[0] else None
-
-        attn, mlp = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")
-        return StackedBlock(
-            input_norm=stacked("input_layernorm.weight"), qkv=stacked(*(n + ".weight" for n in attn)),
-            o=stacked("self_attn.o_proj.weight"), post_norm=stacked("post_attention_layernorm.weight"),
-            gate_up=stacked(*(n + ".weight" for n in mlp)), down=stacked("mlp.down_proj.weight"),
-            qkv_bias=bias(*attn), o_bias=bias("self_attn.o_proj"), gate_up_bias=bias(*mlp), down_bias=bias("mlp.down_proj"))
+        fields: dict[str, Any] = {field: stacked((name,), ".weight") for field, name in NORMS.items()}
+        for field, names in PROJECTIONS.items():
+            fields[field], fields[field + "_bias"] = stacked(names, ".weight"), stacked(names, ".bias")
+        return StackedBlock(**fields)
 
     def _layers(self, k: int, count: int) -> nn.ModuleList:
         """Module ``k``'s blocks as ``LlamaDecoderLayer``s numbered 0.. within the level's cache."""
         with torch.device("meta"):
             layers = nn.ModuleList([LlamaDecoderLayer(self.config, j) for j in range(count)])
-        q, kv = self.config.num_attention_heads, self.config.num_key_value_heads
-        hd = getattr(self.config, "head_dim", None) or self.config.hidden_size // q
-        cuts = {"self_attn.q_proj": (0, q * hd), "self_attn.k_proj": (q * hd, (q + kv) * hd),
-                "self_attn.v_proj": ((q + kv) * hd, (q + 2 * kv) * hd)}
-        ff = self.config.intermediate_size
         state: dict[str, torch.Tensor] = {}
-        for j, b in enumerate(self.blocks):
-            for name, (lo, hi) in cuts.items():
-                state[f"{j}.{name}.weight"] = b.qkv[k, lo:hi]
-                if b.qkv_bias is not None:
-                    state[f"{j}.{name}.bias"] = b.qkv_bias[k, lo:hi]
-            for name, (lo, hi) in {"mlp.gate_proj": (0, ff), "mlp.up_proj": (ff, 2 * ff)}.items():
-                state[f"{j}.{name}.weight"] = b.gate_up[k, lo:hi]
-                if b.gate_up_bias is not None:
-                    state[f"{j}.{name}.bias"] = b.gate_up_bias[k, lo:hi]
-            state[f"{j}.self_attn.o_proj.weight"] = b.o[k]
-            state[f"{j}.mlp.down_proj.weight"] = b.down[k]
-            if b.o_bias is not None and b.down_bias is not None:
-                state[f"{j}.self_attn.o_proj.bias"], state[f"{j}.mlp.down_proj.bias"] = b.o_bias[k], b.down_bias[k]
-            state[f"{j}.input_layernorm.weight"] = b.input_norm[k]
-            state[f"{j}.post_attention_layernorm.weight"] = b.post_norm[k]
+        for j, block in enumerate(self.blocks):
+            state.update({f"{j}.{name}.weight": getattr(block, field)[k] for field, name in NORMS.items()})
+            for field, names in PROJECTIONS.items():
+                for kind, stacked in ((".weight", getattr(block, field)), (".bias", getattr(block, field + "_bias"))):
+                    if stacked is not None:
+                        for name, piece in zip(names, stacked[k].split([self.rows[n] for n in names]), strict=True):
+                            state[f"{j}.{name}{kind}"] = piece
         layers.load_state_dict(state, assign=True)
         return layers.eval()
 
     def weights_for(self, layout: GroupLayout) -> list[StackedBlock]:
         """The stacked blocks of the layout's modules: the level's own when every module has rows, else a
-        selection, kept while the layout stays (rows joining or leaving change it)."""
-        if layout.all_modules:
+        selection (a copy: callers keep it while the layout stays)."""
+        if len(layout.modules) == self.num_modules:  # ascending and distinct: every module, in order
             return self.blocks
-        if self._selected is None or self._selected[0] is not layout.modules:
-            self._selected = (layout.modules, [b.select(layout.modules) for b in self.blocks])
-        return self._selected[1]
+        return [b.select(layout.modules) for b in self.blocks]
 
-    def forward(self, hidden: torch.Tensor, layout: GroupLayout, cache: DynamicCache, causal_mask: torch.Tensor | None,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The level's blocks on ``hidden`` [rows, T, hidden] in batch order; ``cache`` holds every row's keys and
-        values of this level, in batch order, one layer per block."""
+    def forward(self, hidden: torch.Tensor, layout: GroupLayout, blocks: Sequence[StackedBlock], cache: DynamicCache,
+                causal_mask: torch.Tensor | None, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The level's blocks on ``hidden`` [rows, T, hidden] in batch order; ``blocks``: :meth:`weights_for` the
+        layout; ``cache`` holds every row's keys and values of this level, in batch order, one layer per block."""
         groups, width = len(layout.modules), layout.width
         rows, length, size = hidden.shape
         cos, sin = position_embeddings
         residual = hidden.index_select(0, layout.pad_index).view(groups, width * length, size)
-        for j, block in enumerate(self.weights_for(layout)):
+        for j, block in enumerate(blocks):
             x = self._norm(residual, block.input_norm)
             qkv = _bmm(x, block.qkv, block.qkv_bias).view(groups * width, length, -1).index_select(0, layout.inverse)
             q, k, v = (t.reshape(rows, length, -1, self.head_dim).transpose(1, 2) for t in qkv.split(self.split, dim=-1))

@@ -48,7 +48,7 @@ from dipaco.errors import DipacoError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import EMBEDDING, HEAD, Topology
 from dipaco.serve.decode import CACHE_KWARG, DecodeRow, attention_mask_or_none, cut_cache_left, join_caches
-from dipaco.serve.grouped_level import GroupedLevel, GroupLayout
+from dipaco.serve.grouped_level import GroupedLevel, GroupLayout, StackedBlock
 
 try:
     from transformers.masking_utils import create_causal_mask
@@ -183,7 +183,8 @@ class ModuleBatchState:
         self.paths = paths
         self.caches = [DynamicCache() for _ in decoder.levels]
         self._groups: dict[int | str, list[tuple]] = {}  # part (or "head") -> its modules' rows, while the rows stay
-        self._layouts: dict[int, GroupLayout] = {}  # level -> its rows module by module, while the rows stay
+        # level -> its rows module by module and their modules' weights, while the rows stay
+        self._layouts: dict[int, tuple[GroupLayout, list[StackedBlock]]] = {}
 
     def _level_groups(self, part: int) -> list[tuple[int, torch.Tensor | None]]:
         if part not in self._groups:
@@ -195,9 +196,10 @@ class ModuleBatchState:
             self._groups["head"] = self.decoder.head_groups(self.paths)
         return self._groups["head"]
 
-    def _layout(self, level: int, groups: list[tuple[int, torch.Tensor | None]]) -> GroupLayout:
+    def _layout(self, level: int, groups: list[tuple[int, torch.Tensor | None]]) -> tuple[GroupLayout, list[StackedBlock]]:
         if level not in self._layouts:
-            self._layouts[level] = GroupLayout.of(groups, self.decoder.levels[level].num_modules, self.decoder.device)
+            layout = GroupLayout.of(groups, self.decoder.device)
+            self._layouts[level] = layout, self.decoder.levels[level].weights_for(layout)
         return self._layouts[level]
 
     @property
@@ -225,9 +227,9 @@ class ModuleBatchState:
                     hidden = block(hidden, attention_mask=causal, position_ids=positions, use_cache=True,
                                    position_embeddings=position_embeddings, **{CACHE_KWARG: cache})
             else:
-                layout = self._layout(level, groups)
+                layout, blocks = self._layout(level, groups)
                 t = d._tick("layout", t)
-                hidden = d.levels[level].forward(hidden, layout, cache, causal, position_embeddings)
+                hidden = d.levels[level].forward(hidden, layout, blocks, cache, causal, position_embeddings)
             t = d._tick("blocks", t)
             d.stats.module_calls += len(groups)
             d.stats.module_rows += hidden.shape[0]

@@ -152,7 +152,7 @@ def test_a_grouped_level_computes_what_each_modules_blocks_do(bias, members):
     level = GroupedLevel(config, states, range(2))
     rows = sorted(r for group in members for r in group)
     groups = [(k, torch.tensor(g)) for k, g in enumerate(members) if g]
-    layout = GroupLayout.of(groups, len(members), torch.device("cpu"))
+    layout = GroupLayout.of(groups, torch.device("cpu"))
     rotary = LlamaRotaryEmbedding(config)
     mask = torch.ones(len(rows), 7, dtype=torch.long)
     mask[0, :3] = 0  # a left-padded row
@@ -163,7 +163,7 @@ def test_a_grouped_level_computes_what_each_modules_blocks_do(bias, members):
         embeddings = rotary(hidden, positions)
         causal = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mask[:, :step.stop],
                                     position_ids=positions, **{MASK_CACHE_KWARG: cache})
-        got = level.forward(hidden, layout, cache, causal, embeddings)
+        got = level.forward(hidden, layout, level.weights_for(layout), cache, causal, embeddings)
         for k, index in groups:
             x, part_mask = hidden[index], mask[index, :step.stop]
             group_causal = create_causal_mask(config=config, inputs_embeds=x, attention_mask=part_mask,
@@ -176,8 +176,8 @@ def test_a_grouped_level_computes_what_each_modules_blocks_do(bias, members):
 
 def test_a_group_layout_pads_each_module_to_the_largest_and_gathers_back():
     groups = [(0, torch.tensor([1, 3])), (2, torch.tensor([0, 2, 4]))]
-    layout = GroupLayout.of(groups, 4, torch.device("cpu"))
-    assert layout.width == 3 and layout.modules.tolist() == [0, 2] and not layout.all_modules
+    layout = GroupLayout.of(groups, torch.device("cpu"))
+    assert layout.width == 3 and layout.modules.tolist() == [0, 2]
     assert layout.pad_index.tolist() == [1, 3, 1, 0, 2, 4]  # module 0's rows, one pad (its first row), module 2's
     rows = torch.arange(5.0)
     assert torch.equal(rows[layout.pad_index][layout.inverse], rows)
