@@ -23,14 +23,17 @@
 5. **Concurrency** (``--concurrency N``): ``N`` closed-loop clients (each sends its next request when
    its answer arrives, on a kept-alive connection) for ``--seconds`` against one `dipaco serve` per mode of
    ``--modes``, in turn, each warmed up first: ``unbatched`` (``--max-batch 1``), ``path`` (per-path
-   batching), ``module`` (module batching: rows of any paths, level by level), ``named`` (module batching,
+   batching), ``module`` (module batching: rows of any paths, level by level), ``inline`` (the same with the
+   router's forward in the server's process, ``--no-router-process``), ``named`` (module batching,
    each request naming the path the router picks for its prompt, routed ahead: the module load without the
    server's routing) and ``pinned`` (module batching, every request naming ``--pin-path``, default 0: one
    model). Prompts are validation texts cut to
    between half of ``--prompt-tokens`` and all of it (so batches hold prompts of different lengths), greedy,
    ``--new-tokens`` each. Reports generated tokens/s, p50/p99 latency, rows per forward pass and, under
    module batching, rows per level module and the time per stage (embed, mask, layout, blocks, head),
-   all from the server's ``/metrics``. Targets (issue 61, on a 4x4 grid: ``--grid 4x4``): module >= 3x
+   and, routed, the prompts and time per router pass, all from the server's ``/metrics``; and the cores
+   busy (CPU seconds per second) in the server with its router process, and in the clients.
+   Targets (issue 61, on a 4x4 grid: ``--grid 4x4``): module >= 3x
    unbatched throughput and >= 0.8 of pinned (routed, and named), module p99 no worse than per-path batching.
 6. **Agreement** (``--agreement N``): in one process, N prompts decoded alone (batches of one) and in
    batches, through the server's own code: per path (``Pipeline.run_batch``, ``--max-batch`` rows of one
@@ -133,7 +136,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="concurrency: the batched server's --batch-wait-ms")
     p.add_argument("--decode-workers", type=int, default=1, help="concurrency: both servers' --decode-workers")
     p.add_argument("--pin-path", type=int, help="concurrency: the path the pinned mode's requests name (default 0)")
-    p.add_argument("--modes", default="unbatched,path,module,named,pinned",
+    p.add_argument("--modes", default="unbatched,path,module,inline,named,pinned",
                    help=f"concurrency: the servers to compare, of {', '.join(SERVER_MODES)}")
     p.add_argument("--grid", default="2x2", help="the grid of the run built when --run has none (e.g. 4x4: 16 paths)")
     p.add_argument("--agreement", type=int, help="part 6: this many prompts, batched against alone")
@@ -686,6 +689,7 @@ SERVER_MODES = {
     "unbatched": (("--max-batch", "1", "--batching", "path"), "routed"),
     "path": (("--batching", "path"), "routed"),  # per-path batching: rows of one path per forward pass
     "module": (("--batching", "module"), "routed"),  # module batching: rows of any paths, level by level
+    "inline": (("--batching", "module", "--no-router-process"), "routed"),  # the same, the router in the server's process
     "named": (("--batching", "module"), "named"),  # module batching, the router's paths named by the clients
     "pinned": (("--batching", "module"), "pinned"),  # module batching, every request naming one path
 }
@@ -720,19 +724,44 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
         flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
         if "--max-batch" not in flags:
             flags = (*flags, "--max-batch", str(max_batch))
-        with dipaco_serve(run, experiment, threads, cache_size=cache_size, extra_args=flags) as (port, _):
+        with dipaco_serve(run, experiment, threads, cache_size=cache_size, extra_args=flags) as (port, server):
             closed_loop(port, bodies, clients, warmup_s)
-            before = scrape(port)
+            before, cpu_before, start = scrape(port), cpu_seconds(server.pid), time.monotonic()
             row = closed_loop(port, bodies, clients, seconds)
-            after = scrape(port)
+            after, cpu_after, wall = scrape(port), cpu_seconds(server.pid), time.monotonic() - start
         row.update(forward_passes(before, after))
+        # Cores busy over the load: the server with its router process, and these clients (this process).
+        row["cores"] = {who: (cpu_after[who] - cpu_before[who]) / wall for who in cpu_after}
         row.update(cache_size=cache_size, server_flags=" ".join(flags), paths=paths)
         out[name] = row
         module = f", {row['rows_per_module']:.1f} rows per module" if row.get("rows_per_module") else ""
         print(f"[bench] {name} ({row['server_flags']}), {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
-              f"{latency_text(row)}, {row['mean_batch_size'] or 0:.1f} rows per pass{module}", flush=True)
+              f"{latency_text(row)}, {row['mean_batch_size'] or 0:.1f} rows per pass{module}; cores busy: server "
+              f"{row['cores']['server']:.2f}, clients {row['cores']['clients']:.2f}", flush=True)
     out.update(concurrency_targets(out))
     return out
+
+
+def cpu_seconds(server_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by the server process and its children (the router's process), read from
+    /proc (Linux), and by this process (the clients)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used(stat: str) -> tuple[int, float]:  # (parent pid, seconds): fields after the ")" that ends the name
+        fields = stat[stat.rindex(")") + 2:].split()
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+
+    server = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent, seconds = used(f.read())
+            except OSError:  # gone meanwhile
+                continue
+            if int(entry) == server_pid or parent == server_pid:
+                server += seconds
+    return {"server": server, "clients": time.process_time()}
 
 
 def forward_passes(before: list, after: list) -> Json:
@@ -744,10 +773,12 @@ def forward_passes(before: list, after: list) -> Json:
     passes, rows = delta("dipaco_batch_size_count"), delta("dipaco_batch_size_sum")
     out: Json = {"batches": int(passes), "mean_batch_size": rows / passes if passes else None}
     routed = delta("dipaco_routed_requests_total")
-    if routed:  # requests the server routed: how long a router pass took, and a route from asking (waits included)
+    if routed:  # requests the server routed: prompts and time per router pass, and a route from asking (waits included)
         was = metric_by_label(before, "dipaco_router_seconds_total", "stage")
         now = metric_by_label(after, "dipaco_router_seconds_total", "stage")
-        out["router"] = {"pass_ms": 1000 * (now["pass"] - was.get("pass", 0.0)) / routed,
+        router_passes = delta("dipaco_router_passes_total")
+        out["router"] = {"prompts_per_pass": routed / router_passes,
+                         "pass_ms": 1000 * (now["pass"] - was.get("pass", 0.0)) / router_passes,
                          "request_ms": 1000 * (now["request"] - was.get("request", 0.0)) / routed}
     calls = delta("dipaco_module_calls_total")
     if calls:
@@ -772,6 +803,7 @@ def concurrency_targets(out: Json) -> Json:
               "module_vs_unbatched": ratio("module", "unbatched", "tokens_per_s"),
               "module_vs_path": ratio("module", "path", "tokens_per_s"),
               "module_vs_pinned": ratio("module", "pinned", "tokens_per_s"),
+              "module_vs_inline": ratio("module", "inline", "tokens_per_s"),
               "named_vs_pinned": ratio("named", "pinned", "tokens_per_s"),
               "module_p99_vs_path": ratio("module", "path", "p99_ms")}
     checks = {"module_ge_3x_unbatched": ("module_vs_unbatched", lambda r: r >= 3.0),

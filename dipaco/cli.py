@@ -128,7 +128,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     serve(args.run, ServeOptions(host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
                                  cache_size=args.cache_size, device=args.device, precision=args.precision,
                                  token=resolve_token(args.token), allow_unauthenticated=args.allow_unauthenticated,
-                                 header_timeout_s=args.header_timeout_s, max_connections=args.max_connections, app=app))
+                                 header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
+                                 router_process=args.router_process, router_batch=args.router_batch, app=app))
 
 
 def _spec_of_old_run(args: argparse.Namespace) -> None:
@@ -254,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batching", choices=("module", "path"), default="module",
                    help="module (default): requests of any paths decode together, each level's modules running once "
                         "per step on the rows through them; path: only requests of one path together")
+    p.add_argument("--router-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="an LM-prefix router runs its forward pass in a process of its own (default), beside "
+                        "decoding instead of taking turns with it for Python's interpreter lock; "
+                        "--no-router-process: in the server's process")
+    p.add_argument("--router-batch", type=int, default=16,
+                   help="prompts one router pass scores at most (those waiting when the router frees up; "
+                        "prompts of one length share a forward)")
     p.add_argument("--max-batch", type=int, default=16,
                    help="requests decoded together at most (1: no batching)")
     p.add_argument("--max-prompts", type=int, default=16,

@@ -341,6 +341,8 @@ class ServeOptions:
     allow_unauthenticated: bool = False
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_connections: int | None = None
+    router_process: bool = True  # an LM-prefix router's forward in a process of its own (dipaco.serve.router_passes)
+    router_batch: int = 16  # prompts one router pass scores at most
     app: AppOptions = field(default_factory=AppOptions)
 
 
@@ -753,15 +755,18 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
 
     check_exposure(host, token, o.allow_unauthenticated)  # before binding or loading anything
     sock = listening_socket(host, port)  # before loading: a port in use fails at once
+    pipeline: Pipeline | None = None
     try:
         pipeline = Pipeline.from_run(run_dir, experiment=o.experiment, checkpoint=o.checkpoint, device=o.device,
-                                     precision=o.precision, cache_size=cache_size)
+                                     precision=o.precision, cache_size=cache_size, route_in_child=o.router_process,
+                                     router_batch=o.router_batch)
         app = create_app(pipeline, o.app, token=token)
         config, guard = server_config(app, host, port, log_level, header_timeout_s, o.max_connections)
         guard.guard_listener(sock)
         info = pipeline.describe()
         caps = app.state.caps
-        echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}; "
+        echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}"
+             f"{' (own process)' if pipeline.router_process is not None else ''}; "
              f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
              f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; {o.app.batching} "
              f"batching, up to {max_batch} rows{' per path' if o.app.batching == 'path' else ''} within "
@@ -776,6 +781,8 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if pipeline is not None:
+            pipeline.close()
     if not server.started:
         raise DipacoError(f"the server could not start on {host}:{port}")
 

@@ -95,13 +95,15 @@ class ServeMetrics:
 
         class Routing:
             def collect(self):
-                routed = CounterMetricFamily("dipaco_routed_requests", "Requests the server routed (one router pass each)")
+                routed = CounterMetricFamily("dipaco_routed_requests", "Requests the server routed")
                 routed.add_metric([], stats.requests)
+                passes = CounterMetricFamily("dipaco_router_passes", "Router passes (each scores the prompts waiting)")
+                passes.add_metric([], stats.passes)
                 seconds = CounterMetricFamily("dipaco_router_seconds", "Time in router passes (pass), and summed over "
                                               "requests from asking for a route to its answer (request)", labels=["stage"])
                 seconds.add_metric(["pass"], stats.pass_seconds)
                 seconds.add_metric(["request"], stats.request_seconds)
-                return [routed, seconds]
+                return [routed, passes, seconds]
 
         self.registry.register(Routing())
 

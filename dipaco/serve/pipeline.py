@@ -27,9 +27,9 @@ copies (a caller beyond them waits for a free one: tokenizing a prompt takes wel
 so no lock is held while text is tokenized. The bound is a memory bound: each copy keeps its own BPE
 word cache (the ``tokenizers`` library's, up to 10,000 words) for the server's life, a few MB a copy,
 and a pool that grew to every concurrent caller grew the server by that much per caller (issue 62,
-docs/notes/2026-11-27-serving-memory.md); the router's featurizer
-model is shared behind its own lock (it reads only the routing prefix; a request routed alone gets the same
-scores whatever else is routed, which a batch of prompts of other lengths would not give bit for bit).
+docs/notes/2026-11-27-serving-memory.md). The router runs on a thread of its own, each pass scoring every
+prompt waiting, in this process or a child (:mod:`dipaco.serve.router_passes`); a prompt gets the same scores
+whatever else is routed with it.
 Sampling draws from a private ``torch.Generator`` per request, so a seeded request returns the
 same text whatever else runs concurrently.
 """
@@ -74,7 +74,14 @@ from dipaco.serve.decode import (  # noqa: F401  (SeededSampler, SafeTemperature
     sampling_processors,
 )
 from dipaco.serve.module_batch import ModuleBatchedDecoder
-from routing.featurize import pool_prefix_states
+from dipaco.serve.router_passes import (
+    RouterBatcher,
+    RouterProcess,
+    RouterStats,
+    lm_prefix_features,
+    lm_prefix_scores,
+    router_source,
+)
 
 DEFAULT_CACHE_SIZE = 4
 # Tokenizer copies a Pipeline keeps: each holds a BPE word cache of up to 10,000 words for its life, so the pool,
@@ -143,20 +150,6 @@ def load_experiment(run_dir: str | Path, experiment: str | None = None, checkpoi
 
 
 # --- the router ------------------------------------------------------------------------------------
-@dataclass
-class RouterStats:
-    """The router's passes (one per routed request) and their time, alone and from asking (waiting included)."""
-
-    requests: int = 0
-    pass_seconds: float = 0.0
-    request_seconds: float = 0.0
-
-    def add(self, pass_seconds: float, request_seconds: float) -> None:
-        self.requests += 1
-        self.pass_seconds += pass_seconds
-        self.request_seconds += request_seconds
-
-
 def experiment_router(loaded: LoadedExperiment):
     """The experiment's router, or None when it was not trained on routed shards."""
     from dipaco.route.artifact import load_router
@@ -292,14 +285,16 @@ class PlannedGeneration:
 
 class Pipeline:
     def __init__(self, loaded: LoadedExperiment, router=None, featurizer_model=None,
-                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto") -> None:
+                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto",
+                 router_process: RouterProcess | None = None, router_batch: int = 16) -> None:
         self.loaded = loaded
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.topology = loaded.topology
         self.bank = loaded.bank
         self.router = router
-        self.featurizer_model = featurizer_model
+        self.featurizer_model = featurizer_model  # the LM-prefix router's model, when it runs in this process
+        self.router_process = router_process  # or the process it runs in (dipaco.serve.router_passes)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device, "--precision")
         template = build_model(loaded.llama_config(use_cache=True), seed=0, device=self.device).eval()
@@ -311,23 +306,39 @@ class Pipeline:
         self.max_token_chars = max_token_chars(self.tokenizer)
         # Token ids a prompt may hold: those of both the tokenizer and the model's embedding.
         self.vocab_size = min(len(self.tokenizer), int(loaded.llama_config().vocab_size))
-        self._router_lock = threading.Lock()
-        self.router_stats = RouterStats()
+        self.router_batcher = None if router is None else RouterBatcher(self._score_many, max_rows=router_batch)
+        self.router_stats = RouterStats() if self.router_batcher is None else self.router_batcher.stats
         self._module_decoder: ModuleBatchedDecoder | None = None
         self._module_decoder_lock = threading.Lock()
         self._module_batch_lock = threading.Lock()  # one module batch at a time: its caches are its own, its timers shared
 
     @classmethod
     def from_run(cls, run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
-                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto") -> Pipeline:
-        """Loads everything up front, so a missing or bad run fails here with a DipacoError."""
+                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto",
+                 route_in_child: bool = False, router_batch: int = 16) -> Pipeline:
+        """Loads everything up front, so a missing or bad run fails here with a DipacoError.
+        ``route_in_child``: an LM-prefix router runs its forward in a child process of its own
+        (:class:`dipaco.serve.router_passes.RouterProcess`; ignored for other routers, which run no model);
+        ``router_batch``: prompts in one router pass at most (:class:`dipaco.serve.router_passes.RouterBatcher`)."""
         loaded = load_experiment(run_dir, experiment, checkpoint, device)
         router = experiment_router(loaded)
-        featurizer_model = None
+        featurizer_model = process = None
         if router is not None and router.featurizer.get("kind") == "lm_prefix":
-            featurizer_model = load_pretrained(loaded.run.pretrain, loaded.llama_config(use_cache=False))
-            featurizer_model = featurizer_model.to(resolve_device(device)).eval()
-        return cls(loaded, router, featurizer_model, device=device, cache_size=cache_size, precision=precision)
+            want = loaded.llama_config(use_cache=False)
+            if route_in_child:
+                process = RouterProcess(router_source(loaded.run.root, loaded.topology.num_paths, want,
+                                                      resolve_device(device), precision))
+            else:
+                featurizer_model = load_pretrained(loaded.run.pretrain, want).to(resolve_device(device)).eval()
+        return cls(loaded, router, featurizer_model, device=device, cache_size=cache_size, precision=precision,
+                   router_process=process, router_batch=router_batch)
+
+    def close(self) -> None:
+        """Stops the router's thread and process (nothing else here holds an outside resource)."""
+        if self.router_batcher is not None:
+            self.router_batcher.close()
+        if self.router_process is not None:
+            self.router_process.close()
 
     # --- facts ---------------------------------------------------------------------------------
     @property
@@ -476,44 +487,29 @@ class Pipeline:
             )
         if not ids:
             raise DipacoError("cannot route an empty text: it has no tokens")
-        asked = time.perf_counter()
-        with self._router_lock:
-            start = time.perf_counter()
-            scores = self._route_scores(ids)
-            self.router_stats.add(time.perf_counter() - start, time.perf_counter() - asked)
+        assert self.router_batcher is not None
+        scores = self.router_batcher.scores(ids)
         # Router contract: assign() is the argmax of scores() (nearest centroid, per-level nearest for
         # product k-means, best logit for the linear router); one pass instead of two.
         path = int(torch.argmax(scores))
         return path, scores.tolist()
 
-    def _route_scores(self, ids: list[int]) -> torch.Tensor:
-        """The router's score of every path for a prompt's token ids."""
+    def _score_many(self, batch: list[list[int]]) -> list[torch.Tensor]:
+        """One router pass (:class:`RouterBatcher`): every prompt's score of every path."""
+        if self.router_process is not None:
+            return self.router_process.score_many(batch)
         if self.router.featurizer.get("kind") == "lm_prefix":
-            features = self._lm_prefix_features(ids)
-        else:  # like `dipaco route`, the featurizer reads only the routing context: the first prefix_tokens tokens
-            features = self.router.featurize([self.decode(ids[: self.spec.prefix_tokens or len(ids)])]).float()
-        return self.router.scores(features)[0]
+            return lm_prefix_scores(self.router, self.featurizer_model, batch, self.precision)
+        # Like `dipaco route`, a text featurizer reads only the routing context: the first prefix_tokens tokens.
+        # One prompt at a time: a corpus featurizer (TF-IDF, hashing) need not give a row the same bits in a batch.
+        return [self.router.scores(self.router.featurize([self.decode(ids[: self.spec.prefix_tokens or len(ids)])])
+                                   .float())[0] for ids in batch]
 
-    @torch.inference_mode()
     def _lm_prefix_features(self, ids: list[int]) -> torch.Tensor:
-        """The router's LM-prefix feature of one token sequence: the mean of the hidden states it names
-        over its first ``prefix_tokens`` tokens, pooled by ``routing.featurize.pool_prefix_states`` as
-        ``lm_prefix_features`` does for a batch (which also moves the model and flips train/eval on
-        every call: too slow per request)."""
-        spec = self.router.featurizer
-        k = int(spec.get("prefix_tokens", 32))
-        layers = [int(layer) for layer in spec.get("layers", [-1])]
-        x = torch.tensor([ids[:k]], dtype=torch.long, device=self.device)
-        mask = torch.ones_like(x)
-        with self.precision.autocast():
-            if layers == [-1]:
-                # The base model's last_hidden_state (after the final norm) is the causal LM's hidden_states[-1];
-                # skipping the LM head and the per-layer states saves ~10%.
-                states = (self.featurizer_model.base_model(input_ids=x, attention_mask=mask).last_hidden_state,)
-            else:
-                states = self.featurizer_model(input_ids=x, attention_mask=mask, output_hidden_states=True,
-                                               logits_to_keep=1).hidden_states
-        return pool_prefix_states(states, mask, layers, int(spec.get("skip_tokens", 0))).cpu()
+        """(1, D): the router's LM-prefix feature of one token sequence (computed in this process)."""
+        k = int(self.router.featurizer.get("prefix_tokens", 32))
+        prefix = torch.tensor([ids[:k]], dtype=torch.long)
+        return lm_prefix_features(self.featurizer_model, self.router.featurizer, prefix, self.precision)
 
     # --- generation ----------------------------------------------------------------------------
     def plan(self, prompt: str, path: int | None = None, ids: list[int] | None = None,

@@ -109,6 +109,6 @@ def test_the_command_line_runs_parts_1_to_3_into_one_report(served_run, tmp_path
 
 
 def test_a_bad_mode_fails_before_any_run_is_built(tmp_path):
-    with pytest.raises(SystemExit, match="--modes: fast: choose from unbatched, path, module, named, pinned"):
+    with pytest.raises(SystemExit, match="--modes: fast: choose from unbatched, path, module, inline, named, pinned"):
         bench.main(["--run", str(tmp_path / "none"), "--concurrency", "2", "--modes", "module,fast"])
     assert not (tmp_path / "none").exists()

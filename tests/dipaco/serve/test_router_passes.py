@@ -1,0 +1,121 @@
+"""The router's passes: prompts waiting at once share a pass without changing anyone's scores, in this
+process or the router's own."""
+
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from dipaco.errors import DipacoError
+from dipaco.serve.pipeline import Pipeline
+from dipaco.serve.router_passes import RouterBatcher, lm_prefix_scores
+
+PROMPTS = [
+    "The government said on Tuesday that the economy had grown faster than expected in the last quarter",
+    "The striker scored twice in the second half as the champions came from behind to win the cup final",
+    "Shares in the bank rose after the results showed profits up by a fifth on the year before",
+    "In the beginning of the war the army moved north across the river towards the city",
+    "A short one",
+    "Another short",
+]
+
+
+@pytest.fixture(scope="module")
+def pipe(served_run) -> Pipeline:
+    return Pipeline.from_run(served_run.run.dir, cache_size=4)
+
+
+@pytest.fixture(scope="module")
+def pipe_with_process(served_run):
+    pipe = Pipeline.from_run(served_run.run.dir, cache_size=4, route_in_child=True)
+    yield pipe
+    pipe.close()
+
+
+def test_prompts_scored_together_get_their_scores_alone_bit_for_bit(pipe):
+    batch = [pipe.encode(text) for text in PROMPTS]
+    assert len({min(len(ids), 32) for ids in batch}) > 1  # lengths that share a forward and lengths that do not
+    alone = [lm_prefix_scores(pipe.router, pipe.featurizer_model, [ids], pipe.precision)[0] for ids in batch]
+    for size in (2, 3, len(batch)):
+        together = lm_prefix_scores(pipe.router, pipe.featurizer_model, batch[:size], pipe.precision)
+        for a, b in zip(alone, together):
+            assert torch.equal(a, b)
+
+
+def test_the_router_process_scores_as_this_process_does(pipe, pipe_with_process):
+    assert pipe_with_process.featurizer_model is None  # the model lives in the child only
+    for text in PROMPTS:
+        assert pipe_with_process.route(text) == pipe.route(text)
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(pipe_with_process.route, PROMPTS * 3))
+    assert together == [pipe.route(text) for text in PROMPTS * 3]
+    stats = pipe_with_process.router_stats
+    assert stats.requests >= 24 and 1 <= stats.passes <= stats.requests
+
+
+def test_a_killed_router_process_is_started_again(pipe, pipe_with_process):
+    child = pipe_with_process.router_process
+    assert child is not None
+    before = list(child._pool._processes)
+    os.kill(before[0], signal.SIGKILL)
+    assert pipe_with_process.route(PROMPTS[0]) == pipe.route(PROMPTS[0])
+    assert list(child._pool._processes) != before
+
+
+def test_a_run_the_router_process_cannot_load_fails_at_start(served_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(served_run.run.dir, run)
+    shutil.rmtree(run / "pretrain")
+    with pytest.raises(DipacoError, match="no pretrained model"):
+        Pipeline.from_run(run, route_in_child=True)
+
+
+def test_waiting_prompts_share_a_pass_and_each_gets_its_own_answer():
+    release = threading.Event()
+    passes: list[list[list[int]]] = []
+
+    def score_many(batch: list[list[int]]) -> list[torch.Tensor]:
+        release.wait(10)
+        passes.append(batch)
+        return [torch.tensor([float(sum(ids))]) for ids in batch]
+
+    batcher = RouterBatcher(score_many, max_rows=4)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            answers = [pool.submit(batcher.scores, [i, i]) for i in range(6)]
+            while batcher._waiting.qsize() < 5:  # the first is in its pass; the rest wait for the next
+                threading.Event().wait(0.01)
+            release.set()
+            assert [a.result(10).item() for a in answers] == [2.0 * i for i in range(6)]
+    finally:
+        batcher.close()
+    assert [len(b) for b in passes] == [1, 4, 1]  # every waiting prompt, up to max_rows, per pass
+    assert batcher.stats.passes == 3 and batcher.stats.requests == 6
+
+
+def test_a_failed_pass_reaches_its_callers_and_the_router_goes_on():
+    calls = []
+
+    def score_many(batch: list[list[int]]) -> list[torch.Tensor]:
+        calls.append(batch)
+        if len(calls) == 1:
+            raise RuntimeError("the router's forward failed")
+        return [torch.zeros(2) for _ in batch]
+
+    batcher = RouterBatcher(score_many)
+    try:
+        with pytest.raises(RuntimeError, match="forward failed"):
+            batcher.scores([1])
+        assert torch.equal(batcher.scores([1]), torch.zeros(2))
+    finally:
+        batcher.close()
+
+
+def test_a_router_batch_below_one_is_a_clear_error():
+    with pytest.raises(DipacoError, match="--router-batch must be >= 1"):
+        RouterBatcher(lambda batch: [], max_rows=0)
