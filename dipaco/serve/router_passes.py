@@ -22,6 +22,8 @@ same precision and number of torch threads, so its scores are the in-process one
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
+import os
 import queue
 import signal
 import threading
@@ -174,6 +176,11 @@ _failure: BaseException | None = None
 def _start(source: RouterSource) -> None:
     global _loaded, _failure
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which closes this process
+    # A server killed outright cannot close it, and the pool's queue keeps a writer open here, so its end never
+    # comes as end-of-file: leave when the parent's sentinel says it is gone.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="dipaco-router-parent", daemon=True).start()
     torch.set_num_threads(source.threads)
     try:
         from dipaco.route.artifact import load_router
@@ -184,6 +191,11 @@ def _start(source: RouterSource) -> None:
         _loaded = (router, model, resolve_precision(source.precision, device, "--precision"))
     except BaseException as exc:  # noqa: BLE001  (raised again by the first pass: a failed initializer
         _failure = exc  # would only break the pool, and its message would be lost)
+
+
+def _exit_with(parent_sentinel: int) -> None:
+    multiprocessing.connection.wait([parent_sentinel])
+    os._exit(0)
 
 
 def _score_many(batch: list[list[int]]) -> list[list[float]]:

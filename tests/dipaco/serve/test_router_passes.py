@@ -119,3 +119,41 @@ def test_a_failed_pass_reaches_its_callers_and_the_router_goes_on():
 def test_a_router_batch_below_one_is_a_clear_error():
     with pytest.raises(DipacoError, match="--router-batch must be >= 1"):
         RouterBatcher(lambda batch: [], max_rows=0)
+
+
+def test_a_router_process_outlives_no_killed_server(served_run):
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from dipaco.serve.pipeline import Pipeline\n"
+        "if __name__ == '__main__':\n"
+        "    pipe = Pipeline.from_run(sys.argv[1], route_in_child=True)\n"
+        "    print(*pipe.router_process._pool._processes, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", script, str(served_run.run.dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(server.stdout.readline())
+        os.kill(child, 0)  # alive
+    finally:
+        server.kill()
+        server.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if not running(child):
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the router process was still running 30 s after its server was killed")
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, and not a zombie waiting for a parent that does not reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
