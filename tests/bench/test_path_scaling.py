@@ -228,17 +228,53 @@ def test_families_option_runs_a_subset_and_names_what_it_refuses(capsys):
     assert "--families: ['moe'] not among the gpu preset's dipaco, diloco" in capsys.readouterr().err
 
 
-def test_report_of_a_sweep_in_progress_derives_the_arithmetic_from_its_config(tmp_path, capsys):
-    # A running sweep's results.json holds only its base config and rows; --report printed 1,703,936 tokens per
-    # non-embedding parameter (the path's parameters read as 1) before it derived them from the config.
+def report(tmp_path, capsys, rows: list[dict]) -> list[str]:
+    """What --report prints for a results.json of the cpu preset holding ``rows`` (its base config and rows only, as
+    a sweep still running has written it)."""
     import json
 
     from omegaconf import OmegaConf
 
     cfg = load_config(REPO / "configs/bench/quality.yaml", [*bench.PRESETS["cpu"].overrides, f"run.dir={tmp_path}/b"])
-    rows = [{**_row("dense_1x", 8.5, paths=1), "steps_per_path": 32 * 26}]
     (tmp_path / "results.json").write_text(json.dumps({"base_config": OmegaConf.to_container(OmegaConf.structured(cfg)),
                                                         "pretrained_ppl": 20.0, "rows": rows}))
     bench.main(["--report", "--out-dir", str(tmp_path)])
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| dense_1x |"))
+    return capsys.readouterr().out.splitlines()
+
+
+def test_report_of_a_sweep_in_progress_derives_the_arithmetic_from_its_config(tmp_path, capsys):
+    # A running sweep's results.json holds only its base config and rows; --report printed 1,703,936 tokens per
+    # non-embedding parameter (the path's parameters read as 1) before it derived them from the config.
+    out = report(tmp_path, capsys, [{**_row("dense_1x", 8.5, paths=1), "steps_per_path": 32 * 26}])
+    line = next(x for x in out if x.startswith("| dense_1x |"))
     assert "| 82.6 |" in line
+
+
+def test_report_reads_the_rows_of_the_script_before_the_benchmark(tmp_path, capsys):
+    # docs/bench_scaling.json (issue 36) holds dipaco_16_top2: --report raised ValueError on its name.
+    rows = [_row("dipaco_16_top2", 7.0, 16), _row("dipaco_16@run.seed=1", 8.0, 16)]
+    assert bench.fresh_seed_rows(rows) == {("dipaco", 16): {1: 8.0}}  # a row beside the sweep: not in the curve
+    out = report(tmp_path, capsys, rows)
+    assert any(x.startswith("| dipaco_16_top2 | 16 |") for x in out)
+    assert "| DiPaCo grid, path-specific embedding + head | - | - | 8.000 |" in out
+
+
+def test_a_diverged_grid_point_is_never_the_best_setting():
+    # A NaN perplexity (null once results.json holds it: strict JSON) was chosen when it came first, and None raised
+    # TypeError in a resumed sweep.
+    sweep = plan(paths="4")
+    for diverged in (math.nan, None):
+        done = finish(sweep.rows({}), {"dipaco_4": diverged, "dipaco_4@outer.lr=0.7": 9.0})
+        assert sweep.best_setting("dipaco", 4, done) == ("outer.lr=0.7",)
+        assert "dipaco_4@outer.lr=0.7@run.seed=1" in [r.name for r in sweep.rows(done)]
+        assert "| dipaco | 4 | outer.lr=0.7 | **9.000** |" in bench.grid_table(list(done.values()))
+
+
+def test_the_tables_and_targets_show_a_diverged_row(tmp_path, capsys):
+    # A diverged fresh seed made statistics.stdev raise (NaN) and the tables raise TypeError (null, read back).
+    rows = [_row("dipaco_16@run.seed=1", 8.0, 16), _row("dipaco_16@run.seed=2", math.nan, 16),
+            _row("diloco_16@run.seed=1", 8.5, 16), _row("diloco_16@run.seed=2", None, 16)]
+    assert "| DiPaCo grid, path-specific embedding + head | nan |" in bench.scaling_table(rows, [16])
+    assert bench.targets(rows)[0] == "- DiPaCo-16 <= 0.95 x DiLoCo-16 (fresh-seed means): MISSED (nan vs nan: ratio nan)"
+    out = report(tmp_path, capsys, [{**r, "ppl": None if r["ppl"] is None or math.isnan(r["ppl"]) else r["ppl"]} for r in rows])
+    assert any(x.startswith("| diloco_16@run.seed=2 |") and x.endswith("| - | - |") for x in out)
