@@ -22,7 +22,9 @@
 
 5. **Concurrency** (``--concurrency N``): ``N`` closed-loop clients (each sends its next request when
    its answer arrives, on a kept-alive connection) for ``--seconds`` against one `dipaco serve` per mode of
-   ``--modes``, in turn, each warmed up first: ``unbatched`` (``--max-batch 1``), ``path`` (per-path
+   ``--modes``, all up at once, each warmed up first, then loaded in turn for ``--rounds`` rounds of
+   ``--seconds / rounds`` (the order turned each round: a drift of the machine's speed falls on every mode):
+   ``unbatched`` (``--max-batch 1``), ``path`` (per-path
    batching), ``module`` (module batching: rows of any paths, level by level), ``inline`` (the same with the
    router's forward in the server's process, ``--no-router-process``), ``named`` (module batching,
    each request naming the path the router picks for its prompt, routed ahead: the module load without the
@@ -32,7 +34,7 @@
    ``--new-tokens`` each. Reports generated tokens/s, p50/p99 latency, rows per forward pass and, under
    module batching, rows per level module and the time per stage (embed, mask, layout, blocks, head),
    and, routed, the prompts and time per router pass, all from the server's ``/metrics``; and the cores
-   busy (CPU seconds per second) in the server with its router process, and in the clients.
+   busy (CPU seconds per second) in each server with its router process, and in the clients.
    Targets (issue 61, on a 4x4 grid: ``--grid 4x4``): module >= 3x
    unbatched throughput and >= 0.8 of pinned (routed, and named), module p99 no worse than per-path batching.
 6. **Agreement** (``--agreement N``): in one process, N prompts decoded alone (batches of one) and in
@@ -143,7 +145,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hold-idle", type=int, help="part 7: hold this many idle / slow-header connections open")
     p.add_argument("--nofile", type=int, default=256, help="hold-idle: the server's ulimit -n")
     p.add_argument("--apis", type=int, help="part 8: this many closed-loop clients through generate and completions")
-    p.add_argument("--rounds", type=int, default=3, help="apis: rounds of the three interleaved")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="concurrency and apis: rounds, the servers (or APIs) loaded in turn --seconds / rounds each")
     p.add_argument("--soak", type=int, help="part 9: this many closed-loop clients for --seconds, RSS and descriptors sampled")
     p.add_argument("--window", type=float, default=60.0, help="soak: p50/p99 per window of this many seconds")
     p.add_argument("--settle", type=float, default=300.0, help="soak: RSS growth and slope measured after this many seconds")
@@ -708,36 +711,56 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
                       warmup_s: float, new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float,
                       decode_workers: int = 1, path: int | None = None,
                       modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned"), cache_size: int = 4,
-                      routed_paths: list[int] | None = None) -> Json:
-    """Part 5: the same closed-loop load on one `dipaco serve` per mode (:data:`SERVER_MODES`), in turn.
-    ``path``: the path of the pinned mode (default 0); ``cache_size``: the servers' composed paths (at least the
-    run's paths, or the per-path modes would compose a path per request); ``routed_paths``: each prompt's path
-    as the router picks it, which the ``named`` mode's requests name."""
-    out: Json = {"clients": clients, "seconds": seconds, "new_tokens": new_tokens, "prompts": len(prompts),
-                 "pinned_path": path or 0}
+                      routed_paths: list[int] | None = None, rounds: int = 1) -> Json:
+    """Part 5: the same closed-loop load on one `dipaco serve` per mode (:data:`SERVER_MODES`), every server up at
+    once and loaded in turn, ``seconds / rounds`` at a time for ``rounds`` rounds (each round in another order), so
+    that a drift of this shared machine's speed falls on every mode alike. ``path``: the path of the pinned mode
+    (default 0); ``cache_size``: the servers' composed paths (at least the run's paths, or the per-path modes would
+    compose a path per request); ``routed_paths``: each prompt's path as the router picks it, which the ``named``
+    mode's requests name."""
+    if rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {rounds}")
+    out: Json = {"clients": clients, "seconds": seconds, "rounds": rounds, "new_tokens": new_tokens,
+                 "prompts": len(prompts), "pinned_path": path or 0}
+    loads: dict[str, tuple[tuple[str, ...], str, list[bytes]]] = {}
     for name in modes:
         flags, paths = SERVER_MODES[name]
         if paths == "named" and routed_paths is None:
             raise ValueError("the named mode needs routed_paths: each prompt's path, as the router picks it")
         named = {"routed": None, "named": routed_paths, "pinned": [path or 0] * len(prompts)}[paths]
-        bodies = encode_bodies(prompts, named, max_new_tokens=new_tokens)
         flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
         if "--max-batch" not in flags:
             flags = (*flags, "--max-batch", str(max_batch))
-        with dipaco_serve(run, experiment, threads, cache_size=cache_size, extra_args=flags) as (port, server):
-            closed_loop(port, bodies, clients, warmup_s)
-            before, cpu_before, start = scrape(port), cpu_seconds(server.pid), time.monotonic()
-            row = closed_loop(port, bodies, clients, seconds)
-            after, cpu_after, wall = scrape(port), cpu_seconds(server.pid), time.monotonic() - start
-        row.update(forward_passes(before, after))
-        # Cores busy over the load: the server with its router process, and these clients (this process).
-        row["cores"] = {who: (cpu_after[who] - cpu_before[who]) / wall for who in cpu_after}
-        row.update(cache_size=cache_size, server_flags=" ".join(flags), paths=paths)
+        loads[name] = flags, paths, encode_bodies(prompts, named, max_new_tokens=new_tokens)
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(dipaco_serve(run, experiment, threads, cache_size=cache_size,
+                                                          extra_args=flags)) for name, (flags, _, _) in loads.items()}
+        for name, (port, _) in servers.items():
+            closed_loop(port, loads[name][2], clients, warmup_s)
+        # An idle server neither decodes nor routes, so one scrape before its first round and one after its last
+        # count its loaded seconds only.
+        before = {name: (scrape(port), cpu_seconds(server.pid)) for name, (port, server) in servers.items()}
+        parts: dict[str, list[Json]] = {name: [] for name in servers}
+        names = list(servers)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                port = servers[name][0]
+                parts[name].append(closed_loop(port, loads[name][2], clients, seconds / rounds, keep_latencies=True))
+        after = {name: (scrape(port), cpu_seconds(server.pid)) for name, (port, server) in servers.items()}
+    for name, (flags, paths, _) in loads.items():
+        wall = sum(part["wall_s"] for part in parts[name])
+        row = combined(parts[name])
+        row.update(forward_passes(before[name][0], after[name][0]))
+        # Cores busy over its load: the server with its router process (CPU seconds per second).
+        row["server_cores"] = (after[name][1]["server"] - before[name][1]["server"]) / wall
+        row.update(wall_s=wall, cache_size=cache_size, server_flags=" ".join(flags), paths=paths)
         out[name] = row
         module = f", {row['rows_per_module']:.1f} rows per module" if row.get("rows_per_module") else ""
         print(f"[bench] {name} ({row['server_flags']}), {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
-              f"{latency_text(row)}, {row['mean_batch_size'] or 0:.1f} rows per pass{module}; cores busy: server "
-              f"{row['cores']['server']:.2f}, clients {row['cores']['clients']:.2f}", flush=True)
+              f"{latency_text(row)}, {row['mean_batch_size'] or 0:.1f} rows per pass{module}; server cores busy "
+              f"{row['server_cores']:.2f}", flush=True)
+    first, last = before[names[0]][1], after[names[0]][1]
+    out["client_cores"] = (last["clients"] - first["clients"]) / sum(out[name]["wall_s"] for name in names)
     out.update(concurrency_targets(out))
     return out
 
@@ -1155,7 +1178,7 @@ def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts:
         report["concurrency"] = bench_concurrency(*served, load, args.concurrency, args.seconds, args.warmup_seconds,
                                                   args.new_tokens, args.threads, args.max_batch, args.batch_wait_ms,
                                                   args.decode_workers, args.pin_path, modes, max(4, pipe.num_paths),
-                                                  routed)
+                                                  routed, args.rounds)
     if args.apis:
         report["apis"] = bench_apis(*served, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
                                     args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,
