@@ -91,6 +91,7 @@ from dipaco.serve.connections import (
 )
 from dipaco.serve.metrics import ACCESS_LOGGER, CLIENT_GONE, AccessLog, ServeMetrics
 from dipaco.serve.pipeline import DEFAULT_CACHE_SIZE, TOKENIZER_COPIES, Pipeline, PlannedGeneration, Scored
+from dipaco.serve.router_passes import RouterOptions
 
 DEFAULT_NEW_TOKENS = 32  # when a request does not say (never above the cap nor past the model's positions)
 JSON_BYTES_PER_BYTE = 6  # the longest JSON spelling of one UTF-8 byte of a string: "\\u00XX" (or 12 for 4)
@@ -758,8 +759,8 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
     pipeline: Pipeline | None = None
     try:
         pipeline = Pipeline.from_run(run_dir, experiment=o.experiment, checkpoint=o.checkpoint, device=o.device,
-                                     precision=o.precision, cache_size=cache_size, route_in_child=o.router_process,
-                                     router_batch=o.router_batch)
+                                     precision=o.precision, cache_size=cache_size,
+                                     router=RouterOptions(in_child=o.router_process, batch=o.router_batch))
         app = create_app(pipeline, o.app, token=token)
         config, guard = server_config(app, host, port, log_level, header_timeout_s, o.max_connections)
         guard.guard_listener(sock)

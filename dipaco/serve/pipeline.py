@@ -76,8 +76,10 @@ from dipaco.serve.decode import (  # noqa: F401  (SeededSampler, SafeTemperature
 from dipaco.serve.module_batch import ModuleBatchedDecoder
 from dipaco.serve.router_passes import (
     RouterBatcher,
+    RouterOptions,
     RouterProcess,
     RouterStats,
+    Routing,
     lm_prefix_features,
     lm_prefix_scores,
     router_source,
@@ -284,17 +286,17 @@ class PlannedGeneration:
 
 
 class Pipeline:
-    def __init__(self, loaded: LoadedExperiment, router=None, featurizer_model=None,
-                 device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto",
-                 router_process: RouterProcess | None = None, router_batch: int = 16) -> None:
+    def __init__(self, loaded: LoadedExperiment, routing: Routing | None = None, device: str = "cpu",
+                 cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto") -> None:
         self.loaded = loaded
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.topology = loaded.topology
         self.bank = loaded.bank
-        self.router = router
-        self.featurizer_model = featurizer_model  # the LM-prefix router's model, when it runs in this process
-        self.router_process = router_process  # or the process it runs in (dipaco.serve.router_passes)
+        self.router: Any = None if routing is None else routing.router  # routing.router.Router
+        # the LM-prefix router's model, when it runs in this process, or the process it runs in
+        self.featurizer_model = None if routing is None else routing.model
+        self.router_process = None if routing is None else routing.process
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device, "--precision")
         template = build_model(loaded.llama_config(use_cache=True), seed=0, device=self.device).eval()
@@ -306,7 +308,7 @@ class Pipeline:
         self.max_token_chars = max_token_chars(self.tokenizer)
         # Token ids a prompt may hold: those of both the tokenizer and the model's embedding.
         self.vocab_size = min(len(self.tokenizer), int(loaded.llama_config().vocab_size))
-        self.router_batcher = None if router is None else RouterBatcher(self._score_many, max_rows=router_batch)
+        self.router_batcher = None if routing is None else RouterBatcher(self._score_many, max_rows=routing.batch)
         self.router_stats = RouterStats() if self.router_batcher is None else self.router_batcher.stats
         self._module_decoder: ModuleBatchedDecoder | None = None
         self._module_decoder_lock = threading.Lock()
@@ -315,23 +317,22 @@ class Pipeline:
     @classmethod
     def from_run(cls, run_dir: str | Path, experiment: str | None = None, checkpoint: str | Path | None = None,
                  device: str = "cpu", cache_size: int = DEFAULT_CACHE_SIZE, precision: str = "auto",
-                 route_in_child: bool = False, router_batch: int = 16) -> Pipeline:
-        """Loads everything up front, so a missing or bad run fails here with a DipacoError.
-        ``route_in_child``: an LM-prefix router runs its forward in a child process of its own
-        (:class:`dipaco.serve.router_passes.RouterProcess`; ignored for other routers, which run no model);
-        ``router_batch``: prompts in one router pass at most (:class:`dipaco.serve.router_passes.RouterBatcher`)."""
+                 router: RouterOptions | None = None) -> Pipeline:
+        """Loads everything up front, so a missing or bad run fails here with a DipacoError. ``router``: an
+        LM-prefix router's forward in a child process of its own or here, and its pass size
+        (:mod:`dipaco.serve.router_passes`; a router that runs no model ignores ``in_child``)."""
+        router = router or RouterOptions()
         loaded = load_experiment(run_dir, experiment, checkpoint, device)
-        router = experiment_router(loaded)
-        featurizer_model = process = None
-        if router is not None and router.featurizer.get("kind") == "lm_prefix":
+        found = experiment_router(loaded)
+        routing = None if found is None else Routing(found, batch=router.batch)
+        if routing is not None and found.featurizer.get("kind") == "lm_prefix":
             want = loaded.llama_config(use_cache=False)
-            if route_in_child:
-                process = RouterProcess(router_source(loaded.run.root, loaded.topology.num_paths, want,
-                                                      resolve_device(device), precision))
+            if router.in_child:
+                routing.process = RouterProcess(router_source(loaded.run.root, loaded.topology.num_paths, want,
+                                                              resolve_device(device), precision))
             else:
-                featurizer_model = load_pretrained(loaded.run.pretrain, want).to(resolve_device(device)).eval()
-        return cls(loaded, router, featurizer_model, device=device, cache_size=cache_size, precision=precision,
-                   router_process=process, router_batch=router_batch)
+                routing.model = load_pretrained(loaded.run.pretrain, want).to(resolve_device(device)).eval()
+        return cls(loaded, routing, device=device, cache_size=cache_size, precision=precision)
 
     def close(self) -> None:
         """Stops the router's thread and process (nothing else here holds an outside resource)."""

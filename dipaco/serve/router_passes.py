@@ -34,6 +34,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -87,6 +88,27 @@ def lm_prefix_scores(router, model: LlamaForCausalLM, batch: Sequence[Sequence[i
 
 
 # --- the passes ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RouterOptions:
+    """How a server runs an LM-prefix router: its forward in a child process (``in_child``), and the prompts one
+    pass scores at most (``batch``)."""
+
+    in_child: bool = False
+    batch: int = 16
+
+
+@dataclass
+class Routing:
+    """An experiment's router as the pipeline runs it: an LM-prefix router's model in this process (``model``) or
+    the process it runs in (``process``); neither for a router that runs no model."""
+
+    router: Any  # routing.router.Router
+    model: LlamaForCausalLM | None = None
+    process: RouterProcess | None = None
+    batch: int = 16
+
+
+
 @dataclass
 class RouterStats:
     """The router's passes, the prompts they scored, and their time: summed over passes, and summed over

@@ -11,7 +11,7 @@ import torch
 
 from dipaco.errors import DipacoError
 from dipaco.serve.pipeline import Pipeline
-from dipaco.serve.router_passes import RouterBatcher, lm_prefix_scores
+from dipaco.serve.router_passes import RouterBatcher, RouterOptions, lm_prefix_scores
 
 PROMPTS = [
     "The government said on Tuesday that the economy had grown faster than expected in the last quarter",
@@ -30,7 +30,7 @@ def pipe(served_run) -> Pipeline:
 
 @pytest.fixture(scope="module")
 def pipe_with_process(served_run):
-    pipe = Pipeline.from_run(served_run.run.dir, cache_size=4, route_in_child=True)
+    pipe = Pipeline.from_run(served_run.run.dir, cache_size=4, router=RouterOptions(in_child=True))
     yield pipe
     pipe.close()
 
@@ -72,7 +72,7 @@ def test_a_run_the_router_process_cannot_load_fails_at_start(served_run, tmp_pat
     shutil.copytree(served_run.run.dir, run)
     shutil.rmtree(run / "pretrain")
     with pytest.raises(DipacoError, match="no pretrained model"):
-        Pipeline.from_run(run, route_in_child=True)
+        Pipeline.from_run(run, router=RouterOptions(in_child=True))
 
 
 def test_waiting_prompts_share_a_pass_and_each_gets_its_own_answer():
@@ -129,8 +129,9 @@ def test_a_router_process_outlives_no_killed_server(served_run):
     script = (
         "import sys, time\n"
         "from dipaco.serve.pipeline import Pipeline\n"
+        "from dipaco.serve.router_passes import RouterOptions\n"
         "if __name__ == '__main__':\n"
-        "    pipe = Pipeline.from_run(sys.argv[1], route_in_child=True)\n"
+        "    pipe = Pipeline.from_run(sys.argv[1], router=RouterOptions(in_child=True))\n"
         "    print(*pipe.router_process._pool._processes, flush=True)\n"
         "    time.sleep(600)\n"
     )
