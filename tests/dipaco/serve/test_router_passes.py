@@ -4,6 +4,7 @@ process or the router's own."""
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -76,10 +77,11 @@ def test_a_run_the_router_process_cannot_load_fails_at_start(served_run, tmp_pat
 
 
 def test_waiting_prompts_share_a_pass_and_each_gets_its_own_answer():
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
     passes: list[list[list[int]]] = []
 
     def score_many(batch: list[list[int]]) -> list[torch.Tensor]:
+        started.set()
         release.wait(10)
         passes.append(batch)
         return [torch.tensor([float(sum(ids))]) for ids in batch]
@@ -87,9 +89,12 @@ def test_waiting_prompts_share_a_pass_and_each_gets_its_own_answer():
     batcher = RouterBatcher(score_many, max_rows=4)
     try:
         with ThreadPoolExecutor(6) as pool:
-            answers = [pool.submit(batcher.scores, [i, i]) for i in range(6)]
-            while batcher._waiting.qsize() < 5:  # the first is in its pass; the rest wait for the next
-                threading.Event().wait(0.01)
+            answers = [pool.submit(batcher.scores, [0, 0])]
+            assert started.wait(10)  # the first prompt is in its pass: the next five wait for the router
+            answers += [pool.submit(batcher.scores, [i, i]) for i in range(1, 6)]
+            deadline = time.monotonic() + 10
+            while batcher._waiting.qsize() < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
             release.set()
             assert [a.result(10).item() for a in answers] == [2.0 * i for i in range(6)]
     finally:
@@ -124,7 +129,6 @@ def test_a_router_batch_below_one_is_a_clear_error():
 def test_a_router_process_outlives_no_killed_server(served_run):
     import subprocess
     import sys
-    import time
 
     script = (
         "import sys, time\n"
