@@ -80,7 +80,6 @@ from dipaco.serve.router_passes import (
     RouterProcess,
     RouterStats,
     Routing,
-    lm_prefix_features,
     lm_prefix_scores,
     router_source,
 )
@@ -505,12 +504,6 @@ class Pipeline:
         # One prompt at a time: a corpus featurizer (TF-IDF, hashing) need not give a row the same bits in a batch.
         return [self.router.scores(self.router.featurize([self.decode(ids[: self.spec.prefix_tokens or len(ids)])])
                                    .float())[0] for ids in batch]
-
-    def _lm_prefix_features(self, ids: list[int]) -> torch.Tensor:
-        """(1, D): the router's LM-prefix feature of one token sequence (computed in this process)."""
-        k = int(self.router.featurizer.get("prefix_tokens", 32))
-        prefix = torch.tensor([ids[:k]], dtype=torch.long)
-        return lm_prefix_features(self.featurizer_model, self.router.featurizer, prefix, self.precision)
 
     # --- generation ----------------------------------------------------------------------------
     def plan(self, prompt: str, path: int | None = None, ids: list[int] | None = None,

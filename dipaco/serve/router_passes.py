@@ -129,8 +129,7 @@ class RouterBatcher:
             raise DipacoError(f"--router-batch must be >= 1, got {max_rows}")
         self.score_many = score_many
         self.max_rows = max_rows
-        self.stats = RouterStats()
-        self._stats_lock = threading.Lock()
+        self.stats = RouterStats()  # written by the router's thread only
         self._waiting: queue.SimpleQueue[tuple[list[int], Future, float] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="dipaco-router", daemon=True)
         self._thread.start()
@@ -164,11 +163,10 @@ class RouterBatcher:
                 answer.set_exception(exc)
             return
         done = time.perf_counter()
-        with self._stats_lock:
-            self.stats.passes += 1
-            self.stats.requests += len(batch)
-            self.stats.pass_seconds += done - start
-            self.stats.request_seconds += sum(done - asked for _, _, asked in batch)
+        self.stats.passes += 1
+        self.stats.requests += len(batch)
+        self.stats.pass_seconds += done - start
+        self.stats.request_seconds += sum(done - asked for _, _, asked in batch)
         for (_, answer, _), scores in zip(batch, results):
             answer.set_result(scores)
 

@@ -142,9 +142,12 @@ IMPROVED = dict(layers=[1, 2], skip_tokens=2, transform="whiten_l2", metric="cos
 
 
 def test_improved_featurizer_with_top2_overlap_trains_and_serves_on_the_same_routes(run_cfg):
+    import torch
+
     from dipaco.route.assign import FEATURES
     from dipaco.route.shards import overlap_token_shares, overlapping_paths
     from dipaco.serve.pipeline import Pipeline
+    from dipaco.serve.router_passes import lm_prefix_features
     from dipaco.tensor_io import load_tensors
 
     cfg = routed(run_cfg, n_init=1, topk=2, **IMPROVED)
@@ -176,7 +179,8 @@ def test_improved_featurizer_with_top2_overlap_trains_and_serves_on_the_same_rou
     pipe = Pipeline.from_run(cfg.run.dir, experiment=cfg.train.name)
     for i in range(5):
         ids = splits["validation"]["input_ids"][i]
-        torch_feats = pipe._lm_prefix_features(ids)
+        prefix = torch.tensor([list(ids)[: pipe.routing_prefix_tokens()]])
+        torch_feats = lm_prefix_features(pipe.featurizer_model, pipe.router.featurizer, prefix, pipe.precision)
         np.testing.assert_allclose(torch_feats.numpy()[0], stored["validation"][i].numpy(), atol=1e-4, rtol=1e-4)
         assert pipe._route("", ids)[0] == splits["validation"]["path"][i]
 

@@ -14,6 +14,7 @@ from dipaco.model.llama import build_model
 from dipaco.run import Run
 from dipaco.run_dir import RunDir
 from dipaco.serve.pipeline import Pipeline
+from dipaco.serve.router_passes import lm_prefix_features
 
 PROMPTS = [
     "The government said on Tuesday that the economy",
@@ -46,7 +47,9 @@ def test_routes_prompts_as_validation_documents_were_routed(pipe, served_run):
 def test_per_request_features_equal_the_routers_batch_featurizer(pipe):
     batch = pipe.router.featurize(PROMPTS, model=pipe.featurizer_model, tokenizer=pipe.tokenizer, show_progress=False)
     for text, expected in zip(PROMPTS, batch):
-        assert torch.allclose(pipe._lm_prefix_features(pipe.encode(text))[0], expected, atol=1e-6)
+        prefix = torch.tensor([pipe.encode(text)[: pipe.routing_prefix_tokens()]])
+        features = lm_prefix_features(pipe.featurizer_model, pipe.router.featurizer, prefix, pipe.precision)
+        assert torch.allclose(features[0], expected, atol=1e-6)
 
 
 def test_concurrent_routes_equal_sequential_ones_bit_for_bit_and_are_counted(pipe):
