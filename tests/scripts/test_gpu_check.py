@@ -192,6 +192,17 @@ def test_a_budget_too_small_skips_the_later_sections_with_a_line(tmp_path):
     assert set(record["summary"]["sections_skipped"]) == {"throughput", "cuda_paths", "quality"}
 
 
+def test_the_environment_runs_even_when_sections_leave_it_out(tmp_path):
+    """A second device call runs `--sections cuda_paths` (or quality): the environment still runs, names the machine
+    and loads the project; before, nothing loaded bench and the run ended without writing a record."""
+    proc = run_check(tmp_path, "--sections", "quality", "--budget-s", "1", timeout=90)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert record["sections"]["environment"]["status"] == "ran" and record["device"].startswith("cpu")
+    assert record["sections"]["throughput"]["reason"] == "not in --sections"
+    assert record["sections"]["quality"]["reason"].startswith("the budget cannot afford it")
+
+
 def test_missing_packages_are_installed_from_the_wheel_folder(load_script, tmp_path, monkeypatch):
     """The offline install of --wheels, on a wheel built here: the module that was missing imports after it."""
     project = tmp_path / "probe"
