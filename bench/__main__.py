@@ -30,11 +30,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
     from bench.harness import ResultsFileError, RowSyntaxError
+    from dipaco.errors import DipacoError
 
     module = importlib.import_module(f"bench.{name}")
     try:
         status = module.main(args)
-    except (ResultsFileError, RowSyntaxError) as exc:  # a bad --rows or results file: one line, no traceback
+    except (ResultsFileError, RowSyntaxError, DipacoError) as exc:  # a bad --rows, results file or option: one line
         print(f"python -m bench {name}: error: {exc}", file=sys.stderr)
         return 2
     return 0 if status is None else int(status)

@@ -81,7 +81,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import http.client
 import itertools
 import json
@@ -98,6 +97,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +138,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="concurrency: the batched server's --batch-wait-ms")
     p.add_argument("--decode-workers", type=int, default=1, help="concurrency: both servers' --decode-workers")
     p.add_argument("--pin-path", type=int, help="concurrency: the path the pinned mode's requests name (default 0)")
+    p.add_argument("--server-cpus", help="concurrency: every server's CPUs (taskset -c list; default: any)")
+    p.add_argument("--router-cpus", help="concurrency: the router process's CPUs (dipaco serve --router-cpus) in "
+                                         "every mode that has one (not inline)")
+    p.add_argument("--client-cpus", help="concurrency: the clients' CPUs (this process's, while it loads the servers)")
     p.add_argument("--modes", default="unbatched,path,module,inline,named,pinned",
                    help=f"concurrency: the servers to compare, of {', '.join(SERVER_MODES)}")
     p.add_argument("--grid", default="2x2", help="the grid of the run built when --run has none (e.g. 4x4: 16 paths)")
@@ -420,12 +424,13 @@ def healthy(port: int) -> bool:
 
 @contextlib.contextmanager
 def dipaco_serve(run: Path, experiment: str | None, threads: int | None, cache_size: int = 16,
-                 extra_args: tuple[str, ...] = (), nofile: int | None = None) -> Iterator[tuple[int, subprocess.Popen]]:
+                 extra_args: tuple[str, ...] = (), nofile: int | None = None,
+                 cpus: tuple[int, ...] | None = None) -> Iterator[tuple[int, subprocess.Popen]]:
     """`dipaco serve` in a subprocess on a free loopback port, up and healthy; yields (port, process).
 
     ``extra_args``: more `dipaco serve` flags (``--max-batch 1``); ``nofile``: its RLIMIT_NOFILE
-    (``ulimit -n``). Its stderr (the access log: a line per request) goes to a file, not a pipe that
-    nobody reads: a full pipe blocks the server.
+    (``ulimit -n``); ``cpus``: the CPUs it runs on (``taskset -c``). Its stderr (the access log: a line per
+    request) goes to a file, not a pipe that nobody reads: a full pipe blocks the server.
     """
     port = free_port()
     cmd = [sys.executable, "-m", "dipaco", "serve", "--run", str(run), "--port", str(port),
@@ -434,7 +439,11 @@ def dipaco_serve(run: Path, experiment: str | None, threads: int | None, cache_s
         cmd += ["--experiment", experiment]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
 
-    limit = functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, (nofile, nofile)) if nofile else None
+    def limit() -> None:
+        if nofile:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        if cpus:
+            os.sched_setaffinity(0, cpus)
     log = tempfile.TemporaryFile()
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=REPO, preexec_fn=limit)
 
@@ -707,11 +716,41 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+@dataclass(frozen=True)
+class Placement:
+    """The CPUs each side of the concurrency part runs on (None: wherever the OS puts it): every server, the router
+    process of every mode that has one, and the clients."""
+
+    server: tuple[int, ...] | None = None
+    router: tuple[int, ...] | None = None
+    clients: tuple[int, ...] | None = None
+
+    def router_flags(self, flags: Sequence[str]) -> tuple[str, ...]:
+        if self.router is None or "--no-router-process" in flags:
+            return ()
+        return ("--router-cpus", ",".join(map(str, self.router)))
+
+    def as_json(self) -> Json:
+        return {side: None if cpus is None else list(cpus) for side, cpus in vars(self).items()}
+
+
+@contextlib.contextmanager
+def running_on(cpus: tuple[int, ...] | None) -> Iterator[None]:
+    """This process (the clients' threads included) on ``cpus`` for the block, then where it was."""
+    before = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float,
                       warmup_s: float, new_tokens: int, threads: int | None, max_batch: int, batch_wait_ms: float,
                       decode_workers: int = 1, path: int | None = None,
                       modes: tuple[str, ...] = ("unbatched", "path", "module", "pinned"), cache_size: int = 4,
-                      routed_paths: list[int] | None = None, rounds: int = 1) -> Json:
+                      routed_paths: list[int] | None = None, rounds: int = 1, placement: Placement = Placement()) -> Json:
     """Part 5: the same closed-loop load on one `dipaco serve` per mode (:data:`SERVER_MODES`), every server up at
     once and loaded in turn, ``seconds / rounds`` at a time for ``rounds`` rounds (each round in another order), so
     that a drift of this shared machine's speed falls on every mode alike. ``path``: the path of the pinned mode
@@ -721,20 +760,23 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
     if rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {rounds}")
     out: Json = {"clients": clients, "seconds": seconds, "rounds": rounds, "new_tokens": new_tokens,
-                 "prompts": len(prompts), "pinned_path": path or 0}
+                 "prompts": len(prompts), "pinned_path": path or 0, "cpus": placement.as_json()}
     loads: dict[str, tuple[tuple[str, ...], str, list[bytes]]] = {}
     for name in modes:
         flags, paths = SERVER_MODES[name]
         if paths == "named" and routed_paths is None:
             raise ValueError("the named mode needs routed_paths: each prompt's path, as the router picks it")
         named = {"routed": None, "named": routed_paths, "pinned": [path or 0] * len(prompts)}[paths]
-        flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers))
+        flags = (*flags, "--batch-wait-ms", str(batch_wait_ms), "--decode-workers", str(decode_workers),
+                 *placement.router_flags(flags))
         if "--max-batch" not in flags:
             flags = (*flags, "--max-batch", str(max_batch))
         loads[name] = flags, paths, encode_bodies(prompts, named, max_new_tokens=new_tokens)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(running_on(placement.clients))
         servers = {name: stack.enter_context(dipaco_serve(run, experiment, threads, cache_size=cache_size,
-                                                          extra_args=flags)) for name, (flags, _, _) in loads.items()}
+                                                          extra_args=flags, cpus=placement.server))
+                   for name, (flags, _, _) in loads.items()}
         for name, (port, _) in servers.items():
             closed_loop(port, loads[name][2], clients, warmup_s)
         # An idle server neither decodes nor routes, so one scrape before its first round and one after its last
@@ -1164,6 +1206,16 @@ def abuse_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts: li
     return {"prompt_tokens": args.prompt_tokens, "abuse": abuse, "control_valid_only": control}
 
 
+def placement(args: argparse.Namespace) -> Placement:
+    from dipaco.serve.router_passes import parse_cpus
+
+    def cpus(option: str) -> tuple[int, ...] | None:
+        text = getattr(args, option.removeprefix("--").replace("-", "_"))
+        return None if text is None else parse_cpus(text, option)
+
+    return Placement(cpus("--server-cpus"), cpus("--router-cpus"), cpus("--client-cpus"))
+
+
 def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts: list[str]) -> Json:
     """Parts 5-9, those asked for."""
     report: Json = {"prompt_tokens": f"{args.prompt_tokens // 2}..{args.prompt_tokens}"}
@@ -1178,7 +1230,7 @@ def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts:
         report["concurrency"] = bench_concurrency(*served, load, args.concurrency, args.seconds, args.warmup_seconds,
                                                   args.new_tokens, args.threads, args.max_batch, args.batch_wait_ms,
                                                   args.decode_workers, args.pin_path, modes, max(4, pipe.num_paths),
-                                                  routed, args.rounds)
+                                                  routed, args.rounds, placement(args))
     if args.apis:
         report["apis"] = bench_apis(*served, varied_prompts(pipe, args.prompts, args.prompt_tokens), args.apis,
                                     args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,
@@ -1234,7 +1286,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.concurrency:
-        parse_modes(args.modes)  # a bad --modes fails now, not after the run is built
+        parse_modes(args.modes)  # a bad --modes or CPU list fails now, not after the run is built
+        placement(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from dipaco.serve.pipeline import Pipeline

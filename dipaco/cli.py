@@ -129,7 +129,19 @@ def _cmd_serve(args: argparse.Namespace) -> None:
                                  cache_size=args.cache_size, device=args.device, precision=args.precision,
                                  token=resolve_token(args.token), allow_unauthenticated=args.allow_unauthenticated,
                                  header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
-                                 router_process=args.router_process, router_batch=args.router_batch, app=app))
+                                 router_process=args.router_process, router_batch=args.router_batch,
+                                 router_cpus=_router_cpus(args), app=app))
+
+
+def _router_cpus(args: argparse.Namespace) -> tuple[int, ...] | None:
+    from dipaco.serve.router_passes import parse_cpus
+
+    if args.router_cpus is None:
+        return None
+    if not args.router_process:
+        raise DipacoError("--router-cpus places the router process: it needs --router-process (the default), "
+                          "not --no-router-process")
+    return parse_cpus(args.router_cpus)
 
 
 def _spec_of_old_run(args: argparse.Namespace) -> None:
@@ -259,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an LM-prefix router runs its forward pass in a process of its own (default), beside "
                         "decoding instead of taking turns with it for Python's interpreter lock; "
                         "--no-router-process: in the server's process")
+    p.add_argument("--router-cpus", default=None, metavar="LIST",
+                   help="run the router process on these CPUs only (as taskset -c takes them: 1, or 2-3,5), so that "
+                        "routing does not take the decoding thread's CPU; default: wherever the OS puts it")
     p.add_argument("--router-batch", type=int, default=16,
                    help="prompts one router pass scores at most (those waiting when the router frees up; "
                         "prompts of one length share a forward)")

@@ -344,6 +344,7 @@ class ServeOptions:
     max_connections: int | None = None
     router_process: bool = True  # an LM-prefix router's forward in a process of its own (dipaco.serve.router_passes)
     router_batch: int = 16  # prompts one router pass scores at most
+    router_cpus: tuple[int, ...] | None = None  # the router process's CPUs (None: wherever the OS puts it)
     app: AppOptions = field(default_factory=AppOptions)
 
 
@@ -746,6 +747,12 @@ def _log_access_to_stderr(log_level: str) -> None:
     log.setLevel(log_level.upper())
 
 
+def router_placement(own_process: bool, cpus: tuple[int, ...] | None) -> str:
+    if not own_process:
+        return ""
+    return " (own process)" if cpus is None else f" (own process, CPUs {','.join(map(str, cpus))})"
+
+
 def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
     """Binds ``host:port`` and loads the run (a port in use, a bad run, or a non-loopback host without a
     token is one DipacoError), then serves until stopped."""
@@ -760,14 +767,15 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
     try:
         pipeline = Pipeline.from_run(run_dir, experiment=o.experiment, checkpoint=o.checkpoint, device=o.device,
                                      precision=o.precision, cache_size=cache_size,
-                                     router=RouterOptions(in_child=o.router_process, batch=o.router_batch))
+                                     router=RouterOptions(in_child=o.router_process, batch=o.router_batch,
+                                                         cpus=o.router_cpus))
         app = create_app(pipeline, o.app, token=token)
         config, guard = server_config(app, host, port, log_level, header_timeout_s, o.max_connections)
         guard.guard_listener(sock)
         info = pipeline.describe()
         caps = app.state.caps
         echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}"
-             f"{' (own process)' if pipeline.router_process is not None else ''}; "
+             f"{router_placement(pipeline.router_process is not None, o.router_cpus)}; "
              f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
              f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; {o.app.batching} "
              f"batching, up to {max_batch} rows{' per path' if o.app.batching == 'path' else ''} within "

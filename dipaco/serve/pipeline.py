@@ -319,7 +319,7 @@ class Pipeline:
                  router: RouterOptions | None = None) -> Pipeline:
         """Loads everything up front, so a missing or bad run fails here with a DipacoError. ``router``: an
         LM-prefix router's forward in a child process of its own or here, and its pass size
-        (:mod:`dipaco.serve.router_passes`; a router that runs no model ignores ``in_child``)."""
+        (:mod:`dipaco.serve.router_passes`; a router that runs no model ignores ``in_child`` and ``cpus``)."""
         router = router or RouterOptions()
         loaded = load_experiment(run_dir, experiment, checkpoint, device)
         found = experiment_router(loaded)
@@ -328,7 +328,7 @@ class Pipeline:
             want = loaded.llama_config(use_cache=False)
             if router.in_child:
                 routing.process = RouterProcess(router_source(loaded.run.root, loaded.topology.num_paths, want,
-                                                              resolve_device(device), precision))
+                                                              resolve_device(device), precision, router.cpus))
             else:
                 routing.model = load_pretrained(loaded.run.pretrain, want).to(resolve_device(device)).eval()
         return cls(loaded, routing, device=device, cache_size=cache_size, precision=precision)

@@ -95,6 +95,22 @@ class RouterOptions:
 
     in_child: bool = False
     batch: int = 16
+    cpus: tuple[int, ...] | None = None  # the child's CPUs (``--router-cpus``); None: wherever the OS puts it
+
+
+def parse_cpus(text: str, option: str = "--router-cpus") -> tuple[int, ...]:
+    """``--router-cpus`` (or another ``option``): a list of CPU numbers and ranges, ``"1"``, ``"2,3"`` or
+    ``"2-5,7"``, as ``taskset -c`` takes it; each CPU must exist on this machine."""
+    cpus: set[int] = set()
+    for item in text.split(","):
+        low, _, high = item.strip().partition("-")
+        if not (low.isdigit() and (high.isdigit() or not high)) or (high and int(high) < int(low)):
+            raise DipacoError(f"{option} {text!r}: expected CPU numbers and ranges such as 1 or 2-3,5")
+        cpus.update(range(int(low), int(high or low) + 1))
+    count = os.cpu_count() or 1
+    if max(cpus) >= count:
+        raise DipacoError(f"{option} {text!r}: this machine has CPUs 0-{count - 1}")
+    return tuple(sorted(cpus))
 
 
 @dataclass
@@ -186,6 +202,7 @@ class RouterSource:
     device: str
     precision: str
     threads: int  # torch's intra-op threads: the server's, so the products sum in the same order
+    cpus: tuple[int, ...] | None = None  # where the child runs (os.sched_setaffinity); None: anywhere
 
 
 # The child's router, model and precision, set once by _start (the pool's one worker runs one task at a time).
@@ -203,6 +220,8 @@ def _start(source: RouterSource) -> None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), name="dipaco-router-parent", daemon=True).start()
     torch.set_num_threads(source.threads)
     try:
+        if source.cpus is not None:
+            _run_on(source.cpus)
         from dipaco.route.artifact import load_router
 
         router = load_router(RunDir(source.run_root), source.num_paths)
@@ -211,6 +230,16 @@ def _start(source: RouterSource) -> None:
         _loaded = (router, model, resolve_precision(source.precision, device, "--precision"))
     except BaseException as exc:  # noqa: BLE001  (raised again by the first pass: a failed initializer
         _failure = exc  # would only break the pool, and its message would be lost)
+
+
+def _run_on(cpus: tuple[int, ...]) -> None:
+    """Pins this process to ``cpus``: a router on CPUs of its own does not take the decoding thread's."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        allowed = sorted(os.sched_getaffinity(0))
+        raise DipacoError(f"--router-cpus {','.join(map(str, cpus))}: the router process cannot run there ({exc}); "
+                          f"this process may use CPUs {allowed}") from None
 
 
 def _exit_with(parent_sentinel: int) -> None:
@@ -258,5 +287,5 @@ class RouterProcess:
 
 
 def router_source(run_root: str | Path, num_paths: int, llama_config: LlamaConfig, device: torch.device,
-                  precision: str) -> RouterSource:
-    return RouterSource(str(run_root), num_paths, llama_config, str(device), precision, torch.get_num_threads())
+                  precision: str, cpus: tuple[int, ...] | None = None) -> RouterSource:
+    return RouterSource(str(run_root), num_paths, llama_config, str(device), precision, torch.get_num_threads(), cpus)

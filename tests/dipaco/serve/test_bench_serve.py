@@ -4,6 +4,7 @@ per-path, module-batched and pinned servers), agreement (batched against alone),
 Here rather than in tests/bench/: the tiny served run (``served_run``) is a fixture of tests/dipaco/conftest.py."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,28 @@ def test_concurrency_measures_every_server_mode_from_its_metrics(served_run):
     assert out["rounds"] == 2 and out["client_cores"] > 0
     assert out["ratios"]["module_vs_unbatched"] > 0 and set(out["targets"]) == {
         "module_ge_3x_unbatched", "module_ge_0.8_of_pinned", "named_ge_0.8_of_pinned", "module_p99_no_worse_than_path"}
+
+
+def test_placement_puts_servers_routers_and_clients_on_their_cpus(served_run):
+    needs_web()
+    last = max(os.sched_getaffinity(0))
+    with bench.dipaco_serve(Path(served_run.run.dir), None, 1, extra_args=("--router-cpus", str(last)),
+                            cpus=(0,)) as (_, server):
+        assert os.sched_getaffinity(server.pid) == {0}
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+        # the router process where it was put (multiprocessing's resource tracker, if started, stays with the server)
+        assert {last} in [os.sched_getaffinity(int(child)) for child in children]
+    before = os.sched_getaffinity(0)
+    with bench.running_on((last,)):
+        assert os.sched_getaffinity(0) == {last}
+    assert os.sched_getaffinity(0) == before
+    placement = bench.Placement(server=(0,), router=(last,), clients=(last,))
+    out = bench.bench_concurrency(Path(served_run.run.dir), None, PROMPTS, clients=2, seconds=0.5, warmup_s=0.2,
+                                  new_tokens=4, threads=1, max_batch=4, batch_wait_ms=5, modes=("module", "inline"),
+                                  placement=placement)
+    assert out["cpus"] == {"server": [0], "router": [last], "clients": [last]}
+    assert f"--router-cpus {last}" in out["module"]["server_flags"] and "--router-cpus" not in out["inline"]["server_flags"]
+    assert out["module"]["requests"] > 0 and out["inline"]["requests"] > 0
 
 
 def test_agreement_compares_batched_and_lone_decoding(served_run):

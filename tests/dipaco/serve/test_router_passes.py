@@ -12,7 +12,7 @@ import torch
 
 from dipaco.errors import DipacoError
 from dipaco.serve.pipeline import Pipeline
-from dipaco.serve.router_passes import RouterBatcher, RouterOptions, lm_prefix_scores
+from dipaco.serve.router_passes import RouterBatcher, RouterOptions, lm_prefix_scores, parse_cpus
 
 PROMPTS = [
     "The government said on Tuesday that the economy had grown faster than expected in the last quarter",
@@ -162,3 +162,38 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_router_cpus_pin_the_router_process_and_routing_is_unchanged(pipe, served_run):
+    cpu = max(os.sched_getaffinity(0))
+    pinned = Pipeline.from_run(served_run.run.dir, cache_size=4, router=RouterOptions(in_child=True, cpus=(cpu,)))
+    try:
+        assert pinned.router_process is not None
+        assert pinned.router_process._pool.submit(os.sched_getaffinity, 0).result() == {cpu}
+        assert [pinned.route(text) for text in PROMPTS] == [pipe.route(text) for text in PROMPTS]
+    finally:
+        pinned.close()
+
+
+@pytest.mark.parametrize("text, cpus", [("0", (0,)), ("1,0", (0, 1)), ("0-1", (0, 1)), (" 0 - 0 ", None)])
+def test_router_cpus_take_taskset_lists(text, cpus):
+    if cpus is None:  # spaces inside a range are not taskset's syntax either
+        with pytest.raises(DipacoError, match="expected CPU numbers and ranges"):
+            parse_cpus(text)
+    elif max(cpus) < (os.cpu_count() or 1):
+        assert parse_cpus(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-0", "-1", "0,,1"])
+def test_router_cpus_that_are_not_a_list_are_a_clear_error(text):
+    with pytest.raises(DipacoError, match="expected CPU numbers and ranges"):
+        parse_cpus(text)
+
+
+def test_router_cpus_beyond_the_machine_or_without_a_router_process_are_refused(served_run, capsys):
+    from dipaco.cli import main
+
+    with pytest.raises(DipacoError, match=f"this machine has CPUs 0-{(os.cpu_count() or 1) - 1}"):
+        parse_cpus(str(os.cpu_count()))
+    assert main(["serve", "--run", str(served_run.run.dir), "--router-cpus", "0", "--no-router-process"]) == 2
+    assert "it needs --router-process" in capsys.readouterr().err
