@@ -245,10 +245,13 @@ class Topology:
         return topology
 
 
-def check_topology(topo_cfg: TopologyConfig) -> None:
-    """The ``topology`` keys a type cannot check; the rest is checked when the topology is built."""
+def check_topology(topo_cfg: TopologyConfig, num_layers: int) -> None:
+    """The ``topology`` keys a type cannot check, and the topology built from them: its levels must hold the
+    model's ``num_layers`` blocks (else a job that never builds the bank, such as ``dipaco route``, ran on a config
+    that ``dipaco train`` then refused)."""
     if topo_cfg.replicas <= 0:
         raise ConfigError(f"topology.replicas: must be > 0, got {topo_cfg.replicas}")
+    topology_from_config(topo_cfg, num_layers)
 
 
 def topology_from_config(topo_cfg: TopologyConfig, num_layers: int) -> Topology:
