@@ -9,7 +9,8 @@ decoding batch all the while. :class:`RouterBatcher` takes every prompt waiting 
 one pass, and one forward per prompt length in it (16 prompts of 32 tokens: 11.3 ms in one forward, 38.6 ms one
 by one). With ``dipaco serve --router-process`` (the default) the forward runs in a child process
 (:class:`RouterProcess`), so its Python (most of a small model's forward) does not hold the interpreter lock the
-decoding loop needs; docs/notes/2026-11-29-router-passes.md has the measurements.
+decoding loop needs, and ``--router-cpus`` puts that process on CPUs of its own, so that it does not take the
+decoding thread's either; docs/notes/2026-11-29-router-passes.md has the measurements.
 
 Guarantee: a prompt's scores do not depend on what else is routed with it. Prompts share a forward only when
 they have the same number of tokens, so no row is padded and every row's products are its own; that the

@@ -2,6 +2,7 @@
 process or the router's own."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -197,3 +198,16 @@ def test_router_cpus_beyond_the_machine_or_without_a_router_process_are_refused(
         parse_cpus(str(os.cpu_count()))
     assert main(["serve", "--run", str(served_run.run.dir), "--router-cpus", "0", "--no-router-process"]) == 2
     assert "it needs --router-process" in capsys.readouterr().err
+
+
+def test_cpus_the_os_refuses_are_a_clear_error_naming_the_cpus_allowed(monkeypatch):
+    from dipaco.serve import router_passes
+
+    def refuse(pid, cpus):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(router_passes.os, "sched_setaffinity", refuse)
+    allowed = sorted(os.sched_getaffinity(0))
+    with pytest.raises(DipacoError, match=r"--router-cpus 0: the router process cannot run there .*CPUs "
+                       + re.escape(str(allowed))):
+        router_passes._run_on((0,))
