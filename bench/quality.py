@@ -94,8 +94,6 @@ from dipaco.runtime import quiet_library_progress_bars
 
 EARLY_STOP_HOLDOUT = "train.early_stopping_holdout=0.05"
 PATH_EMBEDDING = ["topology.embedding=path", "topology.head=path"]  # the *_pathemb_* rows
-
-
 EM_REROUTES = 3  # re-routings of the EM row: after rounds R/4, R/2, 3R/4 (every round when R = 4)
 
 
@@ -212,8 +210,6 @@ def scale_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-
-
 def _score(value: float | None) -> str | None:
     return None if value is None else f"{value:.3f}"
 
@@ -324,29 +320,46 @@ def targets(results: list[dict], default_seed: int = 0) -> list[str]:
     return out
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only (no display on a benchmark machine)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, path: Path) -> Path:
+    """Writes the figure to ``path`` (its folder created) and frees it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def plot_curve(ax: Any, row: Mapping[str, Any], **style: Any) -> None:
+    """A row's validation perplexity against its training tokens (millions, all paths)."""
+    ax.plot([c["tokens"] / 1e6 for c in row["curve"]], [c["ppl"] for c in row["curve"]], **style)
+    ax.set_xlabel("training tokens, all paths (M)")
+    ax.set_xscale("log")
+
+
 def plots(results: list[dict], out_dir: Path) -> list[Path]:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         echo("[bench] matplotlib not installed (pip install -e '.[bench]'): no plots")
         return []
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("tab20")  # 13 rows: the default 10-colour cycle would repeat
     for i, r in enumerate(results):
-        ax.plot([c["tokens"] / 1e6 for c in r["curve"]], [c["ppl"] for c in r["curve"]], marker="osD^v"[i % 5],
-                color=colors((2 * i) % 20 + (2 * i) // 20), label=r["name"])
-    ax.set_xlabel("training tokens, all paths (M)")
+        plot_curve(ax, r, marker="osD^v"[i % 5], color=colors((2 * i) % 20 + (2 * i) // 20), label=r["name"])
     ax.set_ylabel("validation perplexity (prefix excluded)")
-    ax.set_xscale("log")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    curve_png = out_dir / "quality_ppl_vs_tokens.png"
-    fig.tight_layout()
-    fig.savefig(curve_png, dpi=120)
-    plt.close(fig)
+    curve_png = save(fig, out_dir / "quality_ppl_vs_tokens.png")
 
     variants = sorted(p for p in out_dir.glob("run_*/routing/routing_report.json"))
     fig, axes = plt.subplots(1, max(len(variants), 1), figsize=(4 * max(len(variants), 1), 3.5), squeeze=False)
@@ -356,11 +369,7 @@ def plots(results: list[dict], out_dir: Path) -> list[Path]:
         ax.set_title(path.parts[-3].removeprefix("run_"))
         ax.set_xlabel("path")
         ax.set_ylabel("train docs")
-    shards_png = out_dir / "quality_shard_sizes.png"
-    fig.tight_layout()
-    fig.savefig(shards_png, dpi=120)
-    plt.close(fig)
-    return [curve_png, shards_png]
+    return [curve_png, save(fig, out_dir / "quality_shard_sizes.png")]
 
 
 def table_order(num_layers: int) -> Callable[[str], tuple[int, str]]:
@@ -451,27 +460,16 @@ def parse_panel(spec: str) -> tuple[str, list[Path]]:
 
 def plot_panels(panels: list[tuple[str, list[dict]]], out: Path) -> None:
     """Validation perplexity against training tokens, one panel per ``(title, rows)``, written to ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (title, panel) in zip(axes[0], panels):
         for i, row in enumerate(panel):
-            ax.plot([c["tokens"] / 1e6 for c in row["curve"]], [c["ppl"] for c in row["curve"]],
-                    marker="osD^v<>"[i % 7], label=f"{row['name']} ({row['ppl']:.2f})")
+            plot_curve(ax, row, marker="osD^v<>"[i % 7], label=f"{row['name']} ({row['ppl']:.2f})")
         ax.set_title(title)
-        ax.set_xlabel("training tokens, all paths (M)")
         ax.set_ylabel("validation perplexity")
-        ax.set_xscale("log")
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save(fig, out)
 
 
 def plot_rows(out: Path, panel_specs: list[str], names: list[str]) -> None:
@@ -514,14 +512,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="with --plot: one panel, its rows from the first of these results files that holds each")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
-    if args.merged and not args.report:
-        p.error("--merged goes with --report")
-    if bool(args.plot) != bool(args.panel):
-        p.error("--plot and --panel go together")
-    if args.plot and not args.rows:
-        p.error("--plot needs the --rows to plot")
-    if args.plot and args.report:
-        p.error("--plot and --report are two modes: give one")
+    for wrong, message in ((args.merged and not args.report, "--merged goes with --report"),
+                           (bool(args.plot) != bool(args.panel), "--plot and --panel go together"),
+                           (args.plot and not args.rows, "--plot needs the --rows to plot"),
+                           (args.plot and args.report, "--plot and --report are two modes: give one")):
+        if wrong:
+            p.error(message)
     return args
 
 

@@ -39,7 +39,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +82,20 @@ def strip_headers(text: str, keep_subject: bool = False) -> str:
     return body
 
 
+def read_docs(path: Path) -> Iterator[dict[str, Any]]:
+    """The documents of a shared corpus file (gzipped JSON lines)."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        yield from map(json.loads, f)
+
+
 def load_20ng(path: Path, keep_subject: bool = False) -> dict[str, dict[str, list]]:
     """{"train"/"test": {"text": [...], "label": [...]}}, headers stripped, empty bodies dropped."""
     splits: dict[str, dict[str, list]] = {"train": {"text": [], "label": []}, "test": {"text": [], "label": []}}
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            doc = json.loads(line)
-            text = strip_headers(doc["text"], keep_subject)
-            if text.strip():
-                splits[doc["split"]]["text"].append(text)
-                splits[doc["split"]]["label"].append(doc["label"])
+    for doc in read_docs(path):
+        text = strip_headers(doc["text"], keep_subject)
+        if text.strip():
+            splits[doc["split"]]["text"].append(text)
+            splits[doc["split"]]["label"].append(doc["label"])
     return splits
 
 
@@ -111,18 +115,13 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def _figure(key: str) -> Column:
-    """A column of the row's ``key``, a float to 4 significant digits (what a table of NMIs and seconds needs)."""
-    def cell(row: Any) -> Any:
-        value = row.get(key)
-        return f"{value:.4g}" if isinstance(value, float) else value
-
-    return key, cell
-
-
 def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    """The rows as the harness's markdown table, one column per key."""
-    return markdown_table(rows, [_figure(c) for c in cols])
+    """The rows as the harness's markdown table, one column per key; a float to 4 significant digits (what a table
+    of NMIs and seconds needs)."""
+    def figure(key: str) -> Column:
+        return key, lambda row: f"{row[key]:.4g}" if isinstance(row.get(key), float) else row.get(key)
+
+    return markdown_table(rows, [figure(c) for c in cols])
 
 
 # ----------------------------------------------------------------------------------------
@@ -133,16 +132,13 @@ def bench_kmeans(name: str, x: np.ndarray, k: int, n_init: int, repeats: int, se
     from sklearn.cluster import KMeans
 
     x = np.ascontiguousarray(x, dtype=np.float32)
-    ours_t, sk_t, ours_i, sk_i, ours_it, sk_it = [], [], [], [], [], []
+    sk_runs, our_runs = [], []  # (seconds, inertia, iterations) of each repeat
     for r in range(repeats):  # alternate, so background load hits both alike
         sk, t = timed(lambda: KMeans(k, n_init=n_init, random_state=seed + r).fit(x))
-        sk_t.append(t)
-        sk_i.append(float(sk.inertia_))
-        sk_it.append(int(sk.n_iter_))
+        sk_runs.append((t, float(sk.inertia_), int(sk.n_iter_)))
         ours, t = timed(lambda: kmeans(x, k, n_init=n_init, seed=seed + r))
-        ours_t.append(t)
-        ours_i.append(ours.inertia)
-        ours_it.append(ours.n_iter)
+        our_runs.append((t, ours.inertia, ours.n_iter))
+    (sk_t, sk_i, sk_it), (ours_t, ours_i, ours_it) = zip(*sk_runs), zip(*our_runs)
     return {
         "features": name, "N": x.shape[0], "D": x.shape[1], "k": k, "n_init": n_init,
         "sklearn_s": min(sk_t), "ours_s": min(ours_t),
@@ -158,18 +154,19 @@ def bench_kmeans(name: str, x: np.ndarray, k: int, n_init: int, repeats: int, se
 # 2. Routing quality on 20 Newsgroups
 
 
-def route_and_score(name: str, train_x, test_x, data, k: int, slack: float | None, seed: int,
-                    n_init: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def route_and_score(name: str, x: tuple[Any, Any], labels: tuple[list, list], args: argparse.Namespace,
+                    slack: float | None, seed: int, metric: Metric = "euclidean") -> dict[str, Any]:
+    """A router fitted on the train split's features ``x[0]``: NMI and balance of its fitted shards, and the NMI of
+    the test split ``x[1]`` routed to the nearest centroid, against the (train, test) ``labels``."""
     (router, train_paths), seconds = timed(
-        lambda: fit_router(train_x, [k], slack=slack, seed=seed, n_init=n_init))
-    train = routing_report(train_paths, k, labels=data["train"]["label"])
-    test = routing_report(router.assign(test_x), k, labels=data["test"]["label"])
+        lambda: fit_router(x[0], [args.k], slack=slack, seed=seed, n_init=args.n_init, metric=metric))
+    train = routing_report(train_paths, args.k, labels=labels[0])
+    test = routing_report(router.assign(x[1]), args.k, labels=labels[1])
     return {
         "router": name, "slack": slack, "seed": seed, "fit_s": seconds,
         "train_nmi": train["nmi"], "test_nmi": test["nmi"], "train_ari": train["ari"],
         "train_purity": train["purity"], "train_max_min": train["docs_max_min_ratio"],
         "train_max_docs": max(train["docs_per_path"]), "train_empty": train["num_empty_paths"],
-        **(extra or {}),
     }
 
 
@@ -190,7 +187,14 @@ def summarize(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("train_nmi", 
 # 3. LM-prefix featurizer
 
 
-def load_lm(model_dir: str, tokenizer_dir: str | None, device: str):
+def load_tokenizer(path: str) -> Any:
+    """A saved tokenizer (a run's tokenizer/ directory), never one fetched from the hub."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_lm(model_dir: str, tokenizer_dir: str | None, device: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
@@ -213,7 +217,8 @@ def forward_rate(model, tokenizer, texts: list[str], prefix: int, batch_size: in
     return len(texts) / (time.perf_counter() - start)
 
 
-def bench_lm(args, data) -> dict[str, Any]:
+def bench_lm(args: argparse.Namespace, data: dict[str, dict[str, list]]) -> dict[str, Any]:
+    """Section 3: the LM-prefix featurizer's NMI and speed against the model's plain forward pass."""
     model, tokenizer = load_lm(args.lm_model, args.lm_tokenizer, args.device)
     texts = {s: data[s]["text"][: args.lm_max_docs] for s in ("train", "test")}
     labels = {s: data[s]["label"][: args.lm_max_docs] for s in ("train", "test")}
@@ -230,21 +235,12 @@ def bench_lm(args, data) -> dict[str, Any]:
         rates[split] = len(texts[split]) / seconds
     fwd = forward_rate(model, tokenizer, texts["train"], args.prefix_tokens, args.lm_batch_size, args.device)
     _, tokenize_s = timed(lambda: tokenize_prefixes(tokenizer, texts["train"], args.prefix_tokens))
-    sub = {s: {"text": texts[s], "label": labels[s]} for s in ("train", "test")}
-    rows = []
-    for seed in args.seeds:
-        for slack in (None, args.slack):
-            for metric in ("euclidean", "cosine"):
-                (router, paths), secs = timed(lambda: fit_router(
-                    feats["train"], [args.k], slack=slack, seed=seed, n_init=args.n_init, metric=metric))
-                rows.append({
-                    "router": f"lm_prefix/{metric}", "slack": slack, "seed": seed, "fit_s": secs,
-                    "train_nmi": routing_report(paths, args.k, labels=sub["train"]["label"])["nmi"],
-                    "test_nmi": routing_report(router.assign(feats["test"]), args.k,
-                                               labels=sub["test"]["label"])["nmi"],
-                })
-    return {
-        "model": args.lm_model, "device": args.device, "prefix_tokens": args.prefix_tokens,
+    scored = (route_and_score(f"lm_prefix/{metric}", (feats["train"], feats["test"]), (labels["train"], labels["test"]),
+                              args, slack, seed, metric)
+              for seed in args.seeds for slack in (None, args.slack) for metric in ("euclidean", "cosine"))
+    rows = [{key: row[key] for key in ("router", "slack", "seed", "fit_s", "train_nmi", "test_nmi")} for row in scored]
+    lm = {
+        "model": relative(args.lm_model), "device": args.device, "prefix_tokens": args.prefix_tokens,
         "batch_size": args.lm_batch_size, "docs": {s: len(texts[s]) for s in texts},
         "hidden": int(feats["train"].shape[1]),
         "featurizer_docs_per_s": rates["train"], "forward_docs_per_s": fwd,
@@ -252,7 +248,13 @@ def bench_lm(args, data) -> dict[str, Any]:
         "tokenize_docs_per_s": len(texts["train"]) / tokenize_s,  # part of the featurizer's time
         "rows": rows, "summary": summarize(rows),
     }
-
+    print(f"\n## LM-prefix featurizer ({lm['model']}, {lm['device']}, {lm['docs']} docs, hidden {lm['hidden']})")
+    print(f"featurizer {lm['featurizer_docs_per_s']:.1f} docs/s, plain forward {lm['forward_docs_per_s']:.1f} "
+          f"docs/s, fraction {lm['featurizer_fraction_of_forward']:.2f} "
+          f"(tokenizing alone: {lm['tokenize_docs_per_s']:.1f} docs/s)")
+    print(table(lm["rows"], ["router", "slack", "seed", "train_nmi", "test_nmi", "fit_s"]))
+    print("\n" + table(lm["summary"], SUMMARY_COLS))
+    return lm
 
 # ----------------------------------------------------------------------------------------
 # 4. Featurizer variants on the three shared corpora
@@ -265,14 +267,11 @@ def load_shared(shared: Path, name: str, max_docs: int | None) -> dict[str, list
     files = {"20ng": ["20news_bydate.jsonl.gz"], "bbc": ["bbc_news.jsonl.gz"],
              "mix": ["20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz"]}[name]
     docs: dict[str, list] = {"text": [], "label": []}
-    for file in files:
-        with gzip.open(shared / file, "rt", encoding="utf-8") as f:
-            for line in f:
-                doc = json.loads(line)
-                text = strip_headers(doc["text"]) if doc["source"].startswith("20news") else doc["text"]
-                if text.strip():
-                    docs["text"].append(text)
-                    docs["label"].append(f"{doc['source']}:{doc['label']}" if name == "mix" else doc["label"])
+    for doc in (d for file in files for d in read_docs(shared / file)):
+        text = strip_headers(doc["text"]) if doc["source"].startswith("20news") else doc["text"]
+        if text.strip():
+            docs["text"].append(text)
+            docs["label"].append(f"{doc['source']}:{doc['label']}" if name == "mix" else doc["label"])
     if max_docs and len(docs["text"]) > max_docs:
         step = len(docs["text"]) / max_docs
         keep = [int(i * step) for i in range(max_docs)]
@@ -325,13 +324,15 @@ def anisotropy(x: torch.Tensor, labels: list, seed: int = 0, pairs: int = 20000)
             "label_variance": float(between / (centred**2).sum())}
 
 
-def score_variant(name: str, x: torch.Tensor, labels: list, k: int, slack: float, seeds: list[int], n_init: int,
-                  transform: str | None, metric: Metric, components: int | None = None) -> dict[str, Any]:
+def score_variant(name: str, x: torch.Tensor, labels: list, args: argparse.Namespace, transform: str | None = None,
+                  metric: Metric = "cosine", components: int | None = None) -> dict[str, Any]:
+    """Balanced k-means (k = --featurizer-k, --slack) on ``x``: NMI and purity against the labels over --seeds."""
     nmi, purity, ratio = [], [], []
     fitted = FeatureTransform.fit(x, transform, components) if transform else None
-    for seed in seeds:
-        _, paths = fit_router(x, [k], slack=slack, seed=seed, n_init=n_init, metric=metric, transform=fitted)
-        report = routing_report(paths, k, labels=labels)
+    for seed in args.seeds:
+        _, paths = fit_router(x, [args.featurizer_k], slack=args.slack, seed=seed, n_init=args.n_init, metric=metric,
+                              transform=fitted)
+        report = routing_report(paths, args.featurizer_k, labels=labels)
         nmi.append(report["nmi"])
         purity.append(report["purity"])
         ratio.append(report["docs_max_min_ratio"])
@@ -339,13 +340,12 @@ def score_variant(name: str, x: torch.Tensor, labels: list, k: int, slack: float
             "max_min_docs": max(r if r is not None else float("inf") for r in ratio), "dim": int(x.shape[1])}
 
 
-def bench_featurizers(args) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    model, _ = load_lm(args.lm_model, args.lm_tokenizer, args.device)
-    tokenizer = AutoTokenizer.from_pretrained(args.lm_tokenizer or args.lm_model)
+def bench_featurizers(args: argparse.Namespace) -> dict[str, Any]:
+    """Section 4: every LM featurizer variant, TF-IDF over the prefix and --encoder, on each shared corpus."""
+    model, tokenizer = load_lm(args.lm_model, args.lm_tokenizer, args.device)
     encoder = load_encoder(args.encoder, args.device) if args.encoder else None
-    out: dict[str, Any] = {"model": args.lm_model, "prefix_tokens": args.prefix_tokens, "k": args.featurizer_k,
+    num_states, width = model.config.num_hidden_layers + 1, model.config.hidden_size
+    out: dict[str, Any] = {"model": relative(args.lm_model), "prefix_tokens": args.prefix_tokens, "k": args.featurizer_k,
                            "slack": args.slack, "seeds": args.seeds, "corpora": {}}
     for corpus in args.corpora.split(","):
         docs = load_shared(args.shared_data, corpus, args.featurizer_max_docs)
@@ -354,12 +354,9 @@ def bench_featurizers(args) -> dict[str, Any]:
         texts = [docs["text"][i] for i in keep]
         labels = [docs["label"][i] for i in keep]
         contexts = tokenizer.batch_decode([seqs[i] for i in keep])  # all any featurizer may see
-        num_states = model.config.num_hidden_layers + 1
-        width = model.config.hidden_size
-        every = list(range(num_states))
         pooled = {skip: lm_prefix_features(model, tokenizer, texts, prefix_tokens=args.prefix_tokens,
                                            batch_size=args.lm_batch_size, device=args.device, show_progress=False,
-                                           layers=every, skip_tokens=skip) for skip in (0, 4)}
+                                           layers=list(range(num_states)), skip_tokens=skip) for skip in (0, 4)}
         diagnostics = {which: anisotropy(pooled[0][:, _layer_slice(which, num_states, width)], labels)
                        for which in ("L", "M", "A")}
         print(f"\n{corpus}: raw features, last (L) / middle (M) / all blocks (A):")
@@ -369,26 +366,23 @@ def bench_featurizers(args) -> dict[str, Any]:
         rows = []
         for name, (which, skip, transform, components, metric) in LM_VARIANTS.items():
             x = pooled[skip][:, _layer_slice(which, num_states, width)]
-            rows.append(score_variant(name, x, labels, args.featurizer_k, args.slack, args.seeds, args.n_init,
-                                      transform, metric, components))
+            rows.append(score_variant(name, x, labels, args, transform, metric, components))
         # TF-IDF + SVD over the same prefix text (`dipaco route`'s tfidf_svd featurizer reads the same contexts).
         tfidf = {}
         for n in args.tfidf_components:
             tfidf[n] = torch.from_numpy(tfidf_svd_features(contexts, n_components=n, seed=args.seeds[0])[0])
-            rows.append(score_variant(f"tfidf prefix, svd {n}", tfidf[n], labels, args.featurizer_k, args.slack,
-                                      args.seeds, args.n_init, None, "cosine"))
-        lm = F.normalize(pooled[0][:, _layer_slice("L", num_states, width)] -
-                         pooled[0][:, _layer_slice("L", num_states, width)].mean(dim=0), dim=1)
+            rows.append(score_variant(f"tfidf prefix, svd {n}", tfidf[n], labels, args))
+        last = pooled[0][:, _layer_slice("L", num_states, width)]
+        lm = F.normalize(last - last.mean(dim=0), dim=1)
         n = args.tfidf_components[len(args.tfidf_components) // 2]
         both = torch.cat([lm, tfidf[n]], dim=1)  # two unit blocks: equal weight in cosine
-        rows.append(score_variant(f"tfidf prefix svd {n} + lm last center+l2", both, labels, args.featurizer_k,
-                                  args.slack, args.seeds, args.n_init, None, "cosine"))
+        rows.append(score_variant(f"tfidf prefix svd {n} + lm last center+l2", both, labels, args))
         if encoder is not None:
             x = encoder_features(*encoder, contexts, batch_size=args.lm_batch_size, device=args.device,
                                  show_progress=False)
             for transform in (None, "whiten_l2"):
-                rows.append(score_variant(f"encoder {args.encoder}{', whiten+l2' if transform else ''}", x, labels,
-                                          args.featurizer_k, args.slack, args.seeds, args.n_init, transform, "cosine"))
+                rows.append(score_variant(f"encoder {args.encoder}{', whiten+l2' if transform else ''}", x, labels, args,
+                                          transform))
         out["corpora"][corpus] = {"docs": len(texts), "labels": len(set(labels)), "rows": rows,
                                   "raw_diagnostics": diagnostics}
         print(f"\n## {corpus}: {len(texts)} docs, {len(set(labels))} labels, k={args.featurizer_k}, "
@@ -401,16 +395,14 @@ def bench_featurizers(args) -> dict[str, Any]:
 # 5. How much topic the routing context holds: TF-IDF NMI against the context length
 
 
-def bench_context(args) -> dict[str, Any]:
+def bench_context(args: argparse.Namespace) -> dict[str, Any]:
     """Balanced k-means NMI of TF-IDF + SVD over each document's first N tokens, N in --context-tokens
     (0 = the whole document), on the shared corpora. Bag-of-words over the whole document is the most
     topical signal a featurizer without outside knowledge can use, so its NMI is a practical ceiling for
     a prefix featurizer of the same kind, and the curve shows what the routing context costs."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.lm_tokenizer, local_files_only=True)
+    tokenizer = load_tokenizer(args.lm_tokenizer)
     n = args.tfidf_components[len(args.tfidf_components) // 2]
-    out: dict[str, Any] = {"tokenizer": args.lm_tokenizer, "k": args.featurizer_k, "svd": n, "slack": args.slack,
+    out: dict[str, Any] = {"tokenizer": relative(args.lm_tokenizer), "k": args.featurizer_k, "svd": n, "slack": args.slack,
                            "seeds": args.seeds, "corpora": {}}
     for corpus in args.corpora.split(","):
         docs = load_shared(args.shared_data, corpus, args.featurizer_max_docs)
@@ -420,9 +412,7 @@ def bench_context(args) -> dict[str, Any]:
             contexts = tokenizer.batch_decode([i[:length] if length else i for i in ids])
             x = torch.from_numpy(tfidf_svd_features(contexts, n_components=n, seed=args.seeds[0])[0])
             name = f"tfidf, first {length} tokens" if length else "tfidf, whole document"
-            rows.append({"context_tokens": length or None, **score_variant(name, x, docs["label"], args.featurizer_k,
-                                                                          args.slack, args.seeds, args.n_init,
-                                                                          None, "cosine")})
+            rows.append({"context_tokens": length or None, **score_variant(name, x, docs["label"], args)})
         out["corpora"][corpus] = {"docs": len(ids), "labels": len(set(docs["label"])), "rows": rows}
         print(f"\n## {corpus}: {len(ids)} docs, {len(set(docs['label']))} labels, k={args.featurizer_k}, balanced "
               f"(slack {args.slack}), TF-IDF + SVD {n}, cosine k-means, seeds {args.seeds}")
@@ -456,16 +446,14 @@ def score_routing(name: str, fit: Callable[[int], tuple[torch.Tensor, torch.Tens
             "train_purity": statistics.mean(purity), "max_min_docs": max(ratio)}
 
 
-def bench_doc_topics(args) -> dict[str, Any]:
+def bench_doc_topics(args: argparse.Namespace) -> dict[str, Any]:
     """The doc_topics featurizer against the prefix's own TF-IDF, on each shared corpus, as `dipaco route`
     would use them: fitted on the training documents (doc_topics and the whole-document rows read their
     whole text, which is training data), every document routed on its first --prefix-tokens tokens,
     balanced cosine k-means (k = --featurizer-k, --slack) over the features."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.lm_tokenizer, local_files_only=True)
+    tokenizer = load_tokenizer(args.lm_tokenizer)
     n, k = args.tfidf_components[len(args.tfidf_components) // 2], args.featurizer_k
-    out: dict[str, Any] = {"tokenizer": args.lm_tokenizer, "prefix_tokens": args.prefix_tokens, "k": k, "svd": n,
+    out: dict[str, Any] = {"tokenizer": relative(args.lm_tokenizer), "prefix_tokens": args.prefix_tokens, "k": k, "svd": n,
                            "slack": args.slack, "seeds": args.seeds, "held_out": 0.1, "corpora": {}}
 
     def routed(train_x: np.ndarray, test_x: np.ndarray, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -580,15 +568,21 @@ def set_threads(threads: int | None) -> None:
         threadpool_limits(threads)
 
 
+def relative(value: Any) -> Any:
+    """A path relative to the checkout (a results file names no machine's folders); any other value as it is."""
+    if isinstance(value, Path) or (isinstance(value, str) and os.path.isabs(value)):
+        return os.path.relpath(value, REPO)
+    return value
+
+
 def header(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """The results' first fields: the arguments and the command (paths relative to the checkout, so a results
     file names no machine's folders) and the machine (:func:`bench.harness.environment`). The machine's
     ``torch_threads``, ``torch`` and ``cpus`` stay at the top as well, where the files of docs/ hold them."""
     env = environment(args.device)
-    command = [os.path.relpath(a, REPO) if os.path.isabs(a) else a for a in argv]
-    return {"args": {k: (os.path.relpath(v, REPO) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "torch_threads": env["threads"], "torch": env["torch"], "cpus": env["cpus"],
-            "loadavg_start": os.getloadavg(), "command": command_line("routing", command), "environment": env}
+    return {"args": {k: relative(v) for k, v in vars(args).items()},
+            "torch_threads": env["threads"], "torch": env["torch"], "cpus": env["cpus"], "loadavg_start": os.getloadavg(),
+            "command": command_line("routing", [relative(a) for a in argv]), "environment": env}
 
 
 def load_texts(args: argparse.Namespace, sections: set[str]) -> dict[str, dict[str, list]] | None:
@@ -599,9 +593,7 @@ def load_texts(args: argparse.Namespace, sections: set[str]) -> dict[str, dict[s
         return None
     data = load_20ng(args.data, args.keep_subject)
     if args.tfidf_prefix_tokens:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.lm_tokenizer or args.lm_model, local_files_only=True)
+        tok = load_tokenizer(args.lm_tokenizer or args.lm_model)
         for split in data.values():
             ids = tok(split["text"], add_special_tokens=False)["input_ids"]
             split["text"] = tok.batch_decode([i[: args.tfidf_prefix_tokens] for i in ids])
@@ -627,7 +619,8 @@ def kmeans_section(args: argparse.Namespace, tfidf: tuple[np.ndarray, np.ndarray
 def twenty_newsgroups_section(args: argparse.Namespace, tfidf: tuple[np.ndarray, np.ndarray],
                               data: dict[str, dict[str, list]]) -> dict[str, Any]:
     """Section 2: the TF-IDF+SVD router on 20NG, unbalanced and balanced, every seed."""
-    rows = [route_and_score("tfidf_svd", tfidf[0], tfidf[1], data, args.k, slack, seed, args.n_init)
+    labels = (data["train"]["label"], data["test"]["label"])
+    rows = [route_and_score("tfidf_svd", tfidf, labels, args, slack, seed)
             for seed in args.seeds for slack in (None, args.slack)]
     out = {"rows": rows, "summary": summarize(rows)}
     print(f"\n## 20 Newsgroups routing, k={args.k} (train = fitted shards, test = nearest centroid)")
@@ -635,18 +628,6 @@ def twenty_newsgroups_section(args: argparse.Namespace, tfidf: tuple[np.ndarray,
                        "train_max_min", "train_max_docs", "fit_s"]))
     print("\n" + table(out["summary"], SUMMARY_COLS))
     return out
-
-
-def lm_section(args: argparse.Namespace, data: dict[str, dict[str, list]] | None) -> dict[str, Any]:
-    """Section 3: the LM-prefix featurizer's NMI and speed against the model's plain forward pass."""
-    lm = bench_lm(args, data)
-    print(f"\n## LM-prefix featurizer ({lm['model']}, {lm['device']}, {lm['docs']} docs, hidden {lm['hidden']})")
-    print(f"featurizer {lm['featurizer_docs_per_s']:.1f} docs/s, plain forward {lm['forward_docs_per_s']:.1f} "
-          f"docs/s, fraction {lm['featurizer_fraction_of_forward']:.2f} "
-          f"(tokenizing alone: {lm['tokenize_docs_per_s']:.1f} docs/s)")
-    print(table(lm["rows"], ["router", "slack", "seed", "train_nmi", "test_nmi", "fit_s"]))
-    print("\n" + table(lm["summary"], SUMMARY_COLS))
-    return lm
 
 
 def run(argv: list[str]) -> dict[str, Any]:
@@ -679,8 +660,8 @@ def run(argv: list[str]) -> dict[str, Any]:
         results["doc_topics"] = bench_doc_topics(args)
     if "featurizers" in sections:
         results["featurizers"] = bench_featurizers(args)
-    elif args.lm_model:
-        results["lm"] = lm_section(args, data)
+    elif args.lm_model and data is not None:
+        results["lm"] = bench_lm(args, data)
 
     results["loadavg_end"] = os.getloadavg()
     print(f"\nload average at the end {results['loadavg_end'][0]:.2f}")

@@ -427,3 +427,4 @@ def test_a_rounds_override_keeps_the_rows_compute_factor_and_rerouting_points():
     assert cfg("dipaco_2x2_em@train.rounds=16").route.em_rounds == [4, 8, 12]
     assert cfg("dipaco_2x2_reroute@train.rounds=16").route.em_rounds == [8]
     assert cfg("dense_4x").train.rounds == 16 and cfg("dipaco_2x2_em").route.em_rounds == [1, 2, 3]
+

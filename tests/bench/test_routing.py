@@ -61,6 +61,7 @@ def test_lm_section_on_tiny_model(tiny_llama, tiny_tokenizer, tmp_path):
     assert written["lm"]["docs"]["train"] == 36
     # Paths are recorded relative to the checkout: a committed results file names no machine's folders.
     assert not Path(written["args"]["data"]).is_absolute() and not Path(written["args"]["shared_data"]).is_absolute()
+    assert not Path(written["args"]["lm_model"]).is_absolute() and not Path(written["lm"]["model"]).is_absolute()
     # The machine is the harness's record; its threads, torch and cpus stay at the top, as docs/bench_routing_*.json hold them.
     assert written["command"].startswith("python -m bench routing --sections '' --data ")
     assert not any(Path(word).is_absolute() for word in shlex.split(written["command"]))  # its paths are relative too
