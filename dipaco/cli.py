@@ -362,9 +362,11 @@ def main(argv: list[str] | None = None) -> int:
             from dipaco.run import Run, load_config
 
             cfg = load_config(args.config, args.overrides)
+            run = Run(cfg)
+            run.topology()  # levels that do not hold model.num_layers are refused by every job, not by train alone
             if not cfg.run.progress:
                 quiet_library_progress_bars()
-            args.func(Run(cfg), args)
+            args.func(run, args)
     except DipacoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

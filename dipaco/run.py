@@ -84,7 +84,7 @@ def check_config(cfg: Config) -> None:
     check_data(cfg.data)
     check_tokenizer(cfg.tokenizer)
     check_model(cfg.model, cfg.data.seq_len)
-    check_topology(cfg.topology, cfg.model.num_layers)
+    check_topology(cfg.topology)
     check_pretrain(cfg.pretrain)
     check_train(cfg.train)
     check_dist(cfg.dist)

@@ -245,13 +245,12 @@ class Topology:
         return topology
 
 
-def check_topology(topo_cfg: TopologyConfig, num_layers: int) -> None:
-    """The ``topology`` keys a type cannot check, and the topology built from them: its levels must hold the
-    model's ``num_layers`` blocks (else a job that never builds the bank, such as ``dipaco route``, ran on a config
-    that ``dipaco train`` then refused)."""
+def check_topology(topo_cfg: TopologyConfig) -> None:
+    """The ``topology`` keys a type cannot check; the rest is checked when the topology is built. A job checks the
+    built topology against ``model.num_layers`` before it starts (``dipaco.cli``): a script may apply overrides in
+    stages whose intermediate configs do not fit (a deeper model first, its preset after)."""
     if topo_cfg.replicas <= 0:
         raise ConfigError(f"topology.replicas: must be > 0, got {topo_cfg.replicas}")
-    topology_from_config(topo_cfg, num_layers)
 
 
 def topology_from_config(topo_cfg: TopologyConfig, num_layers: int) -> Topology:

@@ -112,6 +112,16 @@ def test_unknown_corpus_name_is_one_line_without_hub_access(tmp_path, capsys):
     assert err.startswith("error: data.corpus: 'no_such_corpus_name' is not a builtin corpus") and "data.hub=true" in err
 
 
+def test_levels_that_do_not_hold_the_model_are_refused_by_every_job(tmp_path, capsys):
+    """Before, only the jobs that build the bank (train) checked it: `dipaco route` ran on such a config."""
+    levels = ["topology.preset=null", "topology.levels=[{blocks: 2, modules: 2}, {blocks: 1, modules: 2}]"]
+    for job in ("prepare", "route", "pretrain"):
+        assert main([job, *TINY, f"run.dir={tmp_path / 'run'}", *levels]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: topology.levels: the levels hold 3 blocks but model.num_layers=2"), err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
 def test_help_loads_no_torch_and_config_show_prints_every_key(tmp_path):
     """Issue 34: `dipaco --help` took 6-18 s because it imported torch; `dipaco config show` did not exist."""
     import subprocess

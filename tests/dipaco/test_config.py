@@ -47,13 +47,6 @@ def test_overrides_apply():
     assert cfg.train.inner_steps == 20 and cfg.topology.preset == "grid:4x4"
 
 
-def test_levels_that_do_not_hold_the_model_are_refused_when_the_config_loads():
-    """Before, only the jobs that build the bank (train) checked it: `dipaco route` ran on such a config."""
-    with pytest.raises(ConfigError, match=r"^topology\.levels: the levels hold 3 blocks but model\.num_layers=2"):
-        load_config(CONFIGS / "demo.yaml", ["topology.preset=null",
-                                            "topology.levels=[{blocks: 2, modules: 2}, {blocks: 1, modules: 2}]"])
-
-
 @pytest.mark.parametrize(
     "override,key",
     [
