@@ -1238,7 +1238,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="every section at a tiny size (the CPU dry run: < 60 s)")
     p.add_argument("--budget-s", type=float, default=700.0, help="hard wall budget of the whole check")
     p.add_argument("--sections", default=",".join(SECTIONS),
-                   help="comma-separated subset to run (a second call can run what the first skipped)")
+                   help="comma-separated subset to run (a second call can run what the first skipped); "
+                        "the environment always runs")
     p.add_argument("--wheels", help="folder of wheels for the packages this machine lacks (scripts/gpu_wheels.sh)")
     p.add_argument("--site", help="where those wheels are installed (default: <work dir>/site)")
     p.add_argument("--data", help="folder of the prepared corpora (bbc_news.jsonl.gz ...), as ../shared/data")
