@@ -142,3 +142,16 @@ def test_a_bad_mode_fails_before_any_run_is_built(tmp_path):
     with pytest.raises(SystemExit, match="--modes: fast: choose from unbatched, path, module, inline, named, pinned"):
         bench.main(["--run", str(tmp_path / "none"), "--concurrency", "2", "--modes", "module,fast"])
     assert not (tmp_path / "none").exists()
+
+
+def test_a_bad_cpu_list_is_one_line_before_any_server_starts():
+    """`python -m bench serve` turns a DipacoError from its options into one line and status 2."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "bench", "serve", "--run", "no_such_run", "--concurrency", "2",
+                           "--server-cpus", str(os.cpu_count())], cwd=Path(bench.__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m bench serve: error: --server-cpus '{os.cpu_count()}': this machine has CPUs 0-{os.cpu_count() - 1}"]
