@@ -71,7 +71,17 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from bench.harness import REPO, Column, Results, argument_parser, command_line, markdown_table, settings_key, write_json
+from bench.harness import (
+    REPO,
+    Column,
+    Results,
+    argument_parser,
+    command_line,
+    markdown_table,
+    process_tree,
+    settings_key,
+    write_json,
+)
 
 NAME = "corpus_scale"
 DEFAULT_SHARED = REPO.parent / "shared" / "data"
@@ -291,20 +301,8 @@ def du(path: Path) -> int:
 def tree_anon_bytes(pid: int) -> int:
     """The summed anonymous RSS (``RssAnon``: heap and stacks, not file pages) of ``pid`` and its descendants,
     from /proc: the memory the processes own (a forked worker's pages shared with its parent count in each)."""
-    parent_of: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # the comm field may hold spaces: ppid is the second field after its closing ')'
-            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we read
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [p for p, pp in parent_of.items() if pp == parent and p not in tree]
-        tree.update(children)
-        frontier.extend(children)
     total = 0
-    for member in tree:
+    for member in process_tree(pid):
         try:
             total += int(Path(f"/proc/{member}/status").read_text().split("RssAnon:", 1)[1].split()[0]) * 1024
         except (OSError, IndexError, ValueError):

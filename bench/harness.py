@@ -104,6 +104,24 @@ def environment(device: str | None = None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- writing results
 
 
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and its living descendants, from /proc (Linux): a server with its router process, a job with its
+    workers."""
+    parent_of: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the comm field may hold spaces: ppid is the second field after its closing ')'
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we read
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parent_of.items() if pp == parent and p not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return tree
+
+
 def write_json(path: str | Path, value: Any, indent: int | None = 1, default: Callable[[Any], Any] | None = None) -> Path:
     """``value`` as strict JSON at ``path``, written atomically; the parent directory is created.
 

@@ -104,7 +104,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from bench.harness import REPO, Column, argument_parser, command_line, environment, markdown_table, write_json
+from bench.harness import (
+    REPO,
+    Column,
+    argument_parser,
+    command_line,
+    environment,
+    markdown_table,
+    process_tree,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from dipaco.serve.pipeline import Pipeline, PlannedGeneration
@@ -808,24 +817,16 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
 
 
 def cpu_seconds(server_pid: int) -> dict[str, float]:
-    """CPU seconds used so far by the server process and its children (the router's process), read from
+    """CPU seconds used so far by the server process and its descendants (the router's process), read from
     /proc (Linux), and by this process (the clients)."""
     tick = os.sysconf("SC_CLK_TCK")
-
-    def used(stat: str) -> tuple[int, float]:  # (parent pid, seconds): fields after the ")" that ends the name
-        fields = stat[stat.rindex(")") + 2:].split()
-        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
-
     server = 0.0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent, seconds = used(f.read())
-            except OSError:  # gone meanwhile
-                continue
-            if int(entry) == server_pid or parent == server_pid:
-                server += seconds
+    for pid in process_tree(server_pid):
+        try:  # utime and stime: the 12th and 13th fields after the ")" that ends the name
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        server += (int(fields[11]) + int(fields[12])) / tick
     return {"server": server, "clients": time.process_time()}
 
 

@@ -342,9 +342,8 @@ class ServeOptions:
     allow_unauthenticated: bool = False
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_connections: int | None = None
-    router_process: bool = True  # an LM-prefix router's forward in a process of its own (dipaco.serve.router_passes)
-    router_batch: int = 16  # prompts one router pass scores at most
-    router_cpus: tuple[int, ...] | None = None  # the router process's CPUs (None: wherever the OS puts it)
+    # an LM-prefix router's forward in a process of its own (the default), its CPUs, and the prompts of one pass
+    router: RouterOptions = field(default_factory=lambda: RouterOptions(in_child=True))
     app: AppOptions = field(default_factory=AppOptions)
 
 
@@ -767,15 +766,14 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
     try:
         pipeline = Pipeline.from_run(run_dir, experiment=o.experiment, checkpoint=o.checkpoint, device=o.device,
                                      precision=o.precision, cache_size=cache_size,
-                                     router=RouterOptions(in_child=o.router_process, batch=o.router_batch,
-                                                         cpus=o.router_cpus))
+                                     router=o.router)
         app = create_app(pipeline, o.app, token=token)
         config, guard = server_config(app, host, port, log_level, header_timeout_s, o.max_connections)
         guard.guard_listener(sock)
         info = pipeline.describe()
         caps = app.state.caps
         echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}"
-             f"{router_placement(pipeline.router_process is not None, o.router_cpus)}; "
+             f"{router_placement(pipeline.router_process is not None, o.router.cpus)}; "
              f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
              f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; {o.app.batching} "
              f"batching, up to {max_batch} rows{' per path' if o.app.batching == 'path' else ''} within "

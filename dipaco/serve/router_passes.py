@@ -125,7 +125,6 @@ class Routing:
     batch: int = 16
 
 
-
 @dataclass
 class RouterStats:
     """The router's passes, the prompts they scored, and their time: summed over passes, and summed over
