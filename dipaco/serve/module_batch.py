@@ -19,7 +19,9 @@ The one-module blocks are transformers' own (``LlamaDecoderLayer``, ``LlamaRMSNo
 the causal mask of ``transformers.masking_utils``), called as ``LlamaModel.forward`` calls them, so a lone row's
 computation is the one its composed path (an ordinary ``LlamaForCausalLM``) runs. Every weight is a view of the
 bank's on its device (the bank first moves each level's modules into one tensor, ``ModuleBank.colocate``, so that
-a level's stacked weights are views too): serving every path costs the bank's memory, not one model per path.
+a level's stacked weights are views too), but on a CPU, where the levels' stacked projections are held once more
+in the layout its batched matmul runs fastest (:func:`dipaco.serve.grouped_level.kernel_layout`): serving every
+path costs the bank's memory (the levels' twice on a CPU), not one model per path.
 
 KV caches: each level keeps one cache of its layers for the batch's rows, in batch order, every row
 right-aligned to the batch's width (shorter rows left-padded and masked, as in a per-path batch). A row that
@@ -183,8 +185,8 @@ class ModuleBatchState:
         self.paths = paths
         self.caches = [DynamicCache() for _ in decoder.levels]
         self._groups: dict[int | str, list[tuple]] = {}  # part (or "head") -> its modules' rows, while the rows stay
-        # level -> its rows module by module and their modules' weights, while the rows stay
-        self._layouts: dict[int, tuple[GroupLayout, list[StackedBlock]]] = {}
+        # (level, padded) -> its rows module by module and their modules' weights, while the rows stay
+        self._layouts: dict[tuple[int, bool], tuple[GroupLayout, list[StackedBlock]]] = {}
 
     def _level_groups(self, part: int) -> list[tuple[int, torch.Tensor | None]]:
         if part not in self._groups:
@@ -196,11 +198,12 @@ class ModuleBatchState:
             self._groups["head"] = self.decoder.head_groups(self.paths)
         return self._groups["head"]
 
-    def _layout(self, level: int, groups: list[tuple[int, torch.Tensor | None]]) -> tuple[GroupLayout, list[StackedBlock]]:
-        if level not in self._layouts:
-            layout = GroupLayout.of(groups, self.decoder.device)
-            self._layouts[level] = layout, self.decoder.levels[level].weights_for(layout)
-        return self._layouts[level]
+    def _layout(self, level: int, groups: list[tuple[int, torch.Tensor | None]],
+                padded: bool) -> tuple[GroupLayout, list[StackedBlock]]:
+        if (level, padded) not in self._layouts:
+            layout = GroupLayout.of(groups, self.decoder.device, padded)
+            self._layouts[level, padded] = layout, self.decoder.levels[level].weights_for(layout)
+        return self._layouts[level, padded]
 
     @property
     def joinable(self) -> bool:
@@ -227,7 +230,7 @@ class ModuleBatchState:
                     hidden = block(hidden, attention_mask=causal, position_ids=positions, use_cache=True,
                                    position_embeddings=position_embeddings, **{CACHE_KWARG: cache})
             else:
-                layout, blocks = self._layout(level, groups)
+                layout, blocks = self._layout(level, groups, padded=input_ids.shape[1] == 1)  # a step pads, a prefill packs
                 t = d._tick("layout", t)
                 hidden = d.levels[level].forward(hidden, layout, blocks, cache, causal, position_embeddings)
             t = d._tick("blocks", t)

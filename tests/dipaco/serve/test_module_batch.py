@@ -19,8 +19,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from dipaco.errors import DipacoError
 from dipaco.model.bank import ModuleBank
 from dipaco.model.topology import Topology
-from dipaco.serve.decode import CACHE_KWARG, DecodeRow, decode_batch, sampling_processors
-from dipaco.serve.grouped_level import GroupedLevel, GroupLayout, stack
+from dipaco.serve.decode import CACHE_KWARG, DecodeRow, decode_batch, left_padded, sampling_processors
+from dipaco.serve.grouped_level import GroupedLevel, GroupLayout, kernel_layout, stack
 from dipaco.serve.module_batch import MASK_CACHE_KWARG, ModuleBatchedDecoder, create_causal_mask
 
 EOS, PAD = 1, 0
@@ -114,17 +114,34 @@ def test_a_4x4_level_module_runs_on_the_rows_of_its_four_paths():
     assert set(stats.as_dict()["seconds"]) == {"embed", "mask", "layout", "blocks", "head"}
 
 
-def test_every_weight_is_the_banks_memory():
+def test_every_weight_is_the_banks_memory_but_the_levels_kernel_copy():
     config, _, bank = random_bank(**GRIDS["path_owned"])
     before = {k: v.clone() for k, v in bank.state_dict().items()}
     decoder = ModuleBatchedDecoder(bank, config)
     storages = {p.untyped_storage().data_ptr() for p in bank.params}
     weights = [w for level in decoder.levels for module in level.modules for w in module.parameters()]
-    weights += [t for level in decoder.levels for b in level.blocks for t in vars(b).values() if t is not None]
+    projections = {"qkv", "o", "gate_up", "down"}
+    weights += [t for level in decoder.levels for b in level.blocks for k, t in vars(b).items()
+                if t is not None and k not in projections]
     weights += [e.weight for e in decoder.embeddings] + [n.weight for n in decoder.norms]
     assert weights and all(w.untyped_storage().data_ptr() in storages for w in weights)  # views: no second copy
+    # on a CPU each level's projections are held once more, [K, in, out] as bmm reads them fastest
+    for level in decoder.levels:
+        for j, block in enumerate(level.blocks):
+            assert block.qkv.is_contiguous() and block.qkv.untyped_storage().data_ptr() not in storages
+            for k, module in enumerate(level.modules):
+                assert torch.equal(block.down[k], module[j].mlp.down_proj.weight.t())
     after = bank.state_dict()  # the bank moved its level modules, not their values
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_the_kernel_layout_copies_on_a_cpu_and_views_elsewhere():
+    weights = torch.arange(24.0).view(2, 4, 3)
+    on_cpu = kernel_layout(weights)
+    assert on_cpu.shape == (2, 3, 4) and on_cpu.is_contiguous() and torch.equal(on_cpu, weights.transpose(1, 2))
+    assert on_cpu.untyped_storage().data_ptr() != weights.untyped_storage().data_ptr()
+    elsewhere = kernel_layout(torch.empty(2, 4, 3, device="meta"))
+    assert elsewhere.shape == (2, 3, 4) and not elsewhere.is_contiguous()  # the view
 
 
 def test_stacking_is_a_view_of_colocated_modules_and_a_copy_otherwise():
@@ -139,11 +156,13 @@ def test_stacking_is_a_view_of_colocated_modules_and_a_copy_otherwise():
     assert torch.equal(copied, torch.stack([torch.cat(p) for p in apart]))
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "packed"])
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "biased"])
 @pytest.mark.parametrize("members", [[[0, 3], [1], [2, 4, 5]], [[1, 2], [], [0], []]], ids=["every_module", "some"])
-def test_a_grouped_level_computes_what_each_modules_blocks_do(bias, members):
+def test_a_grouped_level_computes_what_each_modules_blocks_do(bias, members, padded):
     """The stacked-weight level against each module's transformers blocks on its own rows: rows padded and
-    masked, a prefill then a decoding step, every module or a selection of them, with biases or without."""
+    masked, a prefill then a decoding step, every module or a selection of them, with biases or without, the
+    groups padded to one width or packed end to end."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, attention_bias=bias, mlp_bias=bias, use_cache=True)
@@ -152,7 +171,7 @@ def test_a_grouped_level_computes_what_each_modules_blocks_do(bias, members):
     level = GroupedLevel(config, states, range(2))
     rows = sorted(r for group in members for r in group)
     groups = [(k, torch.tensor(g)) for k, g in enumerate(members) if g]
-    layout = GroupLayout.of(groups, torch.device("cpu"))
+    layout = GroupLayout.of(groups, torch.device("cpu"), padded)
     rotary = LlamaRotaryEmbedding(config)
     mask = torch.ones(len(rows), 7, dtype=torch.long)
     mask[0, :3] = 0  # a left-padded row
@@ -177,10 +196,36 @@ def test_a_grouped_level_computes_what_each_modules_blocks_do(bias, members):
 def test_a_group_layout_pads_each_module_to_the_largest_and_gathers_back():
     groups = [(0, torch.tensor([1, 3])), (2, torch.tensor([0, 2, 4]))]
     layout = GroupLayout.of(groups, torch.device("cpu"))
-    assert layout.width == 3 and layout.modules.tolist() == [0, 2]
-    assert layout.pad_index.tolist() == [1, 3, 1, 0, 2, 4]  # module 0's rows, one pad (its first row), module 2's
+    assert layout.width == 3 and layout.modules.tolist() == [0, 2] and layout.spans == ((0, 3), (3, 6))
+    assert layout.order.tolist() == [1, 3, 1, 0, 2, 4]  # module 0's rows, one pad (its first row), module 2's
+    assert layout.slot_modules.tolist() == [0, 0, 0, 2, 2, 2]
     rows = torch.arange(5.0)
-    assert torch.equal(rows[layout.pad_index][layout.inverse], rows)
+    assert torch.equal(rows[layout.order][layout.inverse], rows)
+
+
+def test_a_packed_group_layout_lays_the_groups_end_to_end():
+    groups = [(0, torch.tensor([1, 3])), (2, torch.tensor([0, 2, 4]))]
+    layout = GroupLayout.of(groups, torch.device("cpu"), padded=False)
+    assert layout.width == 0 and layout.order.tolist() == [1, 3, 0, 2, 4] and layout.spans == ((0, 2), (2, 5))
+    assert layout.slot_modules.tolist() == [0, 0, 2, 2, 2]
+    rows = torch.arange(5.0)
+    assert torch.equal(rows[layout.order][layout.inverse], rows)
+
+
+def test_a_prefill_packs_its_rows_and_a_step_pads_them():
+    config, _, bank = random_bank(**GRIDS["4x4"])
+    decoder = ModuleBatchedDecoder(bank, config)
+    rows = [DecodeRow([3, 4, 5], 2, path=p) for p in (0, 1, 5, 6, 7)]  # level 0: modules 0 and 1, unevenly
+    ids, mask, positions = left_padded(rows, PAD, "cpu")
+    state = decoder.new_state(rows)
+    with torch.inference_mode():
+        state.forward(ids, mask, positions, 1)
+        assert {padded for _, padded in state._layouts} == {False}
+        state.forward(ids[:, -1:], torch.cat([mask, mask[:, -1:]], 1), positions[:, -1:] + 1, 1)
+    assert {padded for _, padded in state._layouts} == {False, True}
+    for (_, padded), (layout, _) in state._layouts.items():  # packed: each row once; padded: groups of one width
+        assert len(layout.order) == (layout.width * len(layout.spans) if padded else len(rows))
+        assert (layout.width > 1) == padded
 
 
 def test_a_path_outside_the_bank_is_refused():
