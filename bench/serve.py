@@ -148,8 +148,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-workers", type=int, default=1, help="concurrency: both servers' --decode-workers")
     p.add_argument("--pin-path", type=int, help="concurrency: the path the pinned mode's requests name (default 0)")
     p.add_argument("--server-cpus", help="concurrency: every server's CPUs (taskset -c list; default: any)")
-    p.add_argument("--router-cpus", help="concurrency: the router process's CPUs (dipaco serve --router-cpus) in "
-                                         "every mode that has one (not inline)")
+    p.add_argument("--router-cpus", help="concurrency: the router process's CPUs (dipaco serve --router-cpus: its "
+                                         "server moves off them) in every mode that has one (not inline)")
     p.add_argument("--client-cpus", help="concurrency: the clients' CPUs (this process's, while it loads the servers)")
     p.add_argument("--modes", default="unbatched,path,module,inline,named,pinned",
                    help=f"concurrency: the servers to compare, of {', '.join(SERVER_MODES)}")

@@ -273,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoding instead of taking turns with it for Python's interpreter lock; "
                         "--no-router-process: in the server's process")
     p.add_argument("--router-cpus", default=None, metavar="LIST",
-                   help="run the router process on these CPUs only (as taskset -c takes them: 1, or 2-3,5), so that "
-                        "routing does not take the decoding thread's CPU; default: wherever the OS puts it")
+                   help="run the router process on these CPUs only (as taskset -c takes them: 1, or 2-3,5) and the "
+                        "server off them (when it may use others), so that routing does not take the decoding thread's "
+                        "CPU; default: wherever the OS puts them")
     p.add_argument("--router-batch", type=int, default=16,
                    help="prompts one router pass scores at most (those waiting when the router frees up; "
                         "prompts of one length share a forward)")

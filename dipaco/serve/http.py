@@ -91,7 +91,7 @@ from dipaco.serve.connections import (
 )
 from dipaco.serve.metrics import ACCESS_LOGGER, CLIENT_GONE, AccessLog, ServeMetrics
 from dipaco.serve.pipeline import DEFAULT_CACHE_SIZE, TOKENIZER_COPIES, Pipeline, PlannedGeneration, Scored
-from dipaco.serve.router_passes import RouterOptions
+from dipaco.serve.router_passes import RouterOptions, leave_cpus
 
 DEFAULT_NEW_TOKENS = 32  # when a request does not say (never above the cap nor past the model's positions)
 JSON_BYTES_PER_BYTE = 6  # the longest JSON spelling of one UTF-8 byte of a string: "\\u00XX" (or 12 for 4)
@@ -746,10 +746,13 @@ def _log_access_to_stderr(log_level: str) -> None:
     log.setLevel(log_level.upper())
 
 
-def router_placement(own_process: bool, cpus: tuple[int, ...] | None) -> str:
+def router_placement(own_process: bool, cpus: tuple[int, ...] | None, server_cpus: tuple[int, ...] | None) -> str:
     if not own_process:
         return ""
-    return " (own process)" if cpus is None else f" (own process, CPUs {','.join(map(str, cpus))})"
+    if cpus is None:
+        return " (own process)"
+    server = "the server shares them" if server_cpus is None else f"the server on {','.join(map(str, server_cpus))}"
+    return f" (own process, CPUs {','.join(map(str, cpus))}; {server})"
 
 
 def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
@@ -763,6 +766,8 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
     check_exposure(host, token, o.allow_unauthenticated)  # before binding or loading anything
     sock = listening_socket(host, port)  # before loading: a port in use fails at once
     pipeline: Pipeline | None = None
+    # off the router's CPUs before any thread starts (the router process then moves itself onto them)
+    server_cpus = leave_cpus(o.router.cpus) if o.router.in_child and o.router.cpus is not None else None
     try:
         pipeline = Pipeline.from_run(run_dir, experiment=o.experiment, checkpoint=o.checkpoint, device=o.device,
                                      precision=o.precision, cache_size=cache_size,
@@ -773,7 +778,7 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
         info = pipeline.describe()
         caps = app.state.caps
         echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}"
-             f"{router_placement(pipeline.router_process is not None, o.router.cpus)}; "
+             f"{router_placement(pipeline.router_process is not None, o.router.cpus, server_cpus)}; "
              f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
              f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; {o.app.batching} "
              f"batching, up to {max_batch} rows{' per path' if o.app.batching == 'path' else ''} within "

@@ -53,6 +53,11 @@ def test_placement_puts_servers_routers_and_clients_on_their_cpus(served_run):
         children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
         # the router process where it was put (multiprocessing's resource tracker, if started, stays with the server)
         assert {last} in [os.sched_getaffinity(int(child)) for child in children]
+    # the router's CPUs alone: the server moves off them itself
+    with bench.dipaco_serve(Path(served_run.run.dir), None, 1, extra_args=("--router-cpus", str(last))) as (_, server):
+        assert os.sched_getaffinity(server.pid) == (os.sched_getaffinity(0) - {last} or os.sched_getaffinity(0))
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+        assert {last} in [os.sched_getaffinity(int(child)) for child in children]
     before = os.sched_getaffinity(0)
     with bench.running_on((last,)):
         assert os.sched_getaffinity(0) == {last}

@@ -211,3 +211,32 @@ def test_cpus_the_os_refuses_are_a_clear_error_naming_the_cpus_allowed(monkeypat
     with pytest.raises(DipacoError, match=r"--router-cpus 0: the router process cannot run there .*CPUs "
                        + re.escape(str(allowed))):
         router_passes._run_on((0,))
+
+
+def test_the_server_leaves_the_routers_cpus_with_every_thread_it_has_and_starts():
+    import subprocess
+    import sys
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    last = max(allowed)
+    script = (  # in a process of its own: pytest's CPUs stay as they are
+        "import os, threading\n"
+        "from dipaco.serve.router_passes import leave_cpus\n"
+        "gate = threading.Event()\n"
+        "before = threading.Thread(target=gate.wait); before.start()\n"
+        f"print(sorted(leave_cpus(({last},))))\n"
+        "after = threading.Thread(target=gate.wait); after.start()\n"
+        "print(sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir('/proc/self/task')}))\n"
+        "gate.set()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    rest = sorted(allowed - {last})
+    assert out[0] == str(rest) and out[1] == str([tuple(rest)])  # both threads and the main one
+
+
+def test_a_server_with_only_the_routers_cpus_stays_where_it_is():
+    from dipaco.serve.router_passes import leave_cpus
+
+    allowed = os.sched_getaffinity(0)
+    assert leave_cpus(tuple(allowed)) is None and os.sched_getaffinity(0) == allowed
