@@ -115,7 +115,9 @@ class StackedBlock:
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
 
-    def for_layout(self, layout: GroupLayout, every_module: bool) -> StackedBlock:
+    def for_layout(self, layout: GroupLayout) -> StackedBlock:
+        every_module = len(layout.modules) == self.input_norm.shape[0]  # ascending and distinct: every module, in order
+
         def norm(t: torch.Tensor) -> torch.Tensor:
             return t.index_select(0, layout.slot_modules).unsqueeze(1)
 
@@ -134,7 +136,6 @@ class GroupedLevel:
     def __init__(self, config: LlamaConfig, module_states: Sequence[dict[str, torch.Tensor]], layers: range) -> None:
         self.config = config
         self.eps = config.rms_norm_eps
-        self.num_modules = len(module_states)
         first_layer = f"model.layers.{layers[0]}."
         self.split = [module_states[0][first_layer + n + ".weight"].shape[0] for n in PROJECTIONS["qkv"]]  # q, k, v
         self.blocks = [self._stack(module_states, f"model.layers.{layer}.") for layer in layers]
@@ -175,8 +176,7 @@ class GroupedLevel:
     def weights_for(self, layout: GroupLayout) -> list[StackedBlock]:
         """The stacked blocks as ``layout`` reads them (norms gathered per slot; a padded layout of some modules
         selects theirs, a copy): callers keep them while the layout stays."""
-        every_module = len(layout.modules) == self.num_modules  # ascending and distinct: every module, in order
-        return [b.for_layout(layout, every_module) for b in self.blocks]
+        return [b.for_layout(layout) for b in self.blocks]
 
     def forward(self, hidden: torch.Tensor, layout: GroupLayout, blocks: Sequence[StackedBlock], cache: DynamicCache,
                 causal_mask: torch.Tensor | None, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
