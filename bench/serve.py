@@ -34,7 +34,8 @@
    ``--new-tokens`` each. Reports generated tokens/s, p50/p99 latency, rows per forward pass and, under
    module batching, rows per level module and the time per stage (embed, mask, layout, blocks, head),
    and, routed, the prompts and time per router pass, all from the server's ``/metrics``; and the cores
-   busy (CPU seconds per second) in each server with its router process, and in the clients.
+   busy (CPU seconds per second) in each server with its router process, and in the clients; where each
+   server and its router process ran (``cpus_seen``: ``dipaco serve --router-cpus``, ``auto`` unless given).
    Targets (issue 61, on a 4x4 grid: ``--grid 4x4``): module >= 3x
    unbatched throughput and >= 0.8 of pinned (routed, and named), module p99 no worse than per-path batching.
 6. **Agreement** (``--agreement N``): in one process, N prompts decoded alone (batches of one) and in
@@ -148,8 +149,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-workers", type=int, default=1, help="concurrency: both servers' --decode-workers")
     p.add_argument("--pin-path", type=int, help="concurrency: the path the pinned mode's requests name (default 0)")
     p.add_argument("--server-cpus", help="concurrency: every server's CPUs (taskset -c list; default: any)")
-    p.add_argument("--router-cpus", help="concurrency: the router process's CPUs (dipaco serve --router-cpus: its "
-                                         "server moves off them) in every mode that has one (not inline)")
+    p.add_argument("--router-cpus", help="concurrency: dipaco serve --router-cpus (a list, auto or none: where the "
+                                         "router process runs, the server off it) in every mode that has one (not "
+                                         "inline); default: dipaco serve's (auto)")
     p.add_argument("--client-cpus", help="concurrency: the clients' CPUs (this process's, while it loads the servers)")
     p.add_argument("--modes", default="unbatched,path,module,inline,named,pinned",
                    help=f"concurrency: the servers to compare, of {', '.join(SERVER_MODES)}")
@@ -731,16 +733,16 @@ class Placement:
     process of every mode that has one, and the clients."""
 
     server: tuple[int, ...] | None = None
-    router: tuple[int, ...] | None = None
+    router: tuple[int, ...] | str | None = None  # or dipaco serve's words: "auto" (its default), "none"
     clients: tuple[int, ...] | None = None
 
     def router_flags(self, flags: Sequence[str]) -> tuple[str, ...]:
         if self.router is None or "--no-router-process" in flags:
             return ()
-        return ("--router-cpus", ",".join(map(str, self.router)))
+        return ("--router-cpus", self.router if isinstance(self.router, str) else ",".join(map(str, self.router)))
 
     def as_json(self) -> Json:
-        return {side: None if cpus is None else list(cpus) for side, cpus in vars(self).items()}
+        return {side: list(cpus) if isinstance(cpus, tuple) else cpus for side, cpus in vars(self).items()}
 
 
 @contextlib.contextmanager
@@ -798,13 +800,14 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
                 port = servers[name][0]
                 parts[name].append(closed_loop(port, loads[name][2], clients, seconds / rounds, keep_latencies=True))
         after = {name: (scrape(port), cpu_seconds(server.pid)) for name, (port, server) in servers.items()}
+        seen = {name: affinities(server.pid) for name, (_, server) in servers.items()}
     for name, (flags, paths, _) in loads.items():
         wall = sum(part["wall_s"] for part in parts[name])
         row = combined(parts[name])
         row.update(forward_passes(before[name][0], after[name][0]))
         # Cores busy over its load: the server with its router process (CPU seconds per second).
         row["server_cores"] = (after[name][1]["server"] - before[name][1]["server"]) / wall
-        row.update(wall_s=wall, cache_size=cache_size, server_flags=" ".join(flags), paths=paths)
+        row.update(wall_s=wall, cache_size=cache_size, server_flags=" ".join(flags), paths=paths, cpus_seen=seen[name])
         out[name] = row
         module = f", {row['rows_per_module']:.1f} rows per module" if row.get("rows_per_module") else ""
         print(f"[bench] {name} ({row['server_flags']}), {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
@@ -813,6 +816,16 @@ def bench_concurrency(run: Path, experiment: str | None, prompts: list[str], cli
     first, last = before[names[0]][1], after[names[0]][1]
     out["client_cores"] = (last["clients"] - first["clients"]) / sum(out[name]["wall_s"] for name in names)
     out.update(concurrency_targets(out))
+    return out
+
+
+def affinities(server_pid: int) -> Json:
+    """The CPUs the server process may run on, and each of its descendants' (the router's process among them):
+    where ``dipaco serve --router-cpus`` put them."""
+    out: Json = {"server": sorted(os.sched_getaffinity(server_pid)), "children": []}
+    for pid in sorted(process_tree(server_pid) - {server_pid}):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            out["children"].append(sorted(os.sched_getaffinity(pid)))
     return out
 
 
@@ -1214,7 +1227,8 @@ def placement(args: argparse.Namespace) -> Placement:
         text = getattr(args, option.removeprefix("--").replace("-", "_"))
         return None if text is None else parse_cpus(text, option)
 
-    return Placement(cpus("--server-cpus"), cpus("--router-cpus"), cpus("--client-cpus"))
+    router = args.router_cpus if args.router_cpus in ("auto", "none") else cpus("--router-cpus")
+    return Placement(cpus("--server-cpus"), router, cpus("--client-cpus"))
 
 
 def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts: list[str]) -> Json:

@@ -135,14 +135,9 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _router_cpus(args: argparse.Namespace) -> tuple[int, ...] | None:
-    from dipaco.serve.router_passes import parse_cpus
+    from dipaco.serve.router_passes import router_cpus
 
-    if args.router_cpus is None:
-        return None
-    if not args.router_process:
-        raise DipacoError("--router-cpus places the router process: it needs --router-process (the default), "
-                          "not --no-router-process")
-    return parse_cpus(args.router_cpus)
+    return router_cpus(args.router_cpus, args.router_process)
 
 
 def _spec_of_old_run(args: argparse.Namespace) -> None:
@@ -272,10 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an LM-prefix router runs its forward pass in a process of its own (default), beside "
                         "decoding instead of taking turns with it for Python's interpreter lock; "
                         "--no-router-process: in the server's process")
-    p.add_argument("--router-cpus", default=None, metavar="LIST",
-                   help="run the router process on these CPUs only (as taskset -c takes them: 1, or 2-3,5) and the "
-                        "server off them (when it may use others), so that routing does not take the decoding thread's "
-                        "CPU; default: wherever the OS puts them")
+    p.add_argument("--router-cpus", default="auto", metavar="LIST",
+                   help="run an LM-prefix router's process on these CPUs only (as taskset -c takes them: 1, or 2-3,5) "
+                        "and the server off them, with no more torch threads than CPUs, so that routing does not take "
+                        "the decoding thread's CPU; auto (default): the last CPU, when the server may use two or more; "
+                        "none: wherever the OS puts them")
     p.add_argument("--router-batch", type=int, default=16,
                    help="prompts one router pass scores at most (those waiting when the router frees up; "
                         "prompts of one length share a forward)")

@@ -69,6 +69,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dipaco.errors import DipacoError
 from dipaco.metrics import echo
 from dipaco.serve import openai_api as oa
@@ -751,7 +753,9 @@ def router_placement(own_process: bool, cpus: tuple[int, ...] | None, server_cpu
         return ""
     if cpus is None:
         return " (own process)"
-    server = "the server shares them" if server_cpus is None else f"the server on {','.join(map(str, server_cpus))}"
+    threads = f"{torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() > 1 else ''}"
+    server = f"the server shares them, {threads}" if server_cpus is None else \
+        f"the server on {','.join(map(str, server_cpus))}, {threads}"
     return f" (own process, CPUs {','.join(map(str, cpus))}; {server})"
 
 
@@ -766,19 +770,21 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
     check_exposure(host, token, o.allow_unauthenticated)  # before binding or loading anything
     sock = listening_socket(host, port)  # before loading: a port in use fails at once
     pipeline: Pipeline | None = None
-    # off the router's CPUs before any thread starts (the router process then moves itself onto them)
-    server_cpus = leave_cpus(o.router.cpus) if o.router.in_child and o.router.cpus is not None else None
     try:
         pipeline = Pipeline.from_run(run_dir, experiment=o.experiment, checkpoint=o.checkpoint, device=o.device,
                                      precision=o.precision, cache_size=cache_size,
                                      router=o.router)
+        # Only a router with a process of its own has CPUs to leave to it (the process moved itself onto them);
+        # every thread started so far moves, and those started later inherit it.
+        router_cpus = o.router.cpus if pipeline.router_process is not None else None
+        server_cpus = None if router_cpus is None else leave_cpus(router_cpus)
         app = create_app(pipeline, o.app, token=token)
         config, guard = server_config(app, host, port, log_level, header_timeout_s, o.max_connections)
         guard.guard_listener(sock)
         info = pipeline.describe()
         caps = app.state.caps
         echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}"
-             f"{router_placement(pipeline.router_process is not None, o.router.cpus, server_cpus)}; "
+             f"{router_placement(pipeline.router_process is not None, router_cpus, server_cpus)}; "
              f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
              f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; {o.app.batching} "
              f"batching, up to {max_batch} rows{' per path' if o.app.batching == 'path' else ''} within "

@@ -9,15 +9,18 @@ decoding batch all the while. :class:`RouterBatcher` takes every prompt waiting 
 one pass, and one forward per prompt length in it (16 prompts of 32 tokens: 11.3 ms in one forward, 38.6 ms one
 by one). With ``dipaco serve --router-process`` (the default) the forward runs in a child process
 (:class:`RouterProcess`), so its Python (most of a small model's forward) does not hold the interpreter lock the
-decoding loop needs, and ``--router-cpus`` puts that process on CPUs of its own, so that it does not take the
-decoding thread's either; docs/notes/2026-11-29-router-passes.md has the measurements.
+decoding loop needs, and ``--router-cpus`` (by default the last CPU, when there are two or more) puts that
+process on CPUs of its own and the server off them, so that it does not take the decoding thread's CPU either;
+docs/notes/2026-11-29-router-passes.md and docs/notes/2026-11-29-default-placement.md have the measurements.
 
 Guarantee: a prompt's scores do not depend on what else is routed with it. Prompts share a forward only when
 they have the same number of tokens, so no row is padded and every row's products are its own; that the
 matrix kernels give a row the same bits whatever the number of rows is checked, not assumed
 (``tests/dipaco/serve/test_router_passes.py``; on a device where it failed, ``--router-batch 1`` routes one
 prompt a pass). The child process computes the same function on weights read from the same files, at the
-same precision and number of torch threads, so its scores are the in-process ones bit for bit.
+same precision and, when it has as many CPUs, number of torch threads, so its scores are the in-process ones bit
+for bit. Placed on fewer CPUs it runs fewer threads; torch does not promise the same bits then, and the tests
+check that a router process on one CPU routes every prompt as the server's own forward does.
 """
 
 from __future__ import annotations
@@ -97,6 +100,22 @@ class RouterOptions:
     in_child: bool = False
     batch: int = 16
     cpus: tuple[int, ...] | None = None  # the child's CPUs (``--router-cpus``); None: wherever the OS puts it
+
+
+def router_cpus(text: str, in_child: bool) -> tuple[int, ...] | None:
+    """``dipaco serve --router-cpus``: ``auto`` (the default) is the last CPU this process may use, when it may use
+    two or more and the router has a process of its own; ``none`` leaves both where the OS puts them; anything
+    else is a list for :func:`parse_cpus`. On the 2-core benchmark machine a routed load had 0.59 of a pinned load's
+    throughput unplaced, 0.92 placed (docs/notes/2026-11-29-default-placement.md)."""
+    if text == "none":
+        return None
+    if text == "auto":
+        allowed = os.sched_getaffinity(0)
+        return (max(allowed),) if in_child and len(allowed) >= 2 else None
+    if not in_child:
+        raise DipacoError("--router-cpus places the router process: it needs --router-process (the default), "
+                          "not --no-router-process")
+    return parse_cpus(text)
 
 
 def parse_cpus(text: str, option: str = "--router-cpus") -> tuple[int, ...]:
@@ -201,7 +220,7 @@ class RouterSource:
     llama_config: LlamaConfig  # the pretrained model's shape, checked on loading as in the server
     device: str
     precision: str
-    threads: int  # torch's intra-op threads: the server's, so the products sum in the same order
+    threads: int  # torch's intra-op threads: the server's (at most ``cpus``' count), so the products sum in one order
     cpus: tuple[int, ...] | None = None  # where the child runs (os.sched_setaffinity); None: anywhere
 
 
@@ -218,7 +237,8 @@ def _start(source: RouterSource) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), name="dipaco-router-parent", daemon=True).start()
-    torch.set_num_threads(source.threads)
+    # No more threads than CPUs: two OpenMP threads on one CPU wait on each other at every parallel region.
+    torch.set_num_threads(source.threads if source.cpus is None else min(source.threads, len(source.cpus)))
     try:
         if source.cpus is not None:
             _run_on(source.cpus)
@@ -244,9 +264,10 @@ def _run_on(cpus: tuple[int, ...]) -> None:
 
 def leave_cpus(cpus: tuple[int, ...]) -> tuple[int, ...] | None:
     """Moves this process off ``cpus`` (the router's) when it may run elsewhere: every thread it has, and so every
-    thread it starts later. With only the router held to its CPUs the decoding thread still met its forward there:
-    a routed load had 0.61 of a pinned load's throughput on the 2-core benchmark machine, 0.90 with the server
-    moved off them (docs/notes/2026-11-29-module-batch-kernels.md). Returns the CPUs this process now runs on, or None when
+    thread it starts later, and torch's intra-op threads down to the CPUs left when they were more. With only the
+    router held to its CPUs the decoding thread still met its forward there: a routed load had 0.61 of a pinned
+    load's throughput on the 2-core benchmark machine, 0.90 with the server moved off them
+    (docs/notes/2026-11-29-module-batch-kernels.md). Returns the CPUs this process now runs on, or None when
     ``cpus`` are all it may use (it stays)."""
     rest = tuple(sorted(os.sched_getaffinity(0) - set(cpus)))
     if not rest:
@@ -256,6 +277,7 @@ def leave_cpus(cpus: tuple[int, ...]) -> tuple[int, ...] | None:
             os.sched_setaffinity(int(task), rest)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
+    torch.set_num_threads(min(torch.get_num_threads(), len(rest)))
     return rest
 
 

@@ -53,11 +53,17 @@ def test_placement_puts_servers_routers_and_clients_on_their_cpus(served_run):
         children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
         # the router process where it was put (multiprocessing's resource tracker, if started, stays with the server)
         assert {last} in [os.sched_getaffinity(int(child)) for child in children]
-    # the router's CPUs alone: the server moves off them itself
-    with bench.dipaco_serve(Path(served_run.run.dir), None, 1, extra_args=("--router-cpus", str(last))) as (_, server):
-        assert os.sched_getaffinity(server.pid) == (os.sched_getaffinity(0) - {last} or os.sched_getaffinity(0))
-        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
-        assert {last} in [os.sched_getaffinity(int(child)) for child in children]
+    # dipaco serve's default (--router-cpus auto): the router process on the last CPU, the server moved off it
+    allowed = os.sched_getaffinity(0)
+    with bench.dipaco_serve(Path(served_run.run.dir), None, None) as (_, server):
+        seen = bench.affinities(server.pid)
+        if len(allowed) >= 2:
+            assert seen["server"] == sorted(allowed - {last}) and [last] in seen["children"]
+        else:
+            assert seen["server"] == sorted(allowed)
+    with bench.dipaco_serve(Path(served_run.run.dir), None, 1, extra_args=("--router-cpus", "none")) as (_, server):
+        seen = bench.affinities(server.pid)
+        assert seen["server"] == sorted(allowed) and seen["children"] and all(c == sorted(allowed) for c in seen["children"])
     before = os.sched_getaffinity(0)
     with bench.running_on((last,)):
         assert os.sched_getaffinity(0) == {last}
@@ -67,6 +73,8 @@ def test_placement_puts_servers_routers_and_clients_on_their_cpus(served_run):
                                   new_tokens=4, threads=1, max_batch=4, batch_wait_ms=5, modes=("module", "inline"),
                                   placement=placement)
     assert out["cpus"] == {"server": [0], "router": [last], "clients": [last]}
+    assert out["module"]["cpus_seen"] == {"server": [0], "children": out["module"]["cpus_seen"]["children"]}
+    assert [last] in out["module"]["cpus_seen"]["children"]
     assert f"--router-cpus {last}" in out["module"]["server_flags"] and "--router-cpus" not in out["inline"]["server_flags"]
     assert out["module"]["requests"] > 0 and out["inline"]["requests"] > 0
 

@@ -13,7 +13,7 @@ import torch
 
 from dipaco.errors import DipacoError
 from dipaco.serve.pipeline import Pipeline
-from dipaco.serve.router_passes import RouterBatcher, RouterOptions, lm_prefix_scores, parse_cpus
+from dipaco.serve.router_passes import RouterBatcher, RouterOptions, lm_prefix_scores, parse_cpus, router_cpus
 
 PROMPTS = [
     "The government said on Tuesday that the economy had grown faster than expected in the last quarter",
@@ -171,6 +171,8 @@ def test_router_cpus_pin_the_router_process_and_routing_is_unchanged(pipe, serve
     try:
         assert pinned.router_process is not None
         assert pinned.router_process._pool.submit(os.sched_getaffinity, 0).result() == {cpu}
+        # no more torch threads than its CPUs; routes as in this process, whatever its thread count
+        assert pinned.router_process._pool.submit(torch.get_num_threads).result() == 1
         assert [pinned.route(text) for text in PROMPTS] == [pipe.route(text) for text in PROMPTS]
     finally:
         pinned.close()
@@ -189,6 +191,18 @@ def test_router_cpus_take_taskset_lists(text, cpus):
 def test_router_cpus_that_are_not_a_list_are_a_clear_error(text):
     with pytest.raises(DipacoError, match="expected CPU numbers and ranges"):
         parse_cpus(text)
+
+
+def test_router_cpus_auto_is_the_last_cpu_for_a_router_process_when_there_are_two(monkeypatch):
+    from dipaco.serve import router_passes
+
+    monkeypatch.setattr(router_passes.os, "sched_getaffinity", lambda pid: {0, 2, 5})
+    assert router_cpus("auto", in_child=True) == (5,)
+    assert router_cpus("auto", in_child=False) is None  # routed in the server: nothing to place
+    assert router_cpus("none", in_child=True) is None
+    assert router_cpus("0", in_child=True) == (0,)
+    monkeypatch.setattr(router_passes.os, "sched_getaffinity", lambda pid: {3})
+    assert router_cpus("auto", in_child=True) is None  # one CPU: the router cannot have one of its own
 
 
 def test_router_cpus_beyond_the_machine_or_without_a_router_process_are_refused(served_run, capsys):
@@ -222,17 +236,20 @@ def test_the_server_leaves_the_routers_cpus_with_every_thread_it_has_and_starts(
         pytest.skip("needs two CPUs")
     last = max(allowed)
     script = (  # in a process of its own: pytest's CPUs stay as they are
-        "import os, threading\n"
+        "import os, threading, torch\n"
         "from dipaco.serve.router_passes import leave_cpus\n"
+        f"torch.set_num_threads({len(allowed)})\n"
         "gate = threading.Event()\n"
         "before = threading.Thread(target=gate.wait); before.start()\n"
         f"print(sorted(leave_cpus(({last},))))\n"
         "after = threading.Thread(target=gate.wait); after.start()\n"
         "print(sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir('/proc/self/task')}))\n"
+        "print(torch.get_num_threads())\n"
         "gate.set()\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
     rest = sorted(allowed - {last})
     assert out[0] == str(rest) and out[1] == str([tuple(rest)])  # both threads and the main one
+    assert out[2] == str(len(rest))  # torch's threads: no more than the CPUs left
 
 
 def test_a_server_with_only_the_routers_cpus_stays_where_it_is():
@@ -240,3 +257,13 @@ def test_a_server_with_only_the_routers_cpus_stays_where_it_is():
 
     allowed = os.sched_getaffinity(0)
     assert leave_cpus(tuple(allowed)) is None and os.sched_getaffinity(0) == allowed
+
+
+def test_the_start_up_line_says_where_the_router_and_the_server_run():
+    from dipaco.serve.http import router_placement
+
+    threads = torch.get_num_threads()
+    assert router_placement(False, (1,), None) == ""  # routed in the server
+    assert router_placement(True, None, None) == " (own process)"
+    assert router_placement(True, (1,), (0,)) == \
+        f" (own process, CPUs 1; the server on 0, {threads} torch thread{'s' if threads > 1 else ''})"
