@@ -119,7 +119,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from dipaco.serve.auth import resolve_token
     from dipaco.serve.http import AppOptions, ServeOptions, serve
-    from dipaco.serve.router_passes import RouterOptions
+    from dipaco.serve.router_passes import RouterOptions, router_cpus
 
     _spec_of_old_run(args)
     app = AppOptions(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_cap=args.max_new_tokens_cap,
@@ -131,13 +131,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
                                  token=resolve_token(args.token), allow_unauthenticated=args.allow_unauthenticated,
                                  header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
                                  router=RouterOptions(in_child=args.router_process, batch=args.router_batch,
-                                                      cpus=_router_cpus(args)), app=app))
-
-
-def _router_cpus(args: argparse.Namespace) -> tuple[int, ...] | None:
-    from dipaco.serve.router_passes import router_cpus
-
-    return router_cpus(args.router_cpus, args.router_process)
+                                                      cpus=router_cpus(args.router_cpus, args.router_process)),
+                                 app=app))
 
 
 def _spec_of_old_run(args: argparse.Namespace) -> None:

@@ -220,7 +220,7 @@ class RouterSource:
     llama_config: LlamaConfig  # the pretrained model's shape, checked on loading as in the server
     device: str
     precision: str
-    threads: int  # torch's intra-op threads: the server's (at most ``cpus``' count), so the products sum in one order
+    threads: int  # torch's intra-op threads: the server's, so the products sum in one order (at most one a CPU of cpus)
     cpus: tuple[int, ...] | None = None  # where the child runs (os.sched_setaffinity); None: anywhere
 
 
