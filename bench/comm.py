@@ -50,7 +50,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,7 @@ from bench.harness import (
     argument_parser,
     command_line,
     environment,
+    free_port,
     markdown_table,
     parse_row,
     safe_name,
@@ -129,13 +129,6 @@ def base_overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[s
         f"topology.preset={args.topology}", f"train.rounds={args.rounds}", f"train.inner_steps={args.inner_steps}",
         f"train.optim.batch_size={args.batch}", "train.optim.warmup_steps=20", "eval.batch_size=32", "eval.max_docs=300",
     ]
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now, for one job's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_job(cfg_file: Path, nproc: int, name: str, overrides: list[str], netns: str | None = None) -> float:

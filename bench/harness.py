@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import shlex
+import socket
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -120,6 +121,13 @@ def process_tree(pid: int) -> set[int]:
         tree.update(children)
         frontier.extend(children)
     return tree
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now: for a server a benchmark starts, or a job's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def write_json(path: str | Path, value: Any, indent: int | None = 1, default: Callable[[Any], Any] | None = None) -> Path:

@@ -111,6 +111,7 @@ from bench.harness import (
     argument_parser,
     command_line,
     environment,
+    free_port,
     markdown_table,
     process_tree,
     write_json,
@@ -334,12 +335,6 @@ def bench_latency(pipe: Pipeline, prompts: list[str], new_tokens: int, warmup: i
 
 
 # --- the server: started, asked, scraped ------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def exchange(conn: http.client.HTTPConnection, method: str, path: str, body: Body | None = None) -> tuple[int, bytes]:
     """One request on ``conn`` (reconnected if closed): its status and whole answer. A callable ``body`` gives the
     chunks of a chunked body (no Content-Length). Raises OSError/HTTPException when the server does not answer."""

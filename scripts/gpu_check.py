@@ -52,7 +52,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,7 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run by path: the bench package is at the repository root
 
 # The harness and dipaco's writers import nothing beyond the standard library: safe before the wheels are in.
-from bench.harness import environment, markdown_table, write_json
+from bench.harness import environment, free_port, markdown_table, write_json
 from dipaco import json_text
 from dipaco.atomic import write_text
 
@@ -717,12 +716,6 @@ def check_offload(ctx: Context) -> Check:
                  cpu_form="the state moves between CPU buffers (no pinned memory, no PCIe transfer)",
                  values={"swap_s_per_path": swaps, "state_bytes_per_path": state_bytes, "gib_per_s": rate,
                          "pinned": pinned})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def check_process_group(ctx: Context) -> Check:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import pathlib
+import socket
 import subprocess
 import sys
 import types
@@ -20,6 +21,7 @@ from bench.harness import (
     ResultsFileError,
     RowSyntaxError,
     environment,
+    free_port,
     git_commit,
     markdown_table,
     parse_row,
@@ -259,3 +261,10 @@ def test_the_import_contract_keeps_every_benchmark_apart():
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]["contracts"]
     apart = next(c for c in contracts if c["type"] == "independence")
     assert sorted(apart["modules"]) == sorted(f"bench.{name}" for name in bench.BENCHMARKS)
+
+
+def test_free_port_is_a_loopback_port_a_server_can_bind():
+    port = free_port()
+    assert 0 < port < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
