@@ -13,6 +13,7 @@
     dipaco export   --run runs/demo --path 3 --out DIR    a path as a standalone HF model directory
     dipaco serve    --run runs/demo --port 8000           HTTP API: /v1/generate, /v1/completions (OpenAI), /v1/paths
     dipaco convert-spec --run runs/demo                   experiment.json for a run trained before specs
+    dipaco compare  CKPT_A CKPT_B                         tensor by tensor: were two runs bit-identical?
     dipaco config show [--config FILE] [key=value ...]    every key of the config and its value
 
 The inference commands take ``--run RUN_DIR`` instead: they read the experiment's spec
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dipaco.errors import DipacoError
@@ -156,6 +158,27 @@ def _cmd_convert_spec(args: argparse.Namespace) -> None:
     print(convert_experiment(args.run, resolve_experiment(RunDir(args.run), args.experiment).name))
 
 
+def _cmd_compare(args: argparse.Namespace) -> None:
+    from dipaco.checkpoint.compare import compare_checkpoints, newest_checkpoint
+
+    if args.experiments and not args.names:
+        raise DipacoError("--experiments needs the experiment names to compare (e.g. one tr2_int8)")
+    if args.names and not args.experiments:
+        raise DipacoError("experiment names are compared with --experiments (A and B are then run directories)")
+    pairs = ([(newest_checkpoint(args.a, n), newest_checkpoint(args.b, n)) for n in args.names]
+             if args.experiments else [(args.a, args.b)])
+    failed = False
+    for a, b in pairs:
+        count, problems = compare_checkpoints(a, b, tuple(args.ignore))
+        label = f"{a.parent.parent.name}/{a.name}" if args.experiments else str(a)
+        print(f"{label}: {f'{len(problems)} differences' if problems else 'identical'} ({count} tensors)")
+        for line in problems[:20]:
+            print(f"  {line}")
+        failed |= bool(problems)
+    if failed:
+        raise SystemExit(1)
+
+
 def _add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory (e.g. runs/demo)")
     parser.add_argument("--experiment", metavar="NAME", help="experiment under RUN_DIR/train (needed when there are several)")
@@ -243,6 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "convert-spec", "write the experiment spec of an experiment trained before dipaco wrote one")
     _add_run_args(p)
     p.set_defaults(func=_cmd_convert_spec)
+
+    p = _command(sub, "compare", "compare two checkpoints tensor by tensor: were two runs bit-identical? "
+                                 "(exit status 1 when a tensor differs or is missing)")
+    p.add_argument("a", type=Path, metavar="A", help="a checkpoint directory (with --experiments: a run directory)")
+    p.add_argument("b", type=Path, metavar="B", help="the checkpoint (or run directory) to compare it with")
+    p.add_argument("names", nargs="*", metavar="NAME", help="with --experiments: the experiments to compare")
+    p.add_argument("--experiments", action="store_true",
+                   help="A and B are run directories: compare each NAME's newest checkpoint")
+    p.add_argument("--ignore", action="append", default=[], metavar="SUBSTRING",
+                   help="leave out differences whose key contains this (e.g. trainer_state.pt)")
+    p.set_defaults(func=_cmd_compare, uses_config=False)
 
     p = _command(sub, "serve", "HTTP API (FastAPI): /healthz, /v1/paths, /v1/route, /v1/generate, OpenAI's "
                                "/v1/completions and /v1/models, /metrics")

@@ -4,7 +4,7 @@
 #
 #   scripts/equivalence_runs.sh OLD_CHECKOUT /tmp/equiv/old
 #   scripts/equivalence_runs.sh .            /tmp/equiv/new
-#   python scripts/compare_checkpoints.py --experiments /tmp/equiv/old/run /tmp/equiv/new/run \
+#   dipaco compare --experiments /tmp/equiv/old/run /tmp/equiv/new/run \
 #       one tr2_int8 tr4_bf16 stream2 stream_blocks stream_tr3_fp4 delayed delayed_eager_tr2 delayed2 \
 #       kmeans_extras em validated resumed
 #

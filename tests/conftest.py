@@ -28,6 +28,20 @@ from signal_guard import pytest_runtest_setup, pytest_runtest_teardown  # noqa: 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--sweep", choices=("smoke", "full"), default="smoke",
+                     help="the fault-injection tests (SIGKILL mid-run, a full disk): smoke, a few points as CI runs "
+                          "them; full, every point, as docs/results.md records them")
+    parser.addoption("--device", default="cpu",
+                     help="where tests/dipaco/test_device_paths.py runs dipaco's device code paths: cpu (their CPU "
+                          "forms, at a tiny size) or cuda[:N] (at the GPU check's sizes)")
+
+
+@pytest.fixture(scope="session")
+def full_sweep(request: pytest.FixtureRequest) -> bool:
+    return request.config.getoption("--sweep") == "full"
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from dipaco.checkpoint.compare import checkpoint_tensors
 from dipaco.checkpoint.store import CheckpointManager
 from dipaco.errors import ConfigError
 from dipaco.metrics import read_metrics
 from dipaco.run import Run, apply_overrides
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from compare_checkpoints import checkpoint_tensors  # noqa: E402
 
 
 def test_validation_every_round_is_logged_and_changes_nothing(run_cfg):

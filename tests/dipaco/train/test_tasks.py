@@ -178,15 +178,11 @@ def test_a_signal_then_resume_ends_bit_exactly_where_arrivals_are_deterministic(
                                                                                sigint_from_a_terminal):
     """ray.schedule=rounds with one worker: its arrivals come in one order, so an uninterrupted run is
     reproducible, and a run stopped by SIGINT mid-task and resumed must end with every tensor equal to it."""
-    import importlib.util
     import signal
 
+    from dipaco.checkpoint.compare import compare_checkpoints
     from dipaco.checkpoint.store import SavedCheckpoint
 
-    spec = importlib.util.spec_from_file_location("compare_checkpoints", Path(__file__).parents[3] / "scripts" /
-                                                  "compare_checkpoints.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
     lockstep = ["ray.schedule=rounds", "ray.num_workers=1", "train.inner_steps=150"]  # tasks of about 1 s
     straight = Run(with_overrides(run_cfg, *lockstep, "train.name=straight")).train()
     cfg = with_overrides(run_cfg, *lockstep, "train.name=stopped")
@@ -197,7 +193,7 @@ def test_a_signal_then_resume_ends_bit_exactly_where_arrivals_are_deterministic(
     exp = Run(cfg).train(resume=True)
     a, b = (CheckpointManager(e.dir / "checkpoints").latest() for e in (straight, exp))
     assert a.name == b.name
-    assert compare.compare(a, b) == []
+    assert compare_checkpoints(a, b)[1] == []
 
 
 def test_ray_init_keeps_the_trainers_sigterm_handler():
