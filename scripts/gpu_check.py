@@ -477,19 +477,32 @@ def run_cuda_paths(ctx: Context, section: Section) -> None:
     (read back from pytest's JUnit XML). Then the 2x2 round's shares. At --tiny only the first test runs (the test
     suite runs them all in their CPU forms): the dry run checks the plumbing."""
     xml = ctx.work / "device_paths.xml"
-    command = [sys.executable, "-m", "pytest", str(DEVICE_TESTS), f"--device={ctx.device}", "-q", "-p",
+    command = [sys.executable, "-m", "pytest", str(DEVICE_TESTS), f"--device={ctx.device}", "-v", "-p",
                "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={xml}",
                *(["-k", "fused_adamw"] if ctx.tiny else [])]
     section.results["command"] = " ".join(["python -m pytest", *command[3:]]).replace(str(REPO) + os.sep, "")
     try:
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(section.left() - 30, 10))
         section.results["pytest_tail"] = proc.stdout[-3000:]
-    except subprocess.TimeoutExpired:
-        section.results["pytest_tail"] = "cut off: the section's cap came first"
-    section.checks += junit_checks(xml, ctx.device.type)
+        section.checks += junit_checks(xml, ctx.device.type)
+    except subprocess.TimeoutExpired as exc:  # pytest writes its XML at the end: what it finished, from its -v lines
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        section.results["pytest_tail"] = out[-3000:]
+        section.checks += verbose_checks(out, ctx.device.type)
     for check in section.checks:
         say(f"cuda_paths: {check.name}: {check.status} ({check.values.get('seconds', 0):.1f} s) {check.detail}")
     run_round(ctx, section)
+
+
+def verbose_checks(out: str, form: str) -> list[Check]:
+    """The tests pytest -v reported before it was stopped, and one not_run check for the rest."""
+    checks = []
+    for line in out.splitlines():
+        name, _, outcome = line.partition(" ")
+        if "::test_" in name and outcome.split(" ")[0] in ("PASSED", "FAILED", "SKIPPED", "ERROR"):
+            status = {"PASSED": "passed", "SKIPPED": "not_run"}.get(outcome.split(" ")[0], "failed")
+            checks.append(Check(name.split("::test_")[-1], status, form, "(values lost: pytest was stopped)"))
+    return [*checks, Check("device_paths_rest", "not_run", "-", "cut off: the section's cap came first")]
 
 
 def junit_checks(xml: Path, form: str) -> list[Check]:

@@ -31,17 +31,23 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(value, f"{prefix}[{i}]")
 
 
+def _file_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
+    if path.suffix == ".safetensors":
+        return list(load_file(str(path)).items())
+    return list(_tensors(torch.load(path, map_location="cpu", weights_only=True)))
+
+
 def checkpoint_tensors(root: Path) -> dict[str, torch.Tensor]:
     """``relative/file/path:tensor name`` -> tensor, for every tensor file of the checkpoint at ``root``."""
     if not root.is_dir():
         raise DipacoError(f"{root}: no checkpoint directory there")
     out: dict[str, torch.Tensor] = {}
-    for path in sorted(root.rglob("*.safetensors")):
-        for name, value in load_file(str(path)).items():
-            out[f"{path.relative_to(root)}:{name}"] = value
-    for path in sorted(root.rglob("*.pt")):
-        for name, value in _tensors(torch.load(path, map_location="cpu", weights_only=True)):
-            out[f"{path.relative_to(root)}:{name}"] = value
+    for path in [*sorted(root.rglob("*.safetensors")), *sorted(root.rglob("*.pt"))]:
+        try:
+            tensors = _file_tensors(path)
+        except Exception as exc:  # a truncated or corrupted file: its name, not the reader's traceback
+            raise DipacoError(f"{path}: cannot be read ({type(exc).__name__}: {str(exc)[:200]})") from exc
+        out.update((f"{path.relative_to(root)}:{name}", value) for name, value in tensors)
     return out
 
 

@@ -86,6 +86,9 @@ def test_a_failed_or_skipped_device_test_becomes_a_failed_or_not_run_check(load_
         ("passed", "cuda", ""), ("failed", "cuda", "assert 1 == 2"), ("not_run", "-", "no ray")]
     assert got["a"].values == {"k": "3", "seconds": 1.5}
     assert [c.status for c in gpu_check.junit_checks(tmp_path / "none.xml", "cuda")] == ["failed"]
+    stopped = gpu_check.verbose_checks("collected 3 items\n\ntests/dipaco/test_device_paths.py::test_a PASSED [ 33%]\n"
+                                       "tests/dipaco/test_device_paths.py::test_b FAILED [ 66%]\n", "cuda")
+    assert [(c.name, c.status) for c in stopped] == [("a", "passed"), ("b", "failed"), ("device_paths_rest", "not_run")]
 
 
 def test_throughput_compares_both_sizes_eager_and_compiled(dry_run):

@@ -59,3 +59,11 @@ def test_experiments_compares_the_newest_checkpoint_of_each_name(tmp_path, capsy
     assert main(["compare", "--experiments", str(tmp_path / "one"), str(tmp_path / "two"), "other"]) == 2
     assert main(["compare", "--experiments", str(tmp_path / "one"), str(tmp_path / "two")]) == 2
     assert "needs the experiment names" in capsys.readouterr().err
+
+
+def test_a_corrupted_file_is_named_not_a_traceback(tmp_path, capsys):
+    a = write_checkpoint(tmp_path / "a", torch.ones(2), 3)
+    b = write_checkpoint(tmp_path / "b", torch.ones(2), 3)
+    (b / "bank.safetensors").write_bytes((b / "bank.safetensors").read_bytes()[:20])
+    assert main(["compare", str(a), str(b)]) == 2
+    assert "bank.safetensors: cannot be read" in capsys.readouterr().err
