@@ -45,6 +45,8 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     device = torch.device(request.config.getoption("--device"))
     if device.type == "cuda" and not torch.cuda.is_available():
         pytest.skip("--device cuda: no CUDA device here")
+    if device.type == "cuda" and device.index is None:  # torch.cuda.set_device (the NCCL test) needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -230,7 +232,9 @@ def test_an_fp16_run_with_gradscaler_resumes_bit_exactly(device, check_size, tmp
     finally:
         configure_backends(device, None)
     record_property("loss_scale_path0", scales)
-    assert scales[0] != scales[1] and all(s > 0 and math.isfinite(s) for s in scales)
+    assert all(s > 0 and math.isfinite(s) for s in scales)
+    if device.type == "cpu":  # the scale moved, and resumed with it (on CUDA an overflow may move it back)
+        assert scales[0] != scales[1]
     assert not diff, f"{len(diff)} differences, first {diff[:3]}; an uninterrupted rerun differs in {len(rerun)}"
 
 
