@@ -314,13 +314,9 @@ def test_compile_does_not_recompile_across_paths_or_rounds(device, check_size, r
     assert counters["stats"]["unique_graphs"] == graphs and counters["frames"]["total"] == frames
 
 
-def test_the_ray_path_worker_runs_a_task_on_the_device(device, check_size, record_property):
+def path_worker_task(size: throughput.Size, device: torch.device) -> dict[str, Any]:
     """The Ray driver's path worker, with the resources the task scheduler gives it, runs 2 inner steps of path 0
-    on the node's GPU. On CPU tests/dipaco/train/test_tasks.py runs train.driver=ray whole."""
-    if device.type != "cuda":
-        pytest.skip("Ray on a GPU: on CPU, tests/dipaco/train/test_tasks.py runs train.driver=ray")
-    if importlib.util.find_spec("ray") is None:
-        pytest.skip("ray is not installed (pip install 'dipaco[ray]')")
+    (in the Ray that is running, else one it starts): where it ran, its report, its state, how far the modules moved."""
     import ray
 
     from dipaco.model.bank import ModuleBank
@@ -329,7 +325,6 @@ def test_the_ray_path_worker_runs_a_task_on_the_device(device, check_size, recor
     from dipaco.run import apply_overrides
     from dipaco.train.task_actors import PathWorker
 
-    size = check_size
     cfg = apply_overrides(Config(), [
         "topology.preset=grid:2x2", f"model.num_layers={size.layers}", f"model.hidden_size={size.hidden}",
         f"model.intermediate_size={size.intermediate}", f"model.num_heads={size.heads}",
@@ -344,7 +339,7 @@ def test_the_ray_path_worker_runs_a_task_on_the_device(device, check_size, recor
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        gpus = ray.cluster_resources().get("GPU", 0)
+        gpus = ray.cluster_resources().get("GPU", 0) if device.type == "cuda" else 0
         share = {"num_cpus": 1.0, **({"num_gpus": 1.0} if gpus > 0 else {})}  # one worker: what the scheduler gives it
         worker = ray.remote(PathWorker).options(**share, max_restarts=0).remote(1.0, path_loops, llama, topology)
         modules = [bank.params[m].detach().clone() for m in topology.path_modules(0)]
@@ -354,10 +349,22 @@ def test_the_ray_path_worker_runs_a_task_on_the_device(device, check_size, recor
     finally:
         if started:
             ray.shutdown()
-    record_property("worker_device", worker_device)
-    record_property("seconds", time.perf_counter() - start)
-    assert worker_device.startswith("cuda") and meta["tokens"] == 2 * size.batch * size.seq_len
-    assert sum(float(d.abs().sum()) for d in deltas) > 0 and math.isfinite(meta["loss"]) and state["step"] == 2
+    return {"worker_device": worker_device, "meta": meta, "state": state, "seconds": time.perf_counter() - start,
+            "moved": sum(float(d.abs().sum()) for d in deltas)}
+
+
+def test_the_ray_path_worker_runs_a_task_on_the_device(device, check_size, record_property):
+    """On a GPU the worker gets it and runs there. On CPU tests/dipaco/train/test_tasks.py runs this task in its
+    module's Ray, and train.driver=ray whole."""
+    if device.type != "cuda":
+        pytest.skip("Ray on a GPU: on CPU, tests/dipaco/train/test_tasks.py runs the same task and train.driver=ray")
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (pip install 'dipaco[ray]')")
+    got = path_worker_task(check_size, device)
+    record_property("worker_device", got["worker_device"])
+    record_property("seconds", got["seconds"])
+    assert got["worker_device"].startswith("cuda") and got["meta"]["tokens"] == 2 * check_size.batch * check_size.seq_len
+    assert got["moved"] > 0 and math.isfinite(got["meta"]["loss"]) and got["state"]["step"] == 2
 
 
 def test_an_imported_llama3_checkpoint_gives_its_logits_then_trains(device, round_size, tmp_path, record_property):

@@ -328,28 +328,11 @@ def test_a_restarted_executor_takes_a_task_that_started_after_its_lost_updates(t
 
 
 
-def load_script(name: str):
-    import importlib.util
-    import sys
+def test_the_gpu_checks_ray_task_runs_the_path_worker_of_today(ray_session):
+    """The GPU check's Ray task built PathWorker with the arguments of an older version (a TypeError on the first
+    lent GPU): tests/dipaco/test_device_paths.py's task, run here on CPU, in the module's Ray."""
+    from test_device_paths import TINY, path_worker_task
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[3] / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_checks_ray_task_runs_the_path_worker_of_today(ray_session, tmp_path):
-    """gpu_check's ray_one_task built PathWorker with the arguments of an older version (a TypeError on
-    the first lent GPU): run it here, on CPU, in the module's Ray."""
-    import argparse
-
-    from bench import throughput
-
-    gpu_check = load_script("gpu_check")
-    ctx = gpu_check.Context(args=argparse.Namespace(ray="on"), device=torch.device("cpu"), tiny=True, out=tmp_path,
-                            work=tmp_path, compile_backend="eager", record={},
-                            bench_throughput=throughput)
-    check = gpu_check.check_ray(ctx)
-    assert check.status == "passed", check
-    assert check.values["worker_device"] == "cpu" and check.values["loss"] > 0
+    got = path_worker_task(TINY, torch.device("cpu"))
+    assert got["worker_device"] == "cpu" and got["meta"]["tokens"] == 2 * TINY.batch * TINY.seq_len
+    assert got["moved"] > 0 and got["meta"]["loss"] > 0 and got["state"]["step"] == 2
