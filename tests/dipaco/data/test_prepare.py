@@ -158,7 +158,7 @@ def test_a_killed_prepare_resumes_from_its_finished_shards(tmp_path, corpus, mon
 
 def test_a_prepare_killed_before_its_clean_up_writes_the_same_tokenizer_files_when_run_again(tmp_path, corpus,
                                                                                             monkeypatch):
-    # Issue 48 (scripts/crash_sweep.py): a prepare killed before prepare.work's removal, run again, reused the
+    # Issue 48 (tests/dipaco/test_crash_recovery.py): a prepare killed before prepare.work's removal, run again, reused the
     # tokenizer trained there and saved it as reloaded: tokenizer_config.json gained the options it was loaded
     # with (local_files_only, is_local), so tokenizer/ differed from an uninterrupted prepare's.
     whole = tmp_path / "whole"
