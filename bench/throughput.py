@@ -35,14 +35,17 @@ every size's figures under ``sizes`` and, with --round, the rounds under ``round
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import math
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from unittest import mock
 
 import datasets
 import numpy as np
@@ -145,6 +148,19 @@ def disk_rows(tokens: torch.Tensor, eos_id: int, tmp: Path) -> PackedShard:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def compile_backend(name: str) -> Iterator[None]:
+    """``torch.compile`` calls made inside (by InnerLoop and the hand-written loop) use backend ``name``.
+
+    The GPU check's CPU dry run and the device tests on CPU use ``eager``: dynamo traces, guards and counts
+    recompiles exactly as with inductor, without inductor's C++ code generation (30-45 s a model on 2 cores)."""
+    if name == "inductor":
+        yield
+        return
+    with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=name)):
+        yield
 
 
 class BestLoop:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import gzip
 import importlib.metadata
@@ -65,7 +64,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
-from unittest import mock
 from xml.etree import ElementTree
 
 import torch
@@ -202,19 +200,6 @@ def free_device_memory(device: torch.device) -> None:
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def compile_backend(name: str) -> Iterator[None]:
-    """``torch.compile`` calls made inside (by InnerLoop and the hand-written loop) use backend ``name``.
-
-    The CPU dry run's default is ``eager``: dynamo traces, guards and counts recompiles exactly as with
-    inductor, without inductor's C++ code generation, which takes 30-45 s per model on 2 cores."""
-    if name == "inductor":
-        yield
-        return
-    with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=name)):
-        yield
 
 
 def prepend_path(folder: Path) -> None:
@@ -423,7 +408,7 @@ def throughput_run(ctx: Context, section: Section, name: str, compiled: bool, ne
         import torch._dynamo
 
         torch._dynamo.reset()
-    with compile_backend(ctx.compile_backend):
+    with bench(ctx).compile_backend(ctx.compile_backend):
         result = bench(ctx).bench_size(name, size, args, ctx.device, precision(ctx))
     section.results["runs"].append({**result, "stands_for": stands_for})
     free_device_memory(ctx.device)

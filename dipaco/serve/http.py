@@ -753,9 +753,9 @@ def router_placement(own_process: bool, cpus: tuple[int, ...] | None, server_cpu
         return ""
     if cpus is None:
         return " (own process)"
-    threads = f"{torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() > 1 else ''}"
-    server = f"the server shares them, {threads}" if server_cpus is None else \
-        f"the server on {','.join(map(str, server_cpus))}, {threads}"
+    n = torch.get_num_threads()
+    server = "the server shares them" if server_cpus is None else f"the server on {','.join(map(str, server_cpus))}"
+    server += f", {n} torch thread{'s' if n > 1 else ''}"
     return f" (own process, CPUs {','.join(map(str, cpus))}; {server})"
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 from crash_hooks import HOOK
-from tiny import TINY
+from tiny import TINY, subprocess_env
 
 from dipaco import json_text
 from dipaco.metrics import read_metrics
@@ -59,8 +59,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def dipaco(args: list[str], hook: dict | None = None) -> tuple[int, str]:
     """`dipaco ARGS` (with ``hook``: through crash_hooks); its exit status (-9: SIGKILLed) and stderr's end."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")]),
-           "OMP_NUM_THREADS": "1", **({HOOK: json_text.dumps(hook)} if hook else {})}
+    env = subprocess_env(**({HOOK: json_text.dumps(hook)} if hook else {}))
     cmd = [sys.executable, "-m", "dipaco" if hook is None else "crash_hooks", *args]
     proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc.returncode, proc.stderr[-2000:]

@@ -9,14 +9,12 @@ reads it.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import math
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 from unittest import mock
@@ -62,20 +60,9 @@ def round_size(device: torch.device) -> throughput.Size:
     return throughput.SIZES["125m"] if device.type == "cuda" else TINY
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def compile_backend(device: torch.device) -> Iterator[str]:
-    """``torch.compile`` calls made inside use inductor on CUDA; on CPU ``eager``: dynamo traces, guards and counts
-    recompiles exactly as with inductor, without inductor's C++ code generation (30-45 s a model on 2 cores)."""
-    if device.type == "cuda":
-        yield "inductor"
-        return
-    with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend="eager")):
-        yield "eager"
+def backend_for(device: torch.device) -> str:
+    """inductor on CUDA; on CPU ``eager`` (:func:`bench.throughput.compile_backend`)."""
+    return "inductor" if device.type == "cuda" else "eager"
 
 
 def llama_for(size: throughput.Size) -> Any:
@@ -189,7 +176,7 @@ def test_activation_checkpointing_recomputes_the_blocks_with_the_same_gradients(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         loop.forward(input_ids=batch, labels=batch).loss.backward()
-        sync(device)
+        throughput.sync(device)
         if device.type == "cuda":
             record_property(f"peak_mib_{'checkpointed' if flag else 'plain'}", torch.cuda.max_memory_allocated(device) / 2**20)
     diff = rel_diff(*([p.grad for p in loop.model.parameters()] for loop in loops.values()))
@@ -282,7 +269,7 @@ def test_a_single_rank_group_initialises_on_dipacos_store_and_reduces(device, re
             with world.collective("single-rank all-reduce"):
                 dist.all_reduce(x)
                 dist.broadcast(x, src=0)
-            sync(device)
+            throughput.sync(device)
             got, size, name = x.cpu().tolist(), dist.get_world_size(), dist.get_backend()
         finally:
             dist.destroy_process_group()
@@ -298,11 +285,12 @@ def test_compile_does_not_recompile_across_paths_or_rounds(device, check_size, r
 
     torch._dynamo.reset()
     counters.clear()
-    with compile_backend(device) as backend:
+    backend = backend_for(device)
+    with throughput.compile_backend(backend):
         grid = throughput.build_grid(check_size, device, resolve_precision("auto", device), True, 2, rounds=2)
         start = time.perf_counter()
         next(iter(grid.loops.values())).train_step()  # compiles forward and backward once
-        sync(device)
+        throughput.sync(device)
         record_property("compile_s", time.perf_counter() - start)
         graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
         for r in range(2):
@@ -396,12 +384,12 @@ def test_an_imported_llama3_checkpoint_gives_its_logits_then_trains(device, roun
     steps, compiled = (20, True) if device.type == "cuda" else (3, False)
     loop = inner_loop(imported, random_tokens(size, 8 * size.batch, seed=59), OptimConfig(warmup_steps=2,
                       batch_size=size.batch), steps + 2, device, compile=compiled)
-    with compile_backend(device):
+    with throughput.compile_backend(backend_for(device)):
         loop.run(2)  # compiles
-        sync(device)
+        throughput.sync(device)
         start = time.perf_counter()
         stats = loop.run(steps)
-        sync(device)
+        throughput.sync(device)
     record_property("max_abs_logit_diff", diff)
     record_property("tokens_per_s", steps * size.batch * size.seq_len / (time.perf_counter() - start))
     record_property("compiled", compiled)

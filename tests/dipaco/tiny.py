@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -58,3 +59,11 @@ def write_corpus_slice(out: Path, per_label: int = 72) -> Path:
 
 def tiny_config(run_dir: Path, corpus: Path, *extra: str) -> Config:
     return load_config(None, [*TINY, f"run.dir={run_dir}", f"data.corpus={corpus}", *extra])
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a `dipaco` command a test runs in a process of its own on this setup: the repository
+    and tests/dipaco importable, one torch thread (the suite's workers share 2 cores)."""
+    repo = Path(__file__).resolve().parents[2]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests" / "dipaco")]),
+            "OMP_NUM_THREADS": "1", **extra}

@@ -3,7 +3,6 @@ every round's records logged exactly once."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import TINY
+from tiny import TINY, subprocess_env
 
 from dipaco.checkpoint.compare import checkpoint_tensors
 from dipaco.checkpoint.store import CheckpointManager
@@ -61,8 +60,7 @@ def test_rounds_a_checkpoint_covers_are_logged_on_resume_when_a_kill_came_before
 
 
 def train_process(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")]),
-           "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     return subprocess.Popen([sys.executable, "-m", "dipaco", "train", *args], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -120,8 +118,7 @@ def test_a_signal_mid_round_loses_a_step_not_the_round(run_cfg, sigint_from_a_te
     rounds = ["train.rounds=3", "train.inner_steps=40"]
     straight = Run(apply_overrides(run_cfg, [*rounds, "train.name=straight"])).train()
     want = checkpoint_tensors(CheckpointManager(straight.dir / "checkpoints").latest())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "dipaco")]),
-           "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     args = [*TINY, f"run.dir={run_cfg.run.dir}", f"data.corpus={run_cfg.data.corpus}", *rounds, "train.name=stopped"]
     proc = subprocess.Popen([sys.executable, "-m", "dipaco", "train", *args], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
