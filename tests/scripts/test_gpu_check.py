@@ -31,7 +31,7 @@ def run_check(out: Path, *extra: str, timeout: float) -> subprocess.CompletedPro
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
     out = tmp_path_factory.mktemp("gpu_check")
-    proc = run_check(out, timeout=170)
+    proc = run_check(out, timeout=600)  # a hang guard, not a budget: a loaded machine may take several times longer
     assert proc.returncode == 0, f"gpu_check failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc, json.loads((out / "gpu_check.json").read_text()), out
 
@@ -45,11 +45,11 @@ def test_every_section_ran_and_the_record_names_the_machine(dry_run):
     assert list(record["sections"]) == ["environment", "throughput", "cuda_paths", "quality"]
     for name, section in record["sections"].items():
         assert section["status"] == "ran", (name, section["reason"])
-        assert 0 < section["seconds"] <= section["cap_s"]
+        assert section["seconds"] > 0 and section["cap_s"] is None  # --tiny cuts nothing off: no flake on a loaded machine
     for key in ("device", "torch", "cuda", "python", "budget_s", "wall_s", "mode", "compile_backend", "summary"):
         assert key in record
     assert record["device"].startswith("cpu") and record["torch"] and record["cuda"] is None
-    assert record["mode"] == "tiny" and record["wall_s"] < record["budget_s"]
+    assert record["mode"] == "tiny" and record["wall_s"] > 0
     assert record["summary"]["failed"] == [] and record["summary"]["sections_skipped"] == {}
     table = (out / "gpu_check.md").read_text()
     assert f"torch {record['torch']}" in table and "| cuda_paths | ran |" in table
@@ -173,7 +173,7 @@ def test_quality_rows_train_and_are_kept(dry_run):
 
 
 def test_a_budget_too_small_skips_the_later_sections_with_a_line(tmp_path):
-    proc = run_check(tmp_path, "--budget-s", "1", timeout=90)
+    proc = run_check(tmp_path, "--budget-s", "1", timeout=300)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     assert record["sections"]["environment"]["status"] == "ran"  # the record always names the machine
@@ -186,7 +186,7 @@ def test_a_budget_too_small_skips_the_later_sections_with_a_line(tmp_path):
 def test_the_environment_runs_even_when_sections_leave_it_out(tmp_path):
     """A second device call runs `--sections cuda_paths` (or quality): the environment still runs, names the machine
     and loads the project; before, nothing loaded bench and the run ended without writing a record."""
-    proc = run_check(tmp_path, "--sections", "quality", "--budget-s", "1", timeout=90)
+    proc = run_check(tmp_path, "--sections", "quality", "--budget-s", "1", timeout=300)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     assert record["sections"]["environment"]["status"] == "ran" and record["device"].startswith("cpu")
@@ -221,3 +221,30 @@ def test_the_wheels_script_is_valid_bash_and_explains_itself():
     usage = subprocess.run(["bash", str(WHEELS_SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
     assert usage.returncode == 0 and "usage:" in usage.stdout and "3.12" in usage.stdout
     assert subprocess.run(["bash", str(WHEELS_SCRIPT)], capture_output=True, timeout=30).returncode == 2
+
+
+@pytest.mark.parametrize("tiny", [True, False])
+def test_the_dry_run_caps_no_section_so_a_slow_start_cannot_cut_it_off(load_script, tmp_path, monkeypatch, tiny):
+    """Issue 76: the dry run's cuda_paths gave its pytest subprocess what was left of a 40 s cap, and on a loaded
+    machine torch's import outlasted it (a red CI on a fresh clone). At --tiny a section has no cap and no deadline;
+    on a GPU the caps hold."""
+    gpu_check = load_script("gpu_check")
+    seen = {}
+
+    def runner(ctx, section):
+        seen.update(cap=section.cap_s, left=section.left())
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "throughput", (runner, 150, 0, 0))
+    monkeypatch.setattr(gpu_check, "write_outputs", lambda ctx: None)
+    capped = []
+    real_cap = gpu_check.time_cap
+    monkeypatch.setattr(gpu_check, "time_cap", lambda seconds: capped.append(seconds) or real_cap(seconds))
+    args = gpu_check.parse_args(["--out", str(tmp_path), "--device", "cpu", *(["--tiny"] if tiny else [])])
+    record = {"budget_s": args.budget_s, "_start": gpu_check.time.monotonic(), "sections": []}
+    ctx = gpu_check.Context(args, gpu_check.torch.device("cpu"), tiny, tmp_path, tmp_path, "eager", record)
+    section = gpu_check.run_section(ctx, "throughput")
+    assert section.status == "ran", section.reason
+    if tiny:
+        assert seen["cap"] is None and math.isinf(seen["left"]) and capped == []
+    else:
+        assert seen["cap"] == 150 and 0 < seen["left"] <= 150 and capped == [150]
