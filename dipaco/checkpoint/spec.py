@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import LlamaConfig
 
@@ -56,6 +56,13 @@ class ShardingRef:
     tokens: list[int] = field(default_factory=list)  # their tokens, per path
 
 
+class Positions(NamedTuple):
+    """How many positions a served request may fill (its prompt and new tokens together), and why."""
+
+    limit: int
+    source: str  # what set the limit, as the server's start-up line says it
+
+
 @dataclass(frozen=True)
 class ExperimentSpec:
     """One trained experiment, as everything after training reads it."""
@@ -84,6 +91,20 @@ class ExperimentSpec:
                               tok.pad_token_id)
         config.use_cache = use_cache
         return config
+
+    @property
+    def imported(self) -> bool:
+        """Whether the run started from an open checkpoint (``model.init_from``); a spec older than the key was not."""
+        return bool(self.model.get("init_from"))
+
+    def served_positions(self) -> Positions:
+        """The positions a served request may fill. An imported model keeps its own ``max_position_embeddings``:
+        it was pretrained on them, and training on shorter windows after leaves them as they were. A model
+        trained from scratch has ``data.seq_len``: no attention in its training spanned more, whatever
+        ``model.max_positions`` says."""
+        if self.imported:
+            return Positions(int(self.llama_config().max_position_embeddings), "the checkpoint's max_position_embeddings")
+        return Positions(self.seq_len, "data.seq_len: trained from scratch")
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """Refuses a tokenizer that is not the one the experiment trained with (the run's was replaced)."""

@@ -14,10 +14,12 @@ Requests are strict Pydantic models: a missing or mistyped field (``"5"`` or ``t
 float for an integer), an unknown field, malformed JSON, or a
 number that is NaN or infinite (JSON's ``NaN``/``Infinity`` literals, or ``1e999``) is a 422 that
 names the problem; so are a prompt longer than ``max_prompt_tokens`` tokens, ``max_new_tokens``
-above the server's cap, and a prompt plus ``max_new_tokens`` beyond the model's ``data.seq_len``
-positions. A request the experiment cannot answer (routing without a router, an empty prompt) is
-a 400. The OpenAI endpoints answer every error in OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``, with 400 where this API says 422.
+above the server's cap, and a prompt plus ``max_new_tokens`` beyond the model's positions
+(:meth:`dipaco.checkpoint.spec.ExperimentSpec.served_positions`: an imported checkpoint's own
+``max_position_embeddings``, ``data.seq_len`` for a model trained from scratch). A request the
+experiment cannot answer (routing without a router, an empty prompt) is a 400. The OpenAI endpoints
+answer every error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with 400
+where this API says 422.
 
 Hardening (a request costs the server at most what a valid one can):
 
@@ -30,8 +32,8 @@ Hardening (a request costs the server at most what a valid one can):
   (:func:`dipaco.serve.pipeline.max_token_chars`); only then is it tokenized (at most that many characters).
 - ``/v1/route`` tokenizes only the routing prefix (:meth:`Pipeline.encode_prefix`), whatever the
   length of the text (which the body limit caps too).
-- Caps default to the model's ``data.seq_len``; larger caps are lowered to it (positions past it
-  were never trained and do not exist in the model).
+- Caps default to the model's positions; larger caps are lowered to them (a model trained from scratch
+  never attended over more than ``data.seq_len`` positions; an imported one has its checkpoint's).
 - Headers: a connection that does not complete a request's headers within ``header_timeout_s`` is
   closed, and open connections are bounded (``dipaco.serve.connections``).
 
@@ -71,6 +73,7 @@ from typing import Any
 
 import torch
 
+from dipaco.checkpoint.spec import Positions
 from dipaco.errors import DipacoError
 from dipaco.metrics import echo
 from dipaco.serve import openai_api as oa
@@ -120,17 +123,20 @@ def default_max_body_bytes(max_prompt_tokens: int, max_token_chars: int) -> int:
     return max_prompt_tokens * max_token_chars * JSON_BYTES_PER_BYTE + BODY_OVERHEAD_BYTES
 
 
-def resolve_caps(seq_len: int, max_prompt_tokens: int | None, max_new_tokens_cap: int | None) -> tuple[int, int, list[str]]:
-    """The request caps: ``data.seq_len`` when not given, lowered to it when above; notes say what was lowered."""
+def resolve_caps(positions: Positions, max_prompt_tokens: int | None,
+                 max_new_tokens_cap: int | None) -> tuple[int, int, list[str]]:
+    """The request caps: the model's ``positions`` when not given, lowered to them when above; notes say what was
+    lowered."""
+    limit = positions.limit
     caps, notes = [], []
     for name, value in (("max_prompt_tokens", max_prompt_tokens), ("max_new_tokens_cap", max_new_tokens_cap)):
         if value is None:
-            value = seq_len
+            value = limit
         if value < 1:
             raise DipacoError(f"{name} must be >= 1, got {value}")
-        if value > seq_len:
-            notes.append(f"{name}={value} is above the model's data.seq_len={seq_len} positions: lowered to {seq_len}")
-            value = seq_len
+        if value > limit:
+            notes.append(f"{name}={value} is above the model's {limit} positions ({positions.source}): lowered to {limit}")
+            value = limit
         caps.append(value)
     return caps[0], caps[1], notes
 
@@ -352,13 +358,13 @@ class ServeOptions:
 def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str | None = None):
     """The FastAPI application serving ``pipeline`` with these request caps (``options``).
 
-    ``max_prompt_tokens`` and ``max_new_tokens_cap`` default to the experiment's ``data.seq_len``
-    (and are lowered to it when above); ``max_body_bytes`` defaults to
-    :func:`default_max_body_bytes` of the prompt cap. ``token``: every endpoint but ``/healthz`` needs it
-    as a bearer token. ``batching``: ``module`` batches requests of any paths (each level's modules run once
-    per pass on the rows through them), ``path`` only requests of one path; ``max_batch`` / ``batch_wait_ms``:
-    its batches (``max_batch=1``: none); ``decode_workers``: how many batches (of different paths, under
-    ``path``) decode at once. The app's metrics are
+    ``max_prompt_tokens`` and ``max_new_tokens_cap`` default to the experiment's positions
+    (:meth:`~dipaco.checkpoint.spec.ExperimentSpec.served_positions`; lowered to them when above);
+    ``max_body_bytes`` defaults to :func:`default_max_body_bytes` of the prompt cap. ``token``: every
+    endpoint but ``/healthz`` needs it as a bearer token. ``batching``: ``module`` batches requests of any
+    paths (each level's modules run once per pass on the rows through them), ``path`` only requests of one
+    path; ``max_batch`` / ``batch_wait_ms``: its batches (``max_batch=1``: none); ``decode_workers``: how
+    many batches (of different paths, under ``path``) decode at once. The app's metrics are
     ``app.state.metrics``.
     """
     _import_web()
@@ -385,8 +391,8 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     async def in_planner(fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(planner, functools.partial(fn, *args, **kwargs))
 
-    seq_len = pipeline.spec.seq_len
-    max_prompt_tokens, max_new_tokens_cap, notes = resolve_caps(seq_len, max_prompt_tokens, max_new_tokens_cap)
+    positions = pipeline.spec.served_positions()  # what one row's prompt and new tokens fill together
+    max_prompt_tokens, max_new_tokens_cap, notes = resolve_caps(positions, max_prompt_tokens, max_new_tokens_cap)
     for note in notes:
         echo(f"[serve] {note}")
     max_prompt_chars = max_prompt_tokens * pipeline.max_token_chars
@@ -555,11 +561,12 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         if n_prompt > max_prompt_tokens:
             raise RequestError(422, f"{field}: {n_prompt} tokens, above this server's cap of {max_prompt_tokens}",
                                param="prompt")
-        room = seq_len - n_prompt
+        room = positions.limit - n_prompt
         new_tokens = min(default_new, room) if max_new_tokens is None else max_new_tokens
         if new_tokens < least or new_tokens > room:
             raise RequestError(422, f"{new_field}: the prompt's {n_prompt} tokens plus {max(new_tokens, least)} new "
-                                    f"tokens do not fit the model's data.seq_len={seq_len} positions", param=new_field)
+                                    f"tokens do not fit the model's {positions.limit} positions ({positions.source})",
+                               param=new_field)
         try:
             return pipeline.plan(prompt, max_new_tokens=new_tokens, path=path, ids=ids, scoring=scoring, **sampling)
         except DipacoError as exc:
@@ -785,7 +792,8 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
         caps = app.state.caps
         echo(f"[serve] {info['experiment']} {info['checkpoint']}: {info['topology']}, router {info['router']}"
              f"{router_placement(pipeline.router_process is not None, router_cpus, server_cpus)}; "
-             f"http://{host}:{port} (cache {cache_size} paths; caps: prompt {caps['max_prompt_tokens']} tokens, "
+             f"http://{host}:{port} (cache {cache_size} paths; positions: {info['positions']} ({info['positions_from']}); "
+             f"caps: prompt {caps['max_prompt_tokens']} tokens, "
              f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; {o.app.batching} "
              f"batching, up to {max_batch} rows{' per path' if o.app.batching == 'path' else ''} within "
              f"{batch_wait_ms:g} ms, {o.app.decode_workers} decoding at once; "

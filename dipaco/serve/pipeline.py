@@ -354,6 +354,7 @@ class Pipeline:
         return self.loaded.checkpoint.name
 
     def describe(self) -> dict:
+        positions = self.spec.served_positions()
         return {
             "experiment": self.experiment,
             "checkpoint": self.checkpoint,
@@ -363,6 +364,9 @@ class Pipeline:
             "featurizer": None if self.router is None else self.router.featurizer.get("kind"),
             "sharding": self.spec.sharding.rule,
             "seq_len": self.spec.seq_len,
+            # a request's prompt and new tokens together, and why (ExperimentSpec.served_positions)
+            "positions": positions.limit,
+            "positions_from": positions.source,
             "cache": self.cache.stats(),
         }
 
