@@ -16,7 +16,8 @@ number that is NaN or infinite (JSON's ``NaN``/``Infinity`` literals, or ``1e999
 names the problem; so are a prompt longer than ``max_prompt_tokens`` tokens, ``max_new_tokens``
 above the server's cap, and a prompt plus ``max_new_tokens`` beyond the model's positions
 (:meth:`dipaco.checkpoint.spec.ExperimentSpec.served_positions`: an imported checkpoint's own
-``max_position_embeddings``, ``data.seq_len`` for a model trained from scratch). A request the
+``max_position_embeddings``, ``data.seq_len`` for a model trained from scratch). A body not sent as
+JSON (without ``Content-Type: application/json``) is a 415 that names the header. A request the
 experiment cannot answer (routing without a router, an empty prompt) is a 400. The OpenAI endpoints
 answer every error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with 400
 where this API says 422.
@@ -217,6 +218,24 @@ class BodyLimit:
             return await receive()  # after the body: only the disconnect is left to wait for
 
         await self.app(scope, replay, send)
+
+
+class CanonicalOpenAIPaths:
+    """ASGI middleware: an OpenAI path with a trailing slash (``/v1/completions/``) is served as the route
+    without it, as OpenAI serves it, where FastAPI would redirect (a 307 that clients do not follow with the
+    body) and the token check, the errors and the access log would not know the path as OpenAI's."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = oa.canonical_path(scope["path"])
+            if path != scope["path"]:
+                scope = {**scope, "path": path}
+                if scope.get("raw_path"):
+                    scope["raw_path"] = scope["raw_path"].rstrip(b"/")
+        await self.app(scope, receive, send)
 
 
 def json_safe(value):
@@ -426,12 +445,14 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         @field_validator("*", mode="after")
         @classmethod
         def valid_unicode(cls, value):
-            for text in value if isinstance(value, list) else [value]:  # a list of strings: each of them
+            listed = isinstance(value, list)
+            for i, text in enumerate(value if listed else [value]):  # a list of strings: each of them
                 if isinstance(text, str):
                     try:
                         text.encode("utf-8")
                     except UnicodeEncodeError:
-                        raise ValueError("not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)") from None
+                        where = f"item {i} holds" if listed else "it holds"
+                        raise ValueError(f"not valid Unicode: {where} a lone surrogate (\\ud800-\\udfff)") from None
             return value
 
     class RouteRequest(Strict):
@@ -475,6 +496,9 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        unread = body_not_json(request, exc)
+        if unread is not None:
+            return await refused(request, unread)
         if oa.is_openai_path(request.url.path):
             return openai_error(oa.validation_error(json_safe(jsonable_encoder(exc.errors()))))
         # FastAPI's own handler echoes the input, which may be NaN or a lone surrogate: strict JSON
@@ -486,6 +510,20 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         if oa.is_openai_path(request.url.path):  # OpenAI says 400 for what FastAPI calls 422
             return openai_error(oa.OpenAIError(400 if exc.status == 422 else exc.status, exc.message, exc.param))
         return JSONResponse(status_code=exc.status, content={"detail": exc.message})
+
+    def body_not_json(request: Request, exc: RequestValidationError) -> RequestError | None:
+        """The refusal of a body FastAPI did not read as JSON, naming why, or None. It reads one only under a
+        JSON ``Content-Type`` (``application/json``, ``application/*+json``); any other body reaches validation
+        as its bytes, and an empty one as None, where pydantic would only say the input is not an object."""
+        if isinstance(exc.body, (bytes, bytearray)):
+            sent = request.headers.get("content-type")
+            got = f"got {json_safe(sent)!r}" if sent else "none was sent"
+            return RequestError(415, f"Content-Type: the body is read as JSON only with 'Content-Type: "
+                                     f"application/json' ({got})")
+        if exc.body is None and any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
+            return RequestError(422, "the request body is empty: send a JSON object, with 'Content-Type: "
+                                     "application/json'")
+        return None
 
     @app.exception_handler(oa.OpenAIError)
     async def openai_refused(request: Request, exc: oa.OpenAIError) -> JSONResponse:
@@ -611,8 +649,10 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
             raise oa.OpenAIError(404, f"model {model!r} is not served here", param="model", code="model_not_found")
         return model_card
 
+    spelling = oa.Spelling(pipeline, frozenset(pipeline.tokenizer.all_special_ids))
+
     def plan_completion(req) -> tuple[list[PlannedGeneration], tuple[str, ...]]:
-        prompts = oa.prompts_of(req.prompt, options.max_prompts)
+        prompts = oa.prompts_of(req.prompt, options.max_prompts, pipeline.tokenizer.eos_token_id)
         oa.check_supported(req, pipeline.experiment, len(prompts))
         stops = oa.stops_of(req.stop)
         scoring = Scored(logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None, stop=stops)
@@ -636,7 +676,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         rows = await decoded(planned, request)
         request.state.batch_size = max(row.batch_size for row in rows)
         choices = [oa.Decoded(i, row, one.path) for i, (row, one) in enumerate(zip(rows, planned))]
-        args = (pipeline, choices, pipeline.experiment, req.echo, req.logprobs, stops)
+        args = (spelling, choices, pipeline.experiment, req.echo, req.logprobs, stops)
         if req.logprobs is None:  # the text alone: one short decode per choice, done here
             answer = oa.completion(*args)
         else:  # log-probabilities decode every prefix of the tokens: a thread's work
@@ -710,11 +750,12 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         return EventStream(events)
 
     # Outermost last: the access log sees every answer (401s and 413s included); the token is checked
-    # before any body is read.
+    # before any body is read; and all of them see an OpenAI path as its route has it.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if token is not None:
         app.add_middleware(BearerToken, token=token)
     app.add_middleware(AccessLog, metrics=metrics, endpoints=frozenset(getattr(r, "path", "") for r in app.routes))
+    app.add_middleware(CanonicalOpenAIPaths)
     return app
 
 

@@ -19,11 +19,21 @@ functions here to read the request and to write the answer.
   ``text``.
 - ``stop``: up to ``MAX_STOP`` strings; the completion ends before the first one that appears.
 - ``stream_options: {"include_usage": true}`` ends a stream with a chunk of the token counts, as OpenAI's.
+- ``null`` is a field's default wherever OpenAI's schema lets a field be null (all but ``model`` and
+  ``user``); a null ``prompt`` is OpenAI's default prompt, the document separator (the EOS token).
+- Sampling controls this server does not apply are taken at their neutral values, which clients send
+  unasked (LangChain's ``OpenAI`` sends ``frequency_penalty: 0`` and ``presence_penalty: 0``):
+  ``frequency_penalty``/``presence_penalty`` 0, ``logit_bias`` of zeros, ``suffix`` null or empty,
+  ``stream_options.include_obfuscation`` false; any other value is refused by name. ``user`` is taken
+  and ignored.
+- An echoed prompt is spelt with its special tokens (a token-id prompt may hold them), so its ``text``
+  is its tokens' texts one after the other; the completion's text leaves them out (its EOS ends it).
 - Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``, with 4xx statuses.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
@@ -46,6 +56,13 @@ OWNER = "dipaco"
 def is_openai_path(path: str) -> bool:
     """Whether an HTTP path belongs to the OpenAI API (its errors take OpenAI's shape)."""
     return path == COMPLETIONS or path == MODELS or path.startswith(MODELS + "/")
+
+
+def canonical_path(path: str) -> str:
+    """An OpenAI path without its trailing slashes (``/v1/completions/`` is ``/v1/completions``, as OpenAI
+    answers it); any other path as it is."""
+    bare = path.rstrip("/")
+    return bare if bare != path and is_openai_path(bare) else path
 
 
 def error_type(status: int) -> str:
@@ -81,10 +98,10 @@ def validation_error(errors: list[dict]) -> OpenAIError:
         field = loc[0] if loc and not loc[0].isdigit() else ""
         if field in seen:
             continue
-        message = err.get("msg", "invalid")
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             message = "this field is not supported by this server"
-        elif field == "prompt":  # one error per alternative of the union: name them all at once
+        elif field == "prompt" and len(loc) > 1:  # inside the union's alternatives, one error each: name them all
             message = "a string, a list of strings, a list of token ids or a list of lists of token ids"
         seen[field] = f"{field}: {message}" if field else message
     parts = list(seen.values())
@@ -92,17 +109,24 @@ def validation_error(errors: list[dict]) -> OpenAIError:
     return OpenAIError(400, "; ".join(parts[:3]) or "invalid request", param=first)
 
 
+# The fields whose null is not their default, as OpenAI's schema has it: refused (model, user), or the default
+# prompt (prompts_of); every other field's null is its default.
+NULL_NOT_A_DEFAULT = frozenset({"model", "prompt", "user"})
+
+
 def request_model(base: Any) -> Any:
     """The pydantic model of a completions request, on ``base`` (the server's strict model: unknown fields,
-    coercion, NaN and lone surrogates refused). Numbers take OpenAI's ranges and defaults."""
-    from pydantic import Field
+    coercion, NaN and lone surrogates refused). Numbers take OpenAI's ranges and defaults; ``null`` is the
+    default of every field but ``model``, ``prompt`` (:func:`prompts_of`) and ``user``."""
+    from pydantic import Field, model_validator
 
     class StreamOptions(base):
         include_usage: bool = False  # a last chunk with no choices and the request's token counts
+        include_obfuscation: bool = False  # OpenAI's padding of chunks: not done here, so only false
 
     class CompletionRequest(base):
         model: str
-        prompt: str | list[str] | list[int] | list[list[int]]
+        prompt: str | list[str] | list[int] | list[list[int]] | None
         max_tokens: int | None = Field(None, ge=0, description=f"default {DEFAULT_MAX_TOKENS}; 0 with echo")
         temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy decoding")
         top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -114,6 +138,21 @@ def request_model(base: Any) -> Any:
         stream_options: StreamOptions | None = None
         logprobs: int | None = Field(None, ge=0)
         echo: bool = False
+        # Taken at their neutral values only (check_supported): clients send them unasked.
+        frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+        presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+        logit_bias: dict[str, int] = Field(default_factory=dict)
+        suffix: str | None = None
+        user: str = ""  # the caller's end user, for OpenAI's abuse monitoring: nothing to do with it here
+
+        @model_validator(mode="before")
+        @classmethod
+        def null_is_the_default(cls, data: Any) -> Any:
+            """A known field sent as null takes its default (an unknown one stays, to be refused by name)."""
+            if not isinstance(data, dict):
+                return data
+            return {k: v for k, v in data.items()
+                    if v is not None or k in NULL_NOT_A_DEFAULT or k not in cls.model_fields}
 
     return CompletionRequest
 
@@ -122,10 +161,13 @@ def request_model(base: Any) -> Any:
 Prompt = str | list[int]
 
 
-def prompts_of(prompt: Any, max_prompts: int) -> list[Prompt]:
-    """The request's prompts, one per choice: a string, or a list of token ids."""
-    if isinstance(prompt, str):
-        prompts: list[Prompt] = [prompt]
+def prompts_of(prompt: Any, max_prompts: int, eos_token_id: int) -> list[Prompt]:
+    """The request's prompts, one per choice: a string, or a list of token ids. A null prompt is OpenAI's
+    default, its document separator: here the EOS token that ends every training document."""
+    if prompt is None:
+        prompts: list[Prompt] = [[eos_token_id]]
+    elif isinstance(prompt, str):
+        prompts = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     else:
@@ -167,6 +209,7 @@ def check_supported(req: Any, model: str, n_prompts: int) -> None:
         raise OpenAIError(400, f"n: only n=1 is supported (one completion per prompt), got {req.n}", param="n")
     if req.best_of not in (None, 1):
         raise OpenAIError(400, f"best_of: only best_of=1 is supported, got {req.best_of}", param="best_of")
+    check_neutral(req)
     if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
         raise OpenAIError(400, f"logprobs: at most {MAX_LOGPROBS}, got {req.logprobs}", param="logprobs")
     if req.max_tokens == 0 and not (req.echo and req.logprobs is not None):
@@ -178,6 +221,25 @@ def check_supported(req: Any, model: str, n_prompts: int) -> None:
         raise OpenAIError(400, "stream_options: only with stream: true", param="stream_options")
     if req.stream and n_prompts > 1:
         raise OpenAIError(400, "stream: supported for one prompt per request", param="stream")
+
+
+def check_neutral(req: Any) -> None:
+    """Refuses a value of a control this server does not apply, unless it is the neutral one (which changes
+    nothing, so the completion is what the client asked for)."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(req, name)
+        if value != 0:
+            raise OpenAIError(400, f"{name}: only 0 is supported (this server applies no penalties), got {value:g}",
+                              param=name)
+    if any(bias != 0 for bias in req.logit_bias.values()):
+        raise OpenAIError(400, "logit_bias: only {} (or biases of 0) is supported: this server does not bias tokens",
+                          param="logit_bias")
+    if req.suffix:
+        raise OpenAIError(400, "suffix: only null or \"\" is supported: this server does not insert text before a "
+                               "suffix", param="suffix")
+    if req.stream_options is not None and req.stream_options.include_obfuscation:
+        raise OpenAIError(400, "stream_options: include_obfuscation is not supported (this server does not pad its "
+                               "events): send false", param="stream_options")
 
 
 # --- writing the answer ----------------------------------------------------------------------------
@@ -228,40 +290,80 @@ def _top(tokenizer: Detokenizer, score: TokenScore, token: int) -> dict[str, flo
     return top
 
 
-def logprobs_of(tokenizer: Detokenizer, d: Decoded, echo: bool, cut: int | None) -> dict:
-    """OpenAI's ``logprobs`` object of a choice: the echoed prompt's tokens (the first without a score),
-    then the completion's; ``cut``: where a stop string ended the text (the tokens from there are left out)."""
+@dataclass(frozen=True)
+class Spelling:
+    """How an answer spells tokens: ``tokenizer``'s decoding, which leaves the ``special`` ids out, except in an
+    echoed prompt, whose special tokens are spelt out: a token-id prompt may hold them (lm-eval's contexts may
+    start with the EOS), and its echoed text must be its tokens' texts one after the other, at their offsets."""
+
+    tokenizer: Detokenizer
+    special: frozenset[int]
+
+    def _runs(self, ids: list[int]) -> list[tuple[bool, list[int]]]:
+        return [(is_special, list(run)) for is_special, run in itertools.groupby(ids, lambda t: t in self.special)]
+
+    def _run_texts(self, is_special: bool, run: list[int]) -> list[str]:
+        """A special token's own text each, or the run's one decoding (a character may span its tokens)."""
+        return self.tokenizer.token_texts(run) if is_special else [self.tokenizer.decode(run)]
+
+    def prompt_text(self, ids: list[int]) -> str:
+        return "".join(text for is_special, run in self._runs(ids) for text in self._run_texts(is_special, run))
+
+    def prompt_offsets(self, ids: list[int]) -> list[int]:
+        """Where each of the prompt's tokens starts in :meth:`prompt_text`."""
+        offsets: list[int] = []
+        start = 0
+        for is_special, run in self._runs(ids):
+            texts = self._run_texts(is_special, run)
+            if is_special:
+                for text in texts:
+                    offsets.append(start)
+                    start += len(text)
+            else:
+                offsets.extend(start + o for o in self.tokenizer.text_offsets(run))
+                start += len(texts[0])
+        return offsets
+
+
+def logprobs_of(spelling: Spelling, d: Decoded, echoed: str | None, cut: int | None) -> dict:
+    """OpenAI's ``logprobs`` object of a choice: the echoed prompt's tokens (the first without a score; ``echoed``:
+    the prompt's text, None without echo), then the completion's after it; ``cut``: where a stop string ended the
+    text (the tokens from there are left out)."""
     row = d.row
-    prompt = row.prompt_ids if echo else []
-    ids = prompt + row.tokens
-    scores: list[TokenScore | None] = ([None, *row.prompt_scores] if echo else []) + list(row.token_scores)
-    offsets = tokenizer.text_offsets(ids)
+    prompt = [] if echoed is None else row.prompt_ids
+    prompt_offsets = [] if echoed is None else spelling.prompt_offsets(prompt)
+    shift = 0 if echoed is None else len(echoed)
+    completion_offsets = [shift + o for o in spelling.tokenizer.text_offsets(row.tokens)]
+    scores: list[TokenScore | None] = ([] if echoed is None else [None, *row.prompt_scores]) + list(row.token_scores)
     if cut is not None:
-        keep = len(prompt) + sum(1 for o in offsets[len(prompt):] if o < cut)
-        ids, scores, offsets = ids[:keep], scores[:keep], offsets[:keep]
+        completion_offsets = [o for o in completion_offsets if o < cut]
+    ids = prompt + row.tokens[: len(completion_offsets)]
+    scores = scores[: len(ids)]
+    tokenizer = spelling.tokenizer
     return {"tokens": tokenizer.token_texts(ids),
             "token_logprobs": [None if s is None else s.logprob for s in scores],
             "top_logprobs": [None if s is None else _top(tokenizer, s, t) for s, t in zip(scores, ids)],
-            "text_offset": offsets}
+            "text_offset": prompt_offsets + completion_offsets}
 
 
-def choice(tokenizer: Detokenizer, d: Decoded, echo: bool, logprobs: int | None, stops: tuple[str, ...]) -> dict:
-    completion, stopped = cut_at_stop(tokenizer.decode(d.row.tokens), stops)
+def choice(spelling: Spelling, d: Decoded, echo: bool, logprobs: int | None, stops: tuple[str, ...]) -> dict:
+    completion, stopped = cut_at_stop(spelling.tokenizer.decode(d.row.tokens), stops)
     # With echo, the text (and the offsets) are those of the tokens: a token-id prompt has no other spelling.
-    text = (tokenizer.decode(d.row.prompt_ids) + completion) if echo else completion
+    echoed = spelling.prompt_text(d.row.prompt_ids) if echo else None
+    text = completion if echoed is None else echoed + completion
     cut = len(text) if stopped else None
     return {"index": d.index, "text": text,
-            "logprobs": None if logprobs is None else logprobs_of(tokenizer, d, echo, cut),
+            "logprobs": None if logprobs is None else logprobs_of(spelling, d, echoed, cut),
             "finish_reason": finish_reason(d.row, stopped), "path": d.path}
 
 
-def completion(tokenizer: Detokenizer, decoded: list[Decoded], model: str, echo: bool, logprobs: int | None,
+def completion(spelling: Spelling, decoded: list[Decoded], model: str, echo: bool, logprobs: int | None,
                stops: tuple[str, ...]) -> dict:
     """The ``text_completion`` object of finished choices."""
     prompt_tokens = sum(len(d.row.prompt_ids) for d in decoded)
     completion_tokens = sum(len(d.row.tokens) for d in decoded)
     return {"id": completion_id(), "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice(tokenizer, d, echo, logprobs, stops) for d in decoded],
+            "choices": [choice(spelling, d, echo, logprobs, stops) for d in decoded],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
 

@@ -8,12 +8,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_lm_eval import offline  # noqa: F401 (a fixture: nothing may leave the machine)
 from test_serve import PROMPTS, needs_web, running
 
 from dipaco.data.packing import eval_windows
 from dipaco.model.scoring import Scoring, score_documents, window_nll
 from dipaco.serve.http import AppOptions, create_app
-from dipaco.serve.openai_api import MAX_LOGPROBS
+from dipaco.serve.openai_api import COMPLETIONS, MAX_LOGPROBS
 from dipaco.serve.pipeline import Pipeline
 
 MAX_PROMPT_TOKENS = 48
@@ -48,14 +49,17 @@ def client(server):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=TOKEN, max_retries=0, timeout=60)
 
 
-def post(port: int, body, path: str = "/v1/completions", token: str | None = TOKEN) -> tuple[int, dict]:
+def post(port: int, body, path: str = "/v1/completions", token: str | None = TOKEN,
+         content_type: str | None = "application/json", method: str = "POST") -> tuple[int, dict]:
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    conn.request("POST", path, body=body if isinstance(body, (bytes, str)) else json.dumps(body), headers=headers)
+    headers = {**({"Content-Type": content_type} if content_type else {}),
+               **({"Authorization": f"Bearer {token}"} if token else {})}
+    payload = None if body is None else body if isinstance(body, (bytes, str)) else json.dumps(body)
+    conn.request(method, path, body=payload, headers=headers)
     resp = conn.getresponse()
-    status, data = resp.status, json.loads(resp.read())
+    status, data = resp.status, json.loads(resp.read() or b"null")
     conn.close()
     return status, data
 
@@ -267,6 +271,17 @@ BAD = [  # (body, status, param)
     ({"model": None, "prompt": "a", "stop": ["x"] * 17}, 400, "stop"),
     ({"model": None, "prompt": ["\ud800"]}, 400, "prompt"),
     ({"prompt": "a"}, 400, "model"),
+    # Controls this server does not apply: only their neutral values are taken (test_neutral_values_...).
+    ({"model": None, "prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": None, "prompt": "a", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"model": None, "prompt": "a", "presence_penalty": -1}, 400, "presence_penalty"),
+    ({"model": None, "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"model": None, "prompt": "a", "logit_bias": {"5": 0.5}}, 400, "logit_bias"),
+    ({"model": None, "prompt": "a", "stream": True, "stream_options": {"include_obfuscation": True}}, 400,
+     "stream_options"),
+    # null is a default only where OpenAI's schema allows it, and only of a field this server knows.
+    ({"model": None, "prompt": "a", "user": None}, 400, "user"),
+    ({"model": None, "prompt": "a", "temprature": None}, 400, "temprature"),
 ]
 
 
@@ -310,3 +325,124 @@ def test_a_prompt_list_cap_below_one_is_refused_at_start(pipe):
 
     with pytest.raises(DipacoError, match="--max-prompts must be >= 1, got 0"):
         create_app(pipe, AppOptions(max_prompts=0))
+
+
+# --- what real clients send (issue 76) --------------------------------------------------------------
+def greedy(client, pipe, prompt, max_tokens: int = 6, **extra) -> str:
+    return client.completions.create(model=pipe.experiment, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     **extra).choices[0].text
+
+
+@pytest.mark.usefixtures("offline")
+def test_langchains_openai_llm_invokes_and_streams(client, pipe, server):
+    """LangChain's completions LLM sends frequency_penalty and presence_penalty (0) on every call."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.OpenAI(model=pipe.experiment, base_url=f"http://127.0.0.1:{server}/v1", api_key=TOKEN,
+                                  max_tokens=6, temperature=0, max_retries=0, timeout=60, logit_bias={})
+    expected = greedy(client, pipe, PROMPTS[1])
+    assert llm.invoke(PROMPTS[1]) == expected
+    assert "".join(llm.stream(PROMPTS[1])) == expected
+
+
+def test_neutral_values_of_unsupported_controls_are_accepted(client, pipe, server):
+    expected = greedy(client, pipe, PROMPTS[2])
+    assert greedy(client, pipe, PROMPTS[2], frequency_penalty=0, presence_penalty=0, logit_bias={}, user="someone",
+                  suffix=None) == expected
+    body = {"model": pipe.experiment, "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "frequency_penalty": 0.0,
+            "logit_bias": {"5": 0}, "suffix": "", "stream_options": None}
+    status, out = post(server, body)
+    assert status == 200 and out["choices"][0]["text"] == expected
+    openai = needs_openai()
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty: only 0 is supported") as refused:
+        greedy(client, pipe, PROMPTS[2], frequency_penalty=1)
+    assert refused.value.param == "frequency_penalty"
+
+
+NULLABLE = ("max_tokens", "temperature", "top_p", "n", "best_of", "stop", "seed", "stream", "stream_options", "logprobs",
+            "echo", "frequency_penalty", "presence_penalty", "logit_bias", "suffix")  # OpenAI's schema: "or null"
+
+
+def test_null_is_the_default_wherever_openai_allows_it(server, pipe):
+    def answer(body: dict) -> dict:
+        status, out = post(server, {"model": pipe.experiment, "prompt": PROMPTS[3], **body})
+        assert status == 200, out
+        return out
+
+    # Seeded sampling at the default temperature and top_p, the default max_tokens, no stream, no echo.
+    defaults, nulls = answer({"seed": 11}), answer({**dict.fromkeys(NULLABLE), "seed": 11})
+    assert nulls["choices"] == defaults["choices"] and nulls["usage"] == defaults["usage"]
+    assert defaults["usage"]["completion_tokens"] == 16 and defaults["choices"][0]["logprobs"] is None
+    unseeded = answer({**dict.fromkeys(NULLABLE), "temperature": 0})
+    assert unseeded["choices"][0]["text"] == answer({"temperature": 0})["choices"][0]["text"]
+
+
+def test_a_null_prompt_is_the_document_separator(client, pipe):
+    eos = pipe.tokenizer.eos_token_id
+    by_null = client.completions.create(model=pipe.experiment, prompt=None, max_tokens=0, echo=True, logprobs=0)
+    [choice] = by_null.choices
+    assert by_null.usage.prompt_tokens == 1 and choice.logprobs.tokens == [pipe.tokenizer.eos_token]
+    assert choice.text == pipe.tokenizer.eos_token and choice.path == pipe.plan("", ids=[eos], max_new_tokens=1).path
+    assert greedy(client, pipe, None) == greedy(client, pipe, [eos])
+
+
+@pytest.mark.parametrize("field,value,where", [
+    ("prompt", "a \ud800 b", "it holds"), ("prompt", ["a", "\udfff"], "item 1 holds"), ("stop", "\ud800", "it holds"),
+    ("user", "\udc00", "it holds"),
+])
+def test_a_lone_surrogate_is_named_in_every_field(server, pipe, field, value, where):
+    body = {"model": pipe.experiment, "prompt": "a", "max_tokens": 2, field: value}
+    status, data = post(server, json.dumps(body, ensure_ascii=True).encode())
+    assert (status, data["error"]["param"]) == (400, field)
+    assert data["error"]["message"] == f"{field}: not valid Unicode: {where} a lone surrogate (\\ud800-\\udfff)"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/generate"])
+@pytest.mark.parametrize("content_type,got", [("application/x-www-form-urlencoded", "got 'application/x-www-form-urlencoded'"),
+                                              (None, "none was sent"), ("text/plain", "got 'text/plain'")])
+def test_a_body_not_sent_as_json_names_the_content_type(server, pipe, path, content_type, got):
+    body = {"model": pipe.experiment, "prompt": "a"} if path == COMPLETIONS else {"prompt": "a"}
+    status, data = post(server, json.dumps(body), path=path, content_type=content_type)
+    message = f"Content-Type: the body is read as JSON only with 'Content-Type: application/json' ({got})"
+    assert status == 415
+    assert data == ({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+                    if path == COMPLETIONS else {"detail": message})
+    status, data = post(server, b"", path=path)
+    assert status == (400 if path == COMPLETIONS else 422) and "the request body is empty" in json.dumps(data)
+    status, data = post(server, json.dumps(body), path=path, content_type="application/json; charset=utf-8")
+    assert status == 200, data
+
+
+def test_echo_of_a_token_id_prompt_spells_its_special_tokens(client, pipe):
+    """A token-id prompt may hold special tokens (lm-eval's context may start with the EOS): the echoed text is
+    its tokens' texts one after the other, each token at its offset."""
+    tok = pipe.tokenizer
+    ids = [tok.eos_token_id, *pipe.encode("The film won"), tok.eos_token_id, tok.pad_token_id, *pipe.encode(" three")]
+    scored = client.completions.create(model=pipe.experiment, prompt=ids, max_tokens=0, echo=True, logprobs=1).choices[0]
+    lp = scored.logprobs
+    assert scored.text == "".join(lp.tokens) == f"{tok.eos_token}The film won{tok.eos_token}{tok.pad_token} three"
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+    continued = client.completions.create(model=pipe.experiment, prompt=ids, max_tokens=3, echo=True, logprobs=1,
+                                          temperature=0).choices[0]
+    more = continued.logprobs
+    assert continued.text == scored.text + greedy(client, pipe, ids, max_tokens=3)
+    assert more.tokens[: len(ids)] == lp.tokens and more.text_offset[: len(ids)] == lp.text_offset
+    assert all(len(scored.text) <= o <= len(continued.text) for o in more.text_offset[len(ids):])
+    assert more.token_logprobs[1: len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    echoed = client.completions.create(model=pipe.experiment, prompt=ids, max_tokens=3, echo=True, temperature=0)
+    assert echoed.choices[0].text == continued.text  # without logprobs, the same text
+
+
+def test_a_trailing_slash_is_the_route_without_it(server, pipe):
+    body = {"model": pipe.experiment, "prompt": PROMPTS[4], "max_tokens": 4, "temperature": 0}
+    plain, slashed = post(server, body), post(server, body, path="/v1/completions/")
+    assert slashed[0] == 200 and slashed[1]["choices"] == plain[1]["choices"]
+    assert post(server, None, path="/v1/models/", method="GET") == post(server, None, path="/v1/models", method="GET")
+    assert post(server, None, path=f"/v1/models/{pipe.experiment}/", method="GET")[1]["id"] == pipe.experiment
+    status, data = post(server, None, path="/v1/models/gpt-4/", method="GET")
+    assert status == 404 and data["error"]["code"] == "model_not_found"
+    for path, method in (("/v1/completions/", "POST"), ("/v1/completions//", "POST"), ("/v1/models/", "GET")):
+        status, data = post(server, body, path=path, token=None, method=method)
+        assert status == 401 and data == {"error": {"message": "missing or wrong token: send 'Authorization: Bearer <token>'",
+                                                    "type": "authentication_error", "param": None,
+                                                    "code": "invalid_api_key"}}
