@@ -514,14 +514,15 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     def body_not_json(request: Request, exc: RequestValidationError) -> RequestError | None:
         """The refusal of a body FastAPI did not read as JSON, naming why, or None. It reads one only under a
         JSON ``Content-Type`` (``application/json``, ``application/*+json``); any other body reaches validation
-        as its bytes, and an empty one as None, where pydantic would only say the input is not an object."""
+        as its bytes, and an empty one (or JSON's null) as None, where pydantic would only say the input is not
+        an object."""
         if isinstance(exc.body, (bytes, bytearray)):
             sent = request.headers.get("content-type")
             got = f"got {json_safe(sent)!r}" if sent else "none was sent"
             return RequestError(415, f"Content-Type: the body is read as JSON only with 'Content-Type: "
                                      f"application/json' ({got})")
         if exc.body is None and any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
-            return RequestError(422, "the request body is empty: send a JSON object, with 'Content-Type: "
+            return RequestError(422, "the request body is empty (or null): send a JSON object, with 'Content-Type: "
                                      "application/json'")
         return None
 

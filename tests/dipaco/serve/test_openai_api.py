@@ -406,8 +406,9 @@ def test_a_body_not_sent_as_json_names_the_content_type(server, pipe, path, cont
     assert status == 415
     assert data == ({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
                     if path == COMPLETIONS else {"detail": message})
-    status, data = post(server, b"", path=path)
-    assert status == (400 if path == COMPLETIONS else 422) and "the request body is empty" in json.dumps(data)
+    for empty in (b"", b"null"):
+        status, data = post(server, empty, path=path)
+        assert status == (400 if path == COMPLETIONS else 422) and "the request body is empty (or null)" in json.dumps(data)
     status, data = post(server, json.dumps(body), path=path, content_type="application/json; charset=utf-8")
     assert status == 200, data
 
