@@ -350,9 +350,14 @@ def given_keys(path: str | Path | None, overrides: list[str] | None, section: st
         if isinstance(part, DictConfig):
             given |= {str(k) for k in part.keys()}
     for item in overrides or []:
-        key = item.split("=", 1)[0].strip()
+        key, _, value = item.partition("=")
+        key = key.strip()
         if key.startswith(section + "."):
-            given.add(key[len(section) + 1:].split(".", 1)[0])
+            name = key[len(section) + 1:]
+            if _is_null(value) and "." not in name:  # key=null unsets it: not asked for
+                given.discard(name)
+            else:
+                given.add(name.split(".", 1)[0])
     return given
 
 
@@ -362,6 +367,7 @@ def merge_config(path: str | Path | None = None, overrides: list[str] | None = N
     outside a ``Literal`` raise :class:`ConfigError` naming the full key; values are not checked
     further here (:func:`dipaco.run.load_config` does that)."""
     where = None
+    unset: list[str] = []
     try:
         merged = OmegaConf.structured(base)
         if path is not None:
@@ -372,11 +378,49 @@ def merge_config(path: str | Path | None = None, overrides: list[str] | None = N
             bad = [o for o in overrides if "=" not in o]
             if bad:
                 raise ConfigError(f"overrides must look like key=value, got: {' '.join(bad)}")
+            overrides, unset = _unsets(overrides)
+            for key in unset:
+                OmegaConf.update(merged, key, _schema_default(key), merge=False)
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(_omegaconf_message(exc, where)) from None
+    if unset and cfg.model.init_from is None:  # type: ignore[attr-defined]
+        raise ConfigError(f"{unset[0]}=null (on the command line): null unsets a shape key for model.init_from's "
+                          f"checkpoint to fill in; without model.init_from give a value (the default is "
+                          f"{_schema_default(unset[0])!r})")
     return cfg  # type: ignore[return-value]
+
+
+_NULLS = ("null", "Null", "NULL", "~")  # YAML's spellings of null, as omegaconf reads a dotlist value
+_UNSETTABLE = tuple(f"model.{key}" for key in SHAPE_KEYS)  # with model.init_from, the checkpoint gives them
+
+
+def _is_null(value: str) -> bool:
+    return value.strip() in _NULLS
+
+
+def _unsets(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides for omegaconf, the keys they unset). An empty value is refused (an empty shell variable
+    would otherwise pass as null); ``key=null`` on a key the schema types Optional sets None, as omegaconf
+    does; on a shape key of ``model`` it unsets the key, back to the schema's default, for model.init_from's
+    checkpoint to fill in; on any other key it is refused. The last value of a key wins."""
+    parsed = [(key.strip(), value) for key, _, value in (o.partition("=") for o in overrides)]
+    last = {key: i for i, (key, _) in enumerate(parsed)}
+    unset: list[str] = []
+    for i, (key, value) in enumerate(parsed):
+        hint = _schema_hint(key)
+        if not value.strip():
+            nullable = hint is not None and type(None) in get_args(hint)
+            raise ConfigError(f"{key}: no value after '=' (on the command line); give a value"
+                              f"{', or null to unset it' if nullable else ''}")
+        if not _is_null(value) or hint is None or type(None) in get_args(hint) or last[key] != i:
+            continue
+        if key not in _UNSETTABLE:
+            raise ConfigError(f"{key}: cannot be null (on the command line); give a value, or leave the key out "
+                              f"for its default {_schema_default(key)!r}")
+        unset.append(key)
+    return [o for o, (key, _) in zip(overrides, parsed) if key not in unset], unset
 
 
 def parse_config(text: str, where: str) -> Config:
@@ -433,15 +477,28 @@ def _literal_choices(msg: str) -> tuple[str, list[str]] | None:
 
 def _accepts_none(dotted: str) -> bool:
     """Whether the schema key ``dotted`` (e.g. ``topology.embedding``) is Optional."""
+    return type(None) in get_args(_schema_hint(dotted))
+
+
+def _schema_hint(dotted: str) -> Any:
+    """The type the schema gives the key ``dotted``; None when the schema has no such key."""
     owner: Any = Config
     hint: Any = None
     for part in dotted.split("."):
         hints = get_type_hints(owner) if isinstance(owner, type) else {}
         if part not in hints:
-            return False
+            return None
         hint = hints[part]
         owner = next((a for a in get_args(hint) if isinstance(a, type)), hint)
-    return type(None) in get_args(hint)
+    return hint
+
+
+def _schema_default(dotted: str) -> Any:
+    """The schema's default value of the key ``dotted``."""
+    value: Any = Config()
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def to_yaml(cfg: Any) -> str:

@@ -4,6 +4,9 @@ by transformers' ``save_pretrained``, beside a byte-level BPE built with ``token
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -59,3 +62,23 @@ def build_checkpoint(out: Path, *, tied: bool = False, kv_heads: int = 2, rope_s
 def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def write_header_only(out: Path, config: dict[str, Any]) -> None:
+    """A checkpoint directory for ``config`` (a config.json's fields) whose ``model.safetensors`` has the header
+    of every tensor ``LlamaForCausalLM`` makes for it and a hole for their bytes (a sparse file): whatever reads
+    only headers sees a full-size checkpoint that takes no disk and no time to write."""
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    header, offset = {}, 0
+    for name, param in model.named_parameters():  # a tied lm_head is not listed, as save_pretrained leaves it out
+        size = math.prod(param.shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(param.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + offset)

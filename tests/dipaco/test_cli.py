@@ -235,3 +235,18 @@ def test_an_unknown_flag_is_still_refused(capsys):
         parse_command_line(["train", "run.dir=x", "--bogus", "train.inner_steps=20"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, line", [
+    ("train.rounds=null", "error: train.rounds: cannot be null (on the command line); give a value, or leave the key "
+                          "out for its default 4"),
+    ("model.num_layers=null", "error: model.num_layers=null (on the command line): null unsets a shape key for "
+                              "model.init_from's checkpoint to fill in; without model.init_from give a value "
+                              "(the default is 4)"),
+    ("model.init_from=", "error: model.init_from: no value after '=' (on the command line); give a value, or null to "
+                         "unset it"),
+])
+def test_null_and_empty_values_on_the_command_line_are_one_line(tmp_path, capsys, override, line):
+    assert run(tmp_path, "prepare", corpus(tmp_path), override) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert not (tmp_path / "run").exists()

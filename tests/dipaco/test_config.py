@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from dipaco.config import Config, config_diff, parse_config, save_config, to_yaml
+from dipaco.config import Config, config_diff, given_keys, merge_config, parse_config, save_config, to_yaml
 from dipaco.errors import ConfigError
 from dipaco.run import load_config
 
@@ -10,7 +10,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 # SmolLM2-135M's config.json as its model card ships it: its shipped config resolves against these numbers here,
-# where nothing downloads (the weights are an empty safetensors file: resolving reads only headers).
+# where nothing downloads (the weights are a header-only safetensors file: resolving reads only headers).
 SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 576,
                 "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000, "rope_scaling": None,
@@ -21,17 +21,14 @@ HUB_CONFIGS = {"HuggingFaceTB/SmolLM2-135M": SMOLLM2_135M}
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_shipped_configs_load(name, tmp_path):
-    import json
-
-    from safetensors.torch import save_file
+    from open_model import write_header_only
 
     from dipaco.config import merge_config
 
     source = merge_config(CONFIGS / name).model.init_from
     overrides = []
     if source is not None:
-        (tmp_path / "config.json").write_text(json.dumps(HUB_CONFIGS[source]))
-        save_file({}, str(tmp_path / "model.safetensors"))
+        write_header_only(tmp_path, HUB_CONFIGS[source])
         overrides = [f"model.init_from={tmp_path}"]
     cfg = load_config(CONFIGS / name, overrides)
     assert isinstance(cfg, Config)
@@ -215,3 +212,38 @@ def test_a_config_read_back_from_its_text_is_the_same_config():
     assert config_diff(parse_config(to_yaml(cfg), "x"), cfg, ignore=()) == []
     with pytest.raises(ConfigError, match=r"train\.no_such_key.*in the saved config"):
         parse_config("train:\n  no_such_key: 1\n", "the saved config")
+
+
+# --- issue 76: key=null and key= on the command line --------------------------------------------------------------
+def test_null_sets_an_optional_key_and_is_refused_by_one_that_has_no_null():
+    assert merge_config(CONFIGS / "demo.yaml", ["model.head_dim=null", "data.hub_config=null"]).model.head_dim is None
+    with pytest.raises(ConfigError) as err:
+        merge_config(CONFIGS / "demo.yaml", ["train.rounds=null"])
+    assert str(err.value) == ("train.rounds: cannot be null (on the command line); give a value, or leave the key "
+                              "out for its default 4")
+
+
+def test_null_unsets_a_shape_key_for_init_from_and_is_not_given():
+    demo = CONFIGS / "demo.yaml"  # sets model.num_layers: 2
+    cfg = merge_config(demo, ["model.init_from=somewhere", "model.num_layers=null"])
+    assert cfg.model.num_layers == Config().model.num_layers and cfg.model.hidden_size == 64  # the schema's default
+    assert given_keys(demo, ["model.init_from=somewhere", "model.num_layers=null"], "model") == {
+        "init_from", "hidden_size", "intermediate_size", "num_heads"}
+    # the last value of a key wins, as everywhere on the command line
+    assert merge_config(demo, ["model.num_layers=null", "model.num_layers=3"]).model.num_layers == 3
+    assert merge_config(demo, ["model.num_layers=3", "model.init_from=x", "model.num_layers=null"]).model.num_layers == 4
+    with pytest.raises(ConfigError, match=r"model.num_layers=null \(on the command line\): null unsets a shape key "
+                                          r"for model.init_from's checkpoint to fill in; without model.init_from give "
+                                          r"a value \(the default is 4\)"):
+        merge_config(demo, ["model.num_layers=null"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.init_from=", "model.init_from: no value after '=' (on the command line); give a value, or null to unset it"),
+    ("train.rounds=", "train.rounds: no value after '=' (on the command line); give a value"),
+])
+def test_an_empty_value_on_the_command_line_is_refused(override, message):
+    """`model.init_from=$MODEL` with MODEL unset was taken as null: a BPE was trained from scratch without a word."""
+    with pytest.raises(ConfigError) as err:
+        merge_config(None, [override])
+    assert str(err.value) == message
