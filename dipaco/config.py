@@ -382,14 +382,14 @@ def merge_config(path: str | Path | None = None, overrides: list[str] | None = N
             for key in unset:
                 OmegaConf.update(merged, key, _schema_default(key), merge=False)
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
-        cfg = OmegaConf.to_object(merged)
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_omegaconf_message(exc, where)) from None
-    if unset and cfg.model.init_from is None:  # type: ignore[attr-defined]
+    if unset and cfg.model.init_from is None:
         raise ConfigError(f"{unset[0]}=null (on the command line): null unsets a shape key for model.init_from's "
                           f"checkpoint to fill in; without model.init_from give a value (the default is "
                           f"{_schema_default(unset[0])!r})")
-    return cfg  # type: ignore[return-value]
+    return cfg
 
 
 _NULLS = ("null", "Null", "NULL", "~")  # YAML's spellings of null, as omegaconf reads a dotlist value

@@ -206,9 +206,11 @@ def check_rope(model: ModelConfig, where: str) -> None:
     when the config is loaded, not a traceback when the model is built. Shapes too broken to have a RoPE are
     left to :func:`dipaco.model.llama.check_model`."""
     scaling = model.rope_scaling
-    rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if scaling is None:
+        return  # plain RoPE
+    rope_type = scaling.get("rope_type", scaling.get("type"))
     if not isinstance(rope_type, str):
-        return  # plain RoPE, or no rope_type: check_model says so
+        return  # check_model says a rope_type is missing
     if rope_type not in rope_types():
         raise ConfigError(f"{where}: rope_type {rope_type!r} is not one transformers {transformers.__version__} "
                           f"computes ({', '.join(rope_types())})")

@@ -10,6 +10,11 @@ tokenizer, so ``AutoModelForCausalLM.from_pretrained(DIR, local_files_only=True)
      "checkpoint": "round_000004", "run": ..., "topology": ..., "prefix_tokens": 32, ...}
 
 ``--all`` writes one such directory per path: ``OUT/path_000``, ``OUT/path_001``, ...
+
+A path of a run started from an open model (``model.init_from``) keeps that checkpoint's special-token ids
+(``bos_token_id``, ``eos_token_id``, ``pad_token_id``, ``unk_token_id``, as its config.json has them) in its
+``config.json`` and ``generation_config.json``; where the checkpoint's config.json is no longer on the machine,
+the BOS and UNK ids come from the run's tokenizer, which is the checkpoint's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dipaco.atomic import replacing
 from dipaco.errors import DipacoError
 from dipaco.metrics import echo
 from dipaco.model.llama import build_model
+from dipaco.model.source import special_token_ids
 from dipaco.serve.pipeline import LoadedExperiment, load_experiment
 
 PATH_INFO = "dipaco_path.json"
@@ -45,6 +51,7 @@ def export_path(loaded: LoadedExperiment, path: int, out: str | Path, model=None
         echo(f"[export] replacing the earlier export in {out}")
     model = model if model is not None else build_model(loaded.llama_config(use_cache=True), seed=0)
     loaded.bank.load_path(path, model)
+    _keep_special_ids(model, loaded)
     with replacing(out) as tmp:
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)  # safetensors by default
@@ -66,6 +73,26 @@ def export_path(loaded: LoadedExperiment, path: int, out: str | Path, model=None
         (tmp / PATH_INFO).write_text(json_text.dumps(info, indent=2))
         _normal_file_modes(tmp)
     return out
+
+
+def source_token_ids(loaded: LoadedExperiment) -> dict:
+    """The special-token ids an export of ``loaded`` carries beyond its training config's (which has no BOS):
+    those of the open model it started from, if any."""
+    source = loaded.spec.model.get("init_from")
+    if not source:
+        return {}
+    ids = special_token_ids(source)
+    if ids is None:  # the checkpoint's config.json is gone; the run's tokenizer is the checkpoint's
+        ids = {"bos_token_id": loaded.tokenizer.bos_token_id, "unk_token_id": loaded.tokenizer.unk_token_id}
+    return ids
+
+
+def _keep_special_ids(model, loaded: LoadedExperiment) -> None:
+    """Sets the source's special-token ids on the model's config and generation config, which save_pretrained writes."""
+    for key, value in source_token_ids(loaded).items():
+        setattr(model.config, key, value)
+        if key != "unk_token_id":  # a generation config has no UNK
+            setattr(model.generation_config, key, value)
 
 
 def _umask() -> int:

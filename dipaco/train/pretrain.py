@@ -1,7 +1,9 @@
 """`dipaco pretrain`: the dense, path-sized model trained on all training data.
 
 With ``model.init_from`` it starts from that checkpoint's weights (:mod:`dipaco.model.source`) and continues
-its training on the corpus for ``pretrain.steps`` steps (0: the checkpoint as it is).
+its training on the corpus for ``pretrain.steps`` steps (0: the checkpoint as it is). Before the model is built,
+the checkpoint's tensor shapes are checked against its config.json and its parameter count against the
+available memory.
 
 Its weights initialise every module of the bank (the DiPaCo paper pretrains 24k of 88k steps
 this way). It is saved with ``save_pretrained`` (safetensors) together with the tokenizer, so the
@@ -25,7 +27,7 @@ from dipaco.errors import ConfigError
 from dipaco.metrics import MetricsLogger, echo
 from dipaco.model.llama import build_model
 from dipaco.model.pretrained import path_llama_config
-from dipaco.model.source import import_weights
+from dipaco.model.source import check_import, import_weights
 from dipaco.paths.factory import DENSE, LoopSettings, PathLoops
 from dipaco.paths.inner import InnerLoop, InnerStats, check_optim
 from dipaco.route.shards import build_shards
@@ -80,11 +82,14 @@ def pretrain(job: PretrainJob, prepared: Prepared) -> None:
     run_dir = RunDir(run.dir)
     everything = np.zeros(len(prepared.train), dtype=np.int64)  # one shard: all training docs
     sequences = build_shards(prepared.train, everything, 1, job.seq_len, prepared.tokenizer.eos_token_id)[0]
-    model = build_model(path_llama_config(job.model, prepared.tokenizer, job.seq_len), seed=run.seed, device=device)
+    steps = section.steps
+    llama = path_llama_config(job.model, prepared.tokenizer, job.seq_len)
+    if job.model.init_from is not None:  # before the model is built: the checkpoint's shapes, and the memory they need
+        check_import(job.model, training_on_cpu=steps > 0 and device.type == "cpu")
+    model = build_model(llama, seed=run.seed, device=device)
     if job.model.init_from is not None:  # continue the open model's training on this corpus, as the paper does
         import_weights(model, job.model.init_from)
         echo(f"[pretrain] initialised from {job.model.init_from}")
-    steps = section.steps
     settings = LoopSettings.from_config(section, job.model, steps, "pretrain")
     loop = PathLoops({DENSE: sequences}, settings, run.seed).build(DENSE, model, device)
     options = loop.options
@@ -119,6 +124,10 @@ def pretrain(job: PretrainJob, prepared: Prepared) -> None:
         prepared.tokenizer.save_pretrained(tmp)
         Path(tmp / "run_config.yaml").write_text(job.config_yaml)
     remove_tree(run_dir.pretrain_work)
+    if steps == 0:  # nothing trained, so no loss to report
+        kept = f"the checkpoint {job.model.init_from} as it is" if job.model.init_from else "the initialised model"
+        echo(f"[pretrain] pretrain.steps=0: kept {kept} -> {run_dir.pretrain}")
+        return
     echo(f"[pretrain] mean loss over the {stats.steps} steps {stats.loss:.3f}, {stats.tokens_per_s:,.0f} tok/s, "
          f"{time.perf_counter() - start:.0f}s -> "
          f"{run_dir.pretrain}")

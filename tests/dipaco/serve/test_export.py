@@ -2,15 +2,19 @@
 
 import json
 import os
+import shutil
 import stat
+from pathlib import Path
 
 import pytest
 import torch
+from open_model import SAMPLE_TEXT, build_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dipaco.cli import main
 from dipaco.errors import DipacoError
 from dipaco.model.llama import build_model
+from dipaco.model.source import SPECIAL_IDS
 from dipaco.serve.export import PATH_INFO, export
 from dipaco.serve.pipeline import load_experiment
 
@@ -81,3 +85,43 @@ def test_exported_files_get_the_mode_of_a_normal_file(served_run, tmp_path, umas
     assert "model.safetensors" in modes and PATH_INFO in modes
     # 0644 under the usual umask 022 (safetensors alone would leave the weights 0600), 0600 under 077.
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+# --- issue 76: an export of a run from an open model keeps the model's special-token ids ---------------------------
+def _trained_from_an_open_model(root: Path) -> tuple[Path, Path]:
+    """(the checkpoint, a run started from it and trained for one step), as a user runs it: its config.json sets
+    every special-token id, the BOS and UNK ones (which dipaco's training config has no use for) included."""
+    checkpoint = root / "llama"
+    build_checkpoint(checkpoint, unk_token_id=2, pad_token_id=3)
+    corpus = root / "corpus.jsonl"
+    sentences = SAMPLE_TEXT.split(". ")
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": ". ".join(sentences[i % 5:] * 3)}) + "\n"
+                              for i in range(30)))
+    args = [f"model.init_from={checkpoint}", f"data.corpus={corpus}", f"run.dir={root / 'run'}", "data.seq_len=64",
+            "data.prefix_tokens=16", "topology.preset=dense", "pretrain.steps=0", "train.rounds=1",
+            "train.inner_steps=1", "train.optim.batch_size=2", "train.optim.warmup_steps=1", "run.progress=false",
+            "run.device=cpu"]
+    for job in ("prepare", "pretrain", "train"):
+        assert main([job, *args]) == 0
+    return checkpoint, root / "run"
+
+
+def test_an_export_keeps_the_special_token_ids_of_the_open_model(tmp_path):
+    checkpoint, run = _trained_from_an_open_model(tmp_path)
+    source = json.loads((checkpoint / "config.json").read_text())
+    assert (source["bos_token_id"], source["eos_token_id"], source["unk_token_id"], source["pad_token_id"]) == (0, 1, 2, 3)
+    assert main(["export", "--run", str(run), "--path", "0", "--out", str(tmp_path / "out")]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: exported.get(k) for k in SPECIAL_IDS} == {k: source[k] for k in SPECIAL_IDS}
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (0, 1, 3)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert (loaded.config.bos_token_id, loaded.config.unk_token_id) == (0, 2)
+
+    # the checkpoint gone from this machine: BOS and UNK from the run's tokenizer, which is the checkpoint's
+    shutil.rmtree(checkpoint)
+    assert main(["export", "--run", str(run), "--path", "0", "--out", str(tmp_path / "out")]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(run / "tokenizer", local_files_only=True)
+    assert tokenizer.bos_token_id == 0 and exported["bos_token_id"] == 0
+    assert exported.get("unk_token_id") == tokenizer.unk_token_id

@@ -61,7 +61,7 @@ def test_a_new_users_journey_from_a_local_checkpoint(checkpoint, corpus, tmp_pat
     exported = json.loads((tmp_path / "path3" / "config.json").read_text())
     source = json.loads((checkpoint / "config.json").read_text())
     for key in ("rms_norm_eps", "attention_bias", "mlp_bias", "num_key_value_heads", "head_dim", "vocab_size",
-                "max_position_embeddings", "tie_word_embeddings"):
+                "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
         assert exported[key] == source[key], key
     assert exported["rope_parameters"] == source["rope_parameters"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "path3", local_files_only=True).eval()
@@ -105,10 +105,16 @@ def test_bad_open_models_are_one_error_line_and_write_nothing(checkpoint, corpus
     _refused(capsys, tmp_path / "r4", f"model.init_from={checkpoint}", *base, "data.seq_len=512",
              match="data.seq_len: 512 is above model.max_positions=256")
 
-    small = copy("small")
-    config = json.loads((small / "config.json").read_text())
-    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
-    _refused(capsys, tmp_path / "r5", f"model.init_from={small}", *base, match="more than the 100 rows of the embedding")
+    small = tmp_path / "small"  # an embedding with fewer rows than its tokenizer has tokens
+    build_checkpoint(small, extra_rows=-10)
+    capsys.readouterr()  # save_pretrained's progress bar
+    rows = json.loads((small / "config.json").read_text())["vocab_size"]
+    _refused(capsys, tmp_path / "r5", f"model.init_from={small}", *base, match=f"more than the {rows} rows of the embedding")
+    misshapen = copy("misshapen")  # config.json's vocab_size is not the weights'
+    config = json.loads((misshapen / "config.json").read_text())
+    (misshapen / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    _refused(capsys, tmp_path / "r8", f"model.init_from={misshapen}", *base,
+             match=f"has shape ({config['vocab_size']}, 64) in the file; {misshapen / 'config.json'} implies (100, 64)")
 
     sharded = tmp_path / "sharded"
     build_checkpoint(sharded, shard_bytes=40_000)
