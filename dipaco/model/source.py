@@ -286,7 +286,8 @@ def resolve_init_from(model: ModelConfig, tokenizer: TokenizerConfig,
         raise ConfigError("model.init_from: empty; give a checkpoint directory or a hub name (org/model), or null")
     directory = source_dir(source)
     shape = checkpoint_shape(source_config(directory))
-    check_rope(replace(model, **shape), f"{directory / 'config.json'}: rope_parameters")
+    resolved = replace(model, **shape)
+    check_rope(resolved, f"{directory / 'config.json'}: rope_parameters")
     differ = [f"model.{key}={getattr(model, key)!r} but the checkpoint has {value!r}" for key, value in shape.items()
               if key in given and getattr(model, key) is not None and not _same(getattr(model, key), value)]
     if differ:
@@ -295,7 +296,6 @@ def resolve_init_from(model: ModelConfig, tokenizer: TokenizerConfig,
     if tokenizer.path is not None and tokenizer.path != source:
         raise ConfigError(f"tokenizer.path: {tokenizer.path} given with model.init_from={source}; the run uses the "
                           f"checkpoint's own tokenizer (leave tokenizer.path unset)")
-    resolved = replace(model, **shape)
     if Path(source).expanduser().is_dir():
         check_weight_shapes(directory, resolved)  # a hub model's weights are fetched (and checked) by `dipaco pretrain`
     return resolved, replace(tokenizer, path=source)

@@ -221,6 +221,19 @@ def test_a_hostile_config_json_names_the_field_for_every_job(tiny_checkpoint, tm
         load_config(None, [f"model.init_from={source}"])
 
 
+@pytest.mark.parametrize("rope, says", [
+    ("{rope_type: spiral}", "model.rope_scaling: rope_type 'spiral' is not one transformers"),
+    ("{rope_type: linear}", "model.rope_scaling: RoPE linear with {'rope_type': 'linear'} cannot be computed "
+                            "(rope_parameters: Missing required keys in `rope_parameters` for 'rope_type'='linear'"),
+])
+def test_a_rope_scaling_of_the_config_is_computed_when_it_loads(rope, says):
+    """Without a checkpoint too: pretrain's build_model raised KeyError on a rope_type transformers lacks."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.rope_scaling={rope}"])
+    assert says in str(err.value)
+    assert load_config(None, ["model.rope_scaling={rope_type: linear, factor: 2.0}"]).model.rope_scaling["factor"] == 2.0
+
+
 @pytest.mark.parametrize("fields, says", [
     (dict(vocab_size=10**9), "model.safetensors: lm_head.weight has shape (384, 64) in the file; {config} implies "
                              "(1000000000, 64)"),
