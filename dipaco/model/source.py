@@ -423,7 +423,7 @@ def check_memory(params: int, training: bool, source: str) -> None:
 
 
 def _gib(size: int) -> str:
-    return f"{size / 2**30:,.1f} GiB"
+    return f"{size / 2**30:,.1f} GiB" if size >= 2**30 else f"{size / 2**20:,.1f} MiB"
 
 
 def check_import(model: ModelConfig, training_on_cpu: bool) -> None:

@@ -165,8 +165,8 @@ def test_a_checkpoint_larger_than_the_available_memory_is_refused_before_the_mod
     capsys.readouterr()
     assert main(["pretrain", *args, "pretrain.steps=2"]) == 2
     line = one_error_line(capsys)
-    assert re.fullmatch(r"error: model.init_from=\S+: its [\d,]+ parameters need at least \d+\.\d GiB to train "
-                        r"\(fp32 weights, gradients and AdamW's two moments\), and this machine has 0.0 GiB available "
+    assert re.fullmatch(r"error: model.init_from=\S+: its [\d,]+ parameters need at least \d+\.\d MiB to train "
+                        r"\(fp32 weights, gradients and AdamW's two moments\), and this machine has 1.0 MiB available "
                         r"\(MemAvailable in /proc/meminfo\)", line), line
     assert not built and not (tmp_path / "run" / "pretrain").exists()
 
