@@ -189,8 +189,8 @@ def test_echo_with_a_new_token_is_what_lm_eval_asks(client, pipe):
     assert plus_one.choices[0].text.startswith(scored.choices[0].text)
 
 
-def metric(port: int, name: str) -> float:
-    """The sum of a metric's samples in the server's /metrics."""
+def metric(port: int, name: str, **labels: str) -> float:
+    """The sum of a metric's samples in the server's /metrics (those with ``labels``, if given)."""
     import http.client
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -199,7 +199,8 @@ def metric(port: int, name: str) -> float:
     conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
     text = conn.getresponse().read().decode()
     conn.close()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def batch_rows(port: int) -> tuple[float, float]:
@@ -211,15 +212,24 @@ def test_a_stream_whose_client_leaves_stops_decoding(client, pipe, server):
     body = {"model": pipe.experiment, "prompt": PROMPTS[7], "max_tokens": MAX_NEW_TOKENS_CAP, "temperature": 0}
     assert client.completions.create(**body).usage.completion_tokens == MAX_NEW_TOKENS_CAP  # no early EOS
     before = metric(server, "dipaco_generated_tokens_total")
+    answered = metric(server, "dipaco_requests_total", endpoint=COMPLETIONS)
     raw = json.dumps({**body, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", server), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: " + str(len(raw)).encode()
                      + b"\r\n\r\n" + raw)
     # Gone while its row waited for a batch (batch_wait_ms=50): the row is dropped, not decoded to the end.
-    time.sleep(1.0)
-    assert metric(server, "dipaco_generated_tokens_total") - before < MAX_NEW_TOKENS_CAP
-    assert client.completions.create(**body).choices[0].text  # the server goes on
+    # Its request is logged once its stream has ended, the row cancelled; a row's tokens are counted when it
+    # ends, and the next completion, decoded by the same worker, ends after a cancelled row has (at its next
+    # step). Waited for as events, not a fixed time a loaded machine may not have finished the row in.
+    deadline = time.monotonic() + 60
+    while metric(server, "dipaco_requests_total", endpoint=COMPLETIONS) == answered:
+        assert time.monotonic() < deadline, "the stream whose client left did not end"
+        time.sleep(0.02)
+    again = client.completions.create(**body)
+    assert again.choices[0].text  # the server goes on
+    left_with = metric(server, "dipaco_generated_tokens_total") - before - again.usage.completion_tokens
+    assert left_with < MAX_NEW_TOKENS_CAP
 
 
 def test_completions_share_generates_batches(client, pipe, server):
