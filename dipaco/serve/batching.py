@@ -207,7 +207,9 @@ class PathBatcher:
         return not any(queue for p, queue in self._queues.items() if p != path and p not in self._decoding)
 
     def _admitter(self, path: int, tickets: list[Ticket]) -> Admit:
-        """The decoding loop's ``admit``: up to ``max_batch`` rows in all, from ``path``'s queue, oldest first."""
+        """The decoding loop's ``admit``: up to ``max_batch`` rows in all, from ``path``'s queue, oldest first.
+        ``tickets`` keeps the batch's requests that have not ended (for :meth:`_decode`'s errors): under steady load a
+        batch never drains, and a list of every request it admitted held each one's row for as long as it ran."""
 
         def admit(decoding: int) -> list[DecodeRow]:
             with self._cond:
@@ -217,6 +219,7 @@ class PathBatcher:
                     return []
                 joining = [queue.popleft() for _ in range(min(room, len(queue)))]
                 self._set_waiting(self._waiting - len(joining))
+            tickets[:] = [t for t in tickets if not t.future.done()]
             tickets.extend(joining)
             return [t.row for t in joining]
 

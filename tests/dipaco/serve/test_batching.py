@@ -164,6 +164,53 @@ def test_an_answered_request_is_freed_without_the_cycle_collector():
         batcher.close()
 
 
+def test_a_batch_that_never_drains_does_not_hold_the_requests_it_answered():
+    """Under steady load a module batch (one queue) admits rows at every step and never ends. The batcher kept every
+    ticket the running batch had admitted, and so every answered request's row, until it did: the server's memory
+    grew with each request (issue 76). The stand-in decoder ends one row a step and admits the next, for 300 steps."""
+    live: dict[int, weakref.ref] = {}
+    steps_done = threading.Event()
+    check = threading.Event()
+
+    def continuous(path, rows, admit, on_step) -> None:
+        running = list(rows)
+        for step in range(300):
+            deadline = time.monotonic() + 10
+            while not running and not stop.is_set() and time.monotonic() < deadline:  # waited for, not raced
+                running += admit(len(running)) or (time.sleep(0.001) or [])
+            if step == 250:
+                steps_done.set()
+                check.wait(10)  # the test looks while the batch still runs
+            if running:
+                done = running.pop(0)
+                done.tokens.append(step)
+                done.finish("length")
+
+    batcher = PathBatcher(continuous, max_batch=4, batch_wait_s=0.0, workers=1, one_queue=True)
+    stop = threading.Event()
+
+    def client() -> None:  # one request at a time, each as soon as the last is answered
+        n = 0
+        while not stop.is_set() and n < 400:
+            ticket = batcher.submit(n % 4, row())
+            live[n] = weakref.ref(ticket.row)
+            ticket.future.result(10)
+            n += 1
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    try:
+        assert steps_done.wait(30)
+        gc.collect()
+        held = [n for n, ref in live.items() if ref() is not None]
+        assert len(live) >= 200 and len(held) <= 8, f"{len(held)} of {len(live)} answered rows are still alive"
+    finally:
+        check.set()
+        stop.set()
+        thread.join(10)
+        batcher.close()
+
+
 class Stepper:
     """A run_batch of ``steps`` steps that asks ``admit`` for joiners between steps, as the decoding loop does,
     and waits for ``gate`` before its first step."""
