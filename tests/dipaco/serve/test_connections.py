@@ -46,13 +46,15 @@ def test_connections_whose_headers_are_late_are_closed(pipe):
         for _ in range(2):  # a header line every 0.2 s: alive, but the deadline is for the whole headers
             time.sleep(0.2)
             slow.sendall(b"X-Slow: 1\r\n")
-        assert (closed_by_server(slow, 3) or 9) < 1.5 and (closed_by_server(idle, 3) or 9) < 1.0
+        # Closed by the deadline, not left open (uvicorn has none for headers that keep arriving): the bound is
+        # seconds past the 0.5 s deadline, so a loaded machine's late timer still passes.
+        assert (closed_by_server(slow, 10) or 99) < 4 and (closed_by_server(idle, 10) or 99) < 4
         # After an answer on a kept-alive connection, the next request's headers have the same deadline.
         kept = socket.create_connection(("127.0.0.1", port))
         kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert kept.recv(65536).startswith(b"HTTP/1.1 200")
         kept.sendall(b"GET /healthz HTTP/1.1\r\n")
-        assert (closed_by_server(kept, 3) or 9) < 1.0
+        assert (closed_by_server(kept, 10) or 99) < 4
         assert closed_count(app, "header_timeout") == 3
         assert call(port, "GET", "/healthz")[0] == 200
 
@@ -77,8 +79,10 @@ def test_at_the_connection_bound_the_longest_idle_connection_makes_room(pipe):
         held = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
         time.sleep(0.2)
         start = time.monotonic()
-        status, reply = call(port, "POST", "/v1/generate", {"prompt": PROMPTS[0], "max_new_tokens": 4}, timeout=5)
-        assert status == 200 and time.monotonic() - start < 1.0
+        status, reply = call(port, "POST", "/v1/generate", {"prompt": PROMPTS[0], "max_new_tokens": 4}, timeout=20)
+        # Served at once, not once a held connection's 30 s header deadline frees a place: the bound is far
+        # from both, so a loaded machine's slower answer still passes.
+        assert status == 200 and time.monotonic() - start < 10
         open_now = [s for s in held if closed_by_server(s, 0.05) is None]
         assert len(open_now) <= 4 and held[-1] in open_now  # the oldest went first
         assert closed_count(app, "evicted") >= 6
