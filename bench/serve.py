@@ -55,11 +55,12 @@
    the whole stream timed; ``stream_options.include_usage`` counts its tokens), one server, the three
    interleaved in ``--rounds`` rounds of ``--seconds / rounds`` each (the order turned each round).
    Reports tokens/s and p50/p99 of each. Target: completions within 10% of generate, both ways.
-9. **Soak** (``--soak N``): ``N`` closed-loop clients (sampled, temperature 0.8, prompts of 12-40 words cut
-   from validation texts) against one `dipaco serve` (``--max-batch``) for ``--seconds``, in windows of
-   ``--window`` seconds; the server's RSS and open descriptors (``/proc/PID``) sampled every ``--sample-every``
-   seconds. Reports p50/p99 and statuses per window, and RSS growth and slope (least squares) after
-   ``--settle`` seconds. Targets: RSS from ``--settle`` to the end grows <= 2%, every window's p99 within
+9. **Soak** (``--soak N``): ``N`` closed-loop clients of traffic as varied as users send (:class:`VariedTraffic`:
+   both APIs, streamed and not, prompts across the whole cap, greedy and seeded sampling, stops) against one
+   `dipaco serve` (``--max-batch``, ``--batching``) for ``--seconds``, in windows of ``--window`` seconds; the RSS of
+   the server with its router process, and the server's open descriptors (``/proc/PID``), sampled every
+   ``--sample-every`` seconds. Reports p50/p99 and statuses per window, and RSS growth and slope (least squares)
+   after ``--settle`` seconds. Targets: RSS from ``--settle`` to the end grows <= 2%, every window's p99 within
    20% of the first's, 0 responses of 500.
 
 With no ``--run`` it builds a small run first (configs/demo.yaml: BBC News, 4-layer d=128 paths,
@@ -248,21 +249,6 @@ def varied_prompts(pipe: Pipeline, n: int, max_tokens: int) -> list[str]:
         docs = (docs * (n // max(len(docs), 1) + 1))[:n]
     low = max(1, max_tokens // 2)
     return [pipe.decode(d[: low + (i * 7) % (max_tokens - low + 1)]) for i, d in enumerate(docs[:n])]
-
-
-def word_prompts(pipe: Pipeline, n: int, low: int = 12, high: int = 40, seed: int = 0) -> list[str]:
-    """``n`` runs of ``low`` to ``high`` words from validation texts, each from a random place (fixed seed)."""
-    rng = np.random.default_rng(seed)
-    out: list[str] = []
-    for doc in validation_split(pipe)["input_ids"]:
-        words = pipe.decode(doc).split()
-        k = int(rng.integers(low, high + 1))
-        if len(words) >= k:
-            at = int(rng.integers(0, len(words) - k + 1))
-            out.append(" ".join(words[at:at + k]))
-        if len(out) == n:
-            break
-    return out
 
 
 def encode_bodies(prompts: list[str], paths: Sequence[int] | None = None, **fields: Any) -> list[bytes]:
@@ -562,7 +548,7 @@ LARGE_KINDS = ("body_50mb", "chunked_10mb", "route_10mb")  # the large invalid r
 def abuse_requests(prompt: str, caps: Json) -> dict[str, tuple[str, Body, set[int]]]:
     """Per kind: (path, body: bytes or a function giving the chunks of a chunked body, expected statuses)."""
     max_chars = caps["max_prompt_chars"]
-    seq_len = caps["seq_len"]
+    positions = caps["positions"]  # a prompt and its new tokens together: data.seq_len, or an imported checkpoint's
     huge = json.dumps({"prompt": "The economy grew. " * (50 * MB // 18)}).encode()  # ~50 MB with Content-Length
     chunked = json.dumps({"prompt": "word " * (10 * MB // 5)}).encode()  # ~10 MB, sent in 64 kB chunks
     route_huge = json.dumps({"text": "Shares in the bank rose. " * (10 * MB // 25)}).encode()
@@ -575,7 +561,7 @@ def abuse_requests(prompt: str, caps: Json) -> dict[str, tuple[str, Body, set[in
         "route_10mb": ("/v1/route", route_huge, {413}),
         "prompt_over_chars": ("/v1/generate", j({"prompt": "x" * (max_chars + 1)}), {422}),
         "prompt_over_tokens": ("/v1/generate", j({"prompt": " x" * (caps["max_prompt_tokens"] + 1)}), {422}),
-        "too_many_new_tokens": ("/v1/generate", j({"prompt": prompt, "max_new_tokens": seq_len}), {422}),
+        "too_many_new_tokens": ("/v1/generate", j({"prompt": prompt, "max_new_tokens": positions}), {422}),
         "nan_temperature": ("/v1/generate", b'{"prompt": "hello", "temperature": NaN}', {422}),
         "tiny_temperature": ("/v1/generate", j({"prompt": prompt, "max_new_tokens": 4, "temperature": 1e-45}), {200}),
         "denormal_temperature": ("/v1/generate", j({"prompt": prompt, "max_new_tokens": 4, "temperature": 5e-324}), {200}),
@@ -643,7 +629,7 @@ def bench_abuse(run: Path, experiment: str | None, prompts: list[str], clients: 
     out: Json = {
         "invalid_requests": invalid, "clients": clients, "seconds": seconds, "wall_s": wall, "requests": n,
         "requests_per_s": n / wall,
-        "caps": {k: caps.get(k) for k in ("seq_len", "max_prompt_tokens", "max_prompt_chars",
+        "caps": {k: caps.get(k) for k in ("seq_len", "positions", "max_prompt_tokens", "max_prompt_chars",
                                           "max_new_tokens_cap", "max_body_bytes", "routing_prefix_tokens")},
         "status_counts": {str(k): v for k, v in sorted(counts.items())},
         "status_by_kind": {k: {str(s): v for s, v in c.items()} for k, c in answered.items()},
@@ -935,63 +921,151 @@ def bench_apis(run: Path, experiment: str, prompts: list[str], clients: int, sec
 
 
 class ProcSampler(threading.Thread):
-    """Every ``every`` seconds: (seconds since start, VmRSS in MB, open descriptors) of process ``pid``."""
+    """Every ``every`` seconds: (seconds since start, VmRSS of process ``pid`` in MB, its open descriptors, VmRSS of
+    ``pid`` and its descendants in MB: a server with its router process)."""
 
     def __init__(self, pid: int, every: float) -> None:
         super().__init__(daemon=True)
         self.pid, self.every, self.stop = pid, every, threading.Event()
-        self.samples: list[tuple[float, float, int | None]] = []
+        self.samples: list[tuple[float, float, int | None, float]] = []
         self.start_time = time.monotonic()
 
     def run(self) -> None:
         while True:
             rss = rss_kb(self.pid).get("VmRSS")
             if rss is not None:
-                self.samples.append((time.monotonic() - self.start_time, rss / 1024, server_descriptors(self.pid)))
+                tree = sum(rss_kb(p).get("VmRSS", 0) for p in process_tree(self.pid))
+                self.samples.append((time.monotonic() - self.start_time, rss / 1024, server_descriptors(self.pid),
+                                     tree / 1024))
             if self.stop.wait(self.every):
                 return
 
 
-def bench_soak(run: Path, experiment: str | None, prompts: list[str], clients: int, seconds: float, window_s: float,
-               settle_s: float, sample_s: float, new_tokens: int, threads: int | None, max_batch: int,
-               batching: str = "module") -> Json:
-    """Part 9: one server (``--batching``), ``clients`` closed-loop clients for ``seconds`` in windows of ``window_s``.
-    Each window is a fresh ``closed_loop`` (its clients reconnect): a gap of a few ms, and latency per window."""
-    bodies = encode_bodies(prompts, max_new_tokens=new_tokens, temperature=0.8)
+STOP_STRINGS = (".", " the", "\n", ",")
+
+
+@dataclass(frozen=True)
+class VariedTraffic:
+    """The soak's requests, as varied as users send them (issue 76: a narrow load hid a per-request leak). Each
+    request draws from its client's own seeded generator:
+
+    - an API, in equal shares: ``/v1/generate``, ``/v1/completions``, ``/v1/completions`` streamed (server-sent
+      events, usage in the last chunk);
+    - a prompt: a validation text cut, from a random token, to a length uniform over the whole prompt cap (1 up to
+      the positions the new tokens leave, less a margin for a cut text's tokens changing when re-encoded);
+    - decoding: greedy, or sampled (temperature 0.7-1.3, top_p 1 or 0.9) with a fresh seed;
+    - 1 to ``new_tokens`` new tokens, and one of :data:`STOP_STRINGS` for one request in four."""
+
+    docs: tuple[tuple[int, ...], ...]
+    decode: Callable[[Sequence[int]], str]
+    model: str
+    positions: int
+    new_tokens: int
+    margin: int = 4
+
+    @classmethod
+    def of(cls, pipe: Pipeline, new_tokens: int) -> VariedTraffic:
+        docs = tuple(tuple(d) for d in validation_split(pipe)["input_ids"] if len(d) > 1)
+        return cls(docs, pipe.decode, pipe.experiment, pipe.spec.served_positions().limit, new_tokens)
+
+    def draw(self, rng: np.random.Generator) -> tuple[str, bytes]:
+        """(endpoint, JSON body) of one request."""
+        new = int(rng.integers(1, self.new_tokens + 1))
+        doc = self.docs[int(rng.integers(len(self.docs)))]
+        longest = max(1, min(len(doc), self.positions - new - self.margin))
+        length = int(rng.integers(1, longest + 1))
+        at = int(rng.integers(0, len(doc) - length + 1))
+        prompt = self.decode(doc[at:at + length]) or "The"
+        sampled = rng.random() < 0.5
+        fields: Json = {"temperature": round(float(rng.uniform(0.7, 1.3)), 2), "top_p": float(rng.choice([1.0, 0.9])),
+                        "seed": int(rng.integers(2**31))} if sampled else {"temperature": 0.0}
+        api = int(rng.integers(3))
+        if api == 0:
+            return "/v1/generate", json.dumps({"prompt": prompt, "max_new_tokens": new, **fields}).encode()
+        if rng.random() < 0.25:
+            fields["stop"] = str(rng.choice(STOP_STRINGS))
+        body: Json = {"model": self.model, "prompt": prompt, "max_tokens": new, **fields}
+        if api == 2:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return "/v1/completions", json.dumps(body).encode()
+
+
+def answer_tokens(reply: bytes) -> int:
+    """The new tokens of an answer of /v1/generate or /v1/completions, whole or streamed."""
+    if reply.startswith(b"data: "):
+        return completion_tokens(reply)
+    answer = json.loads(reply)
+    return answer["usage"]["completion_tokens"] if "usage" in answer else answer["completion_tokens"]
+
+
+def varied_loop(port: int, traffic: VariedTraffic, rngs: list[np.random.Generator], seconds: float) -> Json:
+    """``len(rngs)`` closed-loop clients for ``seconds``, client c sending ``traffic.draw(rngs[c])`` one after
+    another on its own kept-alive connection."""
+    tally = Tally(answer_tokens)
+    deadline = time.monotonic() + seconds
+
+    def client(c: int) -> None:
+        with contextlib.closing(http.client.HTTPConnection("127.0.0.1", port, timeout=120)) as conn:
+            while time.monotonic() < deadline:
+                tally.post(conn, *traffic.draw(rngs[c]))
+
+    return tally.summary(len(rngs), run_clients(client, len(rngs)))
+
+
+def growth(t: np.ndarray, mb: np.ndarray, settle_s: float) -> Json:
+    """RSS figures of one sampled series: at the start, at ``settle_s``, at the end, the growth after ``settle_s``
+    and its slope (least squares, MB a minute)."""
+    late = t >= min(settle_s, t[-1])  # a run shorter than settle_s: its last sample alone
+    slope = float(np.polyfit(t[late], mb[late], 1)[0]) * 60 if late.sum() >= 2 else None
+    return {"first": mb[0], "at_settle": mb[late][0], "end": mb[-1], "peak": mb.max(),
+            "growth_after_settle": mb[-1] / mb[late][0] - 1, "slope_mb_per_min_after_settle": slope}
+
+
+def bench_soak(run: Path, experiment: str | None, traffic: VariedTraffic, clients: int, seconds: float, window_s: float,
+               settle_s: float, sample_s: float, threads: int | None, max_batch: int, batching: str = "module",
+               seed: int = 0) -> Json:
+    """Part 9: one server (``--batching``), ``clients`` closed-loop clients of ``traffic`` for ``seconds``, in windows
+    of ``window_s``. Each window is a fresh ``varied_loop`` (its clients reconnect): a gap of a few ms, and latency
+    per window."""
     flags = ("--max-batch", str(max_batch), "--batching", batching)
+    rngs = [np.random.default_rng([seed, c]) for c in range(clients)]
     windows = []
     with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, server):
         sampler = ProcSampler(server.pid, sample_s)
         sampler.start()
         while (left := seconds - (time.monotonic() - sampler.start_time)) > 0.05:
-            row = closed_loop(port, bodies, clients, min(window_s, left))
+            row = varied_loop(port, traffic, rngs, min(window_s, left))
             row["end_s"] = time.monotonic() - sampler.start_time
             windows.append(row)
             print(f"[bench] soak {row['end_s']:.0f} s: {row['requests']} answers, {latency_text(row)}, "
-                  f"RSS {sampler.samples[-1][1]:.0f} MB, {sampler.samples[-1][2]} descriptors", flush=True)
+                  f"RSS {sampler.samples[-1][3]:.0f} MB (server {sampler.samples[-1][1]:.0f}), "
+                  f"{sampler.samples[-1][2]} descriptors", flush=True)
         time.sleep(min(sample_s, 5.0))  # one sample after the load
         sampler.stop.set()
         sampler.join()
-    t, rss, fds = (np.array([s[i] for s in sampler.samples], dtype=float) for i in range(3))
-    late = t >= min(settle_s, t[-1])  # a run shorter than settle_s: its last sample alone
+    t, rss, fds, tree = (np.array([s[i] for s in sampler.samples], dtype=float) for i in range(4))
     statuses = all_statuses(windows)
-    slope = float(np.polyfit(t[late], rss[late], 1)[0]) * 60 if late.sum() >= 2 else None
-    out: Json = {"clients": clients, "seconds": seconds, "window_s": window_s, "settle_s": settle_s, "new_tokens": new_tokens,
-           "server_flags": " ".join(flags), "statuses": statuses,
-           "responses_500": sum(v for k, v in statuses.items() if k.isdigit() and int(k) >= 500),
-           "windows": [{k: row.get(k) for k in ("end_s", "requests", "p50_ms", "p99_ms", "statuses")} for row in windows],
-           "samples": {"t_s": t.tolist(), "rss_mb": rss.tolist(), "fds": fds.tolist()},
-           "rss_mb": {"first": rss[0], "at_settle": rss[late][0], "end": rss[-1], "peak": rss.max(),
-                      "growth_after_settle": rss[-1] / rss[late][0] - 1, "slope_mb_per_min_after_settle": slope},
-           "fds": {"min": fds.min(), "max": fds.max()}}
+    out: Json = {"clients": clients, "seconds": seconds, "window_s": window_s, "settle_s": settle_s,
+                 "new_tokens": traffic.new_tokens, "positions": traffic.positions, "traffic": VariedTraffic.__doc__,
+                 "server_flags": " ".join(flags), "statuses": statuses,
+                 "answers": sum(row["requests"] for row in windows),
+                 "responses_500": sum(v for k, v in statuses.items() if k.isdigit() and int(k) >= 500),
+                 "windows": [{k: row.get(k) for k in ("end_s", "requests", "p50_ms", "p99_ms", "statuses")}
+                             for row in windows],
+                 "samples": {"t_s": t.tolist(), "rss_mb": rss.tolist(), "tree_rss_mb": tree.tolist(), "fds": fds.tolist()},
+                 # the server with its router process, as `ps` shows a user; and the server process alone
+                 "rss_mb": growth(t, tree, settle_s), "server_rss_mb": growth(t, rss, settle_s),
+                 "fds": {"min": fds.min(), "max": fds.max()}}
     p99 = [row["p99_ms"] for row in windows if "p99_ms" in row]
     out["targets"] = {"rss_growth_after_settle_le_2pct": bool(out["rss_mb"]["growth_after_settle"] <= 0.02),
                       "p99_within_20pct_of_first_window": bool(p99) and max(p99) <= 1.2 * p99[0],
                       "no_500": out["responses_500"] == 0}
     r = out["rss_mb"]
+    slope = r["slope_mb_per_min_after_settle"]
     print(f"[bench] soak: RSS {r['first']:.0f} MB at start, {r['at_settle']:.0f} MB at {settle_s:g} s, {r['end']:.0f} MB "
           f"at the end ({100 * r['growth_after_settle']:+.1f}%, {slope if slope is not None else float('nan'):.2f} "
-          f"MB/min after settling); descriptors {out['fds']['min']:.0f}-{out['fds']['max']:.0f}; statuses "
+          f"MB/min after settling; server process {100 * out['server_rss_mb']['growth_after_settle']:+.1f}%); "
+          f"{out['answers']} answers; descriptors {out['fds']['min']:.0f}-{out['fds']['max']:.0f}; statuses "
           f"{statuses}; targets {out['targets']}", flush=True)
     return out
 
@@ -1246,9 +1320,9 @@ def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts:
                                     args.seconds, args.warmup_seconds, args.new_tokens, args.threads, args.max_batch,
                                     args.batch_wait_ms, args.rounds)
     if args.soak:
-        report["soak"] = bench_soak(*served, word_prompts(pipe, max(args.prompts, 200)), args.soak, args.seconds,
-                                    args.window, args.settle, args.sample_every, args.new_tokens, args.threads,
-                                    args.max_batch, args.batching)
+        report["soak"] = bench_soak(*served, VariedTraffic.of(pipe, args.new_tokens), args.soak, args.seconds,
+                                    args.window, args.settle, args.sample_every, args.threads, args.max_batch,
+                                    args.batching)
     if args.hold_idle:
         report["hold_idle"] = bench_hold_idle(*served, prompts, args.hold_idle, args.nofile, args.seconds, args.threads)
     return report

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_serve import PROMPTS, needs_web
 
@@ -117,18 +118,41 @@ def test_apis_drive_one_load_through_generate_and_completions(served_run):
     assert set(out["targets"]) == {"completions_within_10pct", "completions_stream_within_10pct"}
 
 
+def test_the_soak_traffic_is_as_varied_as_users_send(served_run):
+    """Issue 76: the soak's narrow load (one API, short sampled prompts) hid a leak that varied traffic showed."""
+    pipe = Pipeline.from_run(served_run.run.dir)
+    traffic = bench.VariedTraffic.of(pipe, new_tokens=8)
+    rng = np.random.default_rng(0)
+    drawn = [(endpoint, json.loads(body)) for endpoint, body in (traffic.draw(rng) for _ in range(400))]
+    streamed = [b for e, b in drawn if b.get("stream")]
+    assert {e for e, _ in drawn} == {"/v1/generate", "/v1/completions"} and 80 < len(streamed) < 200
+    assert all(b["stream_options"] == {"include_usage": True} for b in streamed)
+    sampled = [b for _, b in drawn if b["temperature"] > 0]
+    assert 120 < len(sampled) < 280 and len({b["seed"] for b in sampled}) == len(sampled)
+    assert any(b.get("stop") for _, b in drawn)
+    lengths = [len(pipe.encode(b["prompt"])) for _, b in drawn]
+    positions = pipe.spec.served_positions().limit
+    assert min(lengths) <= 3 and max(lengths) >= positions * 0.7  # across the whole cap
+    new = [b.get("max_new_tokens", b.get("max_tokens")) for _, b in drawn]
+    assert min(new) == 1 and max(new) == 8
+    assert all(n + m <= positions for n, m in zip(lengths, new))  # what the server accepts
+
+
 def test_soak_samples_memory_descriptors_and_latency_over_time(served_run):
     needs_web()
-    out = bench.bench_soak(Path(served_run.run.dir), None, PROMPTS, clients=3, seconds=3.0, window_s=1.0, settle_s=1.0,
-                           sample_s=0.3, new_tokens=4, threads=1, max_batch=8, batching="path")
+    traffic = bench.VariedTraffic.of(Pipeline.from_run(served_run.run.dir), new_tokens=4)
+    out = bench.bench_soak(Path(served_run.run.dir), None, traffic, clients=3, seconds=3.0, window_s=1.0, settle_s=1.0,
+                           sample_s=0.3, threads=1, max_batch=8, batching="path")
     assert out["server_flags"] == "--max-batch 8 --batching path"
-    t, rss, fds = out["samples"]["t_s"], out["samples"]["rss_mb"], out["samples"]["fds"]
+    t, rss, fds, tree = (out["samples"][k] for k in ("t_s", "rss_mb", "fds", "tree_rss_mb"))
     assert len(t) >= 5 and all(b > a for a, b in zip(t, t[1:])) and t[-1] >= 3.0  # sampled over the whole run
     assert min(rss) > 10 and min(fds) > 0 and out["fds"]["max"] >= out["fds"]["min"] > 0
+    assert all(whole >= server for whole, server in zip(tree, rss))  # the server and its router process
     assert len(out["windows"]) >= 2 and all(w["requests"] > 0 for w in out["windows"])
     assert all(w["p99_ms"] >= w["p50_ms"] > 0 for w in out["windows"])
-    assert out["responses_500"] == 0 and set(out["statuses"]) == {"200"}
-    assert out["rss_mb"]["slope_mb_per_min_after_settle"] is not None and out["rss_mb"]["peak"] >= out["rss_mb"]["end"]
+    assert out["responses_500"] == 0 and set(out["statuses"]) == {"200"} and out["answers"] > 0
+    for key in ("rss_mb", "server_rss_mb"):
+        assert out[key]["slope_mb_per_min_after_settle"] is not None and out[key]["peak"] >= out[key]["end"]
     assert set(out["targets"]) == {"rss_growth_after_settle_le_2pct", "p99_within_20pct_of_first_window", "no_500"}
 
 
