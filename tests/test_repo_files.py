@@ -45,10 +45,23 @@ def test_the_readme_install_without_make_is_what_make_test_runs():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     make_extras = re.findall(r'pip install --quiet -e "\.\[([\w,]+)\]"', makefile)
     readme_extras = re.findall(r'^pip install -e "\.\[([\w,]+)\]"', readme, re.MULTILINE)
-    assert make_extras and readme_extras == make_extras
+    # the demo's install first (its own extra), then the dev stack's, which the README's commands are
+    assert make_extras == ["demo", "dev,demo,bench"] and readme_extras == make_extras[-1:]
     make_pytest = re.findall(r"\$\(PY\) -m pytest([^\n]*)", makefile)
     readme_pytest = re.findall(r"^python -m pytest([^#\n]*)", readme, re.MULTILINE)
     assert make_pytest and [a.split() for a in readme_pytest] == [a.split() for a in make_pytest]
+
+
+def test_make_demo_installs_only_what_the_demo_runs():
+    """Issue 76: `make demo` installed the whole dev stack (Ray, lm-eval, W&B, mypy: 145 packages) to run the demo."""
+    proc = subprocess.run(["make", "-n", "-C", str(REPO), "demo", "VENV=/nonexistent-venv"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    installs = [line for line in proc.stdout.splitlines() if "pip install" in line]
+    assert [re.findall(r'-e "\.\[([\w,]+)\]"', line) for line in installs if " -e " in line] == [["demo"]]
+    proc = subprocess.run(["make", "-n", "-C", str(REPO), "test", "VENV=/nonexistent-venv"], capture_output=True,
+                          text=True, timeout=60)
+    assert '-e ".[dev,demo,bench]"' in proc.stdout  # the suite gets the dev stack
 
 
 def test_readme_points_a_clone_only_at_what_it_has():
