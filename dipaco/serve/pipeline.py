@@ -74,6 +74,7 @@ from dipaco.serve.decode import (  # noqa: F401  (SeededSampler, SafeTemperature
     sampling_processors,
 )
 from dipaco.serve.module_batch import ModuleBatchedDecoder
+from dipaco.serve.offsets import text_offsets
 from dipaco.serve.router_passes import (
     RouterBatcher,
     RouterOptions,
@@ -460,12 +461,11 @@ class Pipeline:
             return list(tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False))
 
     def text_offsets(self, ids: Sequence[int]) -> list[int]:
-        """Where each token starts in ``decode(ids)``: the length of the text of the tokens before it. One
-        decode per prefix (n(n+1)/2 tokens in all, n <= the model's positions), which is exact where a
-        character spans tokens; the characters a prefix ends inside of are not counted."""
+        """Where each token starts in ``decode(ids)``, in time linear in ``len(ids)``: a token that starts inside a
+        character (split over tokens) at that character, one after bytes that never complete a character after
+        their U+FFFD, a special token where the text after it starts (:mod:`dipaco.serve.offsets`)."""
         with self._own_tokenizer() as tokenizer:
-            texts = tokenizer.batch_decode([list(ids[:i]) for i in range(len(ids))], skip_special_tokens=True)
-        return [len(t.rstrip("\ufffd")) for t in texts]
+            return text_offsets(tokenizer, ids)
 
     def routing_prefix_tokens(self) -> int | None:
         """How many leading tokens of a text the router reads (None: all of them, or no router)."""
