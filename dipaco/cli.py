@@ -96,6 +96,8 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     _spec_of_old_run(args)
     pipe = Pipeline.from_run(args.run, experiment=args.experiment, checkpoint=args.checkpoint, device=args.device,
                              precision=args.precision)
+    # the server's rule: a model trained on data.seq_len positions (or imported with its own) has no more
+    pipe.spec.served_positions().check_fits(len(pipe.encode(args.prompt)), args.max_new_tokens, "--max-new-tokens")
     out = pipe.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, path=args.path)
     modules = " ".join(pipe.loaded.module_names(out.path))

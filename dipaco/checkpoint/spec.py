@@ -62,6 +62,13 @@ class Positions(NamedTuple):
     limit: int
     source: str  # what set the limit, as the server's start-up line says it
 
+    def check_fits(self, prompt_tokens: int, new_tokens: int, new_field: str = "max_new_tokens") -> None:
+        """Refuses a prompt and new tokens that do not fit together, naming the limit and why it is that
+        (``dipaco serve`` and ``dipaco generate`` say the same); ``new_field``: the caller's name of the new tokens."""
+        if prompt_tokens + new_tokens > self.limit:
+            raise DipacoError(f"{new_field}: the prompt's {prompt_tokens} tokens plus {new_tokens} new tokens do not "
+                              f"fit the model's {self.limit} positions ({self.source})")
+
 
 @dataclass(frozen=True)
 class ExperimentSpec:

@@ -7,6 +7,7 @@ from conftest import IMPORTED_POSITIONS
 from test_serve import PROMPTS, call, health, running
 
 from dipaco.checkpoint.spec import Positions
+from dipaco.errors import DipacoError
 from dipaco.serve.http import AppOptions, ServeOptions, create_app, resolve_caps
 from dipaco.serve.pipeline import Pipeline
 from dipaco.serve.router_passes import RouterOptions
@@ -39,6 +40,18 @@ def test_resolve_caps_default_to_the_positions_and_lower_larger_ones_with_a_note
     assert (prompt, new) == (2048, 2048)
     assert notes == [f"max_prompt_tokens=9000 is above the model's 2048 positions ({FROM_CHECKPOINT}): lowered to 2048",
                      f"max_new_tokens_cap=2049 is above the model's 2048 positions ({FROM_CHECKPOINT}): lowered to 2048"]
+
+
+def test_a_prompt_and_new_tokens_past_the_positions_are_refused_naming_them():
+    positions = Positions(2048, FROM_CHECKPOINT)
+    positions.check_fits(2000, 48)
+    positions.check_fits(0, 2048)
+    with pytest.raises(DipacoError) as refused:
+        positions.check_fits(2000, 49, "max_tokens")
+    assert str(refused.value) == (f"max_tokens: the prompt's 2000 tokens plus 49 new tokens do not fit the model's "
+                                  f"2048 positions ({FROM_CHECKPOINT})")
+    with pytest.raises(DipacoError, match="^max_new_tokens: the prompt's 2049 tokens plus 1 new tokens"):
+        positions.check_fits(2049, 1)
 
 
 def test_the_spec_says_which_positions_a_run_serves(imported, scratch):
@@ -137,3 +150,37 @@ def test_the_start_up_line_says_which_positions_apply_and_why(which, limit, why,
     http.serve(cfg.run.dir, ServeOptions(port=0, router=RouterOptions(in_child=False)))
     [line] = [line for line in capsys.readouterr().out.splitlines() if "positions:" in line]
     assert f"positions: {limit} ({why}); caps: prompt {limit} tokens, {limit} new tokens" in line
+
+
+def test_dipaco_generate_refuses_a_prompt_past_the_positions(served_run, scratch, tmp_path):
+    """`dipaco generate` as a user runs it: a prompt and --max-new-tokens beyond the model's positions are one error
+    line naming the limit and why it is that, as the server's 4xx says (before, it generated past them)."""
+    import subprocess
+    import sys
+
+    from tiny import subprocess_env
+
+    seq_len, n = scratch.spec.seq_len, len(scratch.encode(PROMPTS[0]))
+    command = [sys.executable, "-m", "dipaco", "generate", "--run", str(served_run.run.dir), PROMPTS[0],
+               "--max-new-tokens", str(seq_len - n + 1)]
+    done = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path, timeout=600)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"error: --max-new-tokens: the prompt's {n} tokens plus {seq_len - n + 1} new tokens do "
+                           f"not fit the model's {seq_len} positions ({FROM_SCRATCH})\n")
+    assert done.stdout == ""
+
+
+def test_dipaco_generate_takes_prompts_up_to_an_imported_runs_positions(imported_run, imported, capsys):
+    from dipaco.cli import main
+
+    prompt = imported.decode(long_ids(imported, IMPORTED_POSITIONS - 4))
+    n = len(imported.encode(prompt))
+    assert imported.spec.seq_len < n <= IMPORTED_POSITIONS - 3
+    run = str(imported_run.run.dir)
+    assert main(["generate", "--run", run, prompt, "--max-new-tokens", str(IMPORTED_POSITIONS - n + 1)]) == 2
+    assert capsys.readouterr().err == (f"error: --max-new-tokens: the prompt's {n} tokens plus "
+                                       f"{IMPORTED_POSITIONS - n + 1} new tokens do not fit the model's "
+                                       f"{IMPORTED_POSITIONS} positions ({FROM_CHECKPOINT})\n")
+    assert main(["generate", "--run", run, prompt, "--max-new-tokens", str(IMPORTED_POSITIONS - n)]) == 0
+    out = capsys.readouterr().out
+    assert f"tokens: {n} prompt + " in out
