@@ -602,10 +602,10 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
                                param="prompt")
         room = positions.limit - n_prompt
         new_tokens = min(default_new, room) if max_new_tokens is None else max_new_tokens
-        if new_tokens < least or new_tokens > room:
-            raise RequestError(422, f"{new_field}: the prompt's {n_prompt} tokens plus {max(new_tokens, least)} new "
-                                    f"tokens do not fit the model's {positions.limit} positions ({positions.source})",
-                               param=new_field)
+        try:
+            positions.check_fits(n_prompt, max(new_tokens, least), new_field)  # dipaco generate's rule too
+        except DipacoError as exc:
+            raise RequestError(422, str(exc), param=new_field) from None
         try:
             return pipeline.plan(prompt, max_new_tokens=new_tokens, path=path, ids=ids, scoring=scoring, **sampling)
         except DipacoError as exc:
