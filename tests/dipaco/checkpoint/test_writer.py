@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -63,12 +64,13 @@ def test_the_written_checkpoint_is_the_state_at_submit_not_what_training_did_nex
     want = files(CheckpointManager(tmp_path / "sync").save(
         1, lambda d: write_snapshot(d, 0, snapshot(model, optimizer, 1), 1)))
     writer = BackgroundWriter(CheckpointManager(tmp_path / "background"))
-    slow = []
+    next_round_done = threading.Event()
 
     def write(copy: Snapshot):
         def fill(directory: Path) -> list[Path]:
-            time.sleep(0.3)  # the next round runs meanwhile
-            slow.append(1)
+            # Written once the next round has changed the live tensors, however slow the machine: a fixed wait
+            # here let a loaded one write first, and a snapshot that was not copied then passed.
+            assert next_round_done.wait(60), "the next round did not run"
             return write_snapshot(directory, 0, copy, 1)
         return fill
 
@@ -78,8 +80,9 @@ def test_the_written_checkpoint_is_the_state_at_submit_not_what_training_did_nex
             p.add_(1.0)
         for state in optimizer.state.values():
             state["exp_avg"].mul_(3.0)
+    next_round_done.set()
     _, got = writer.wait()
-    assert slow and files(got) == want
+    assert files(got) == want
 
 
 def test_host_buffers_are_reused_and_pinned_only_for_cuda():
@@ -143,6 +146,9 @@ def test_a_kill_at_any_moment_of_a_background_write_leaves_a_complete_checkpoint
         proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root)], stdout=subprocess.PIPE, env=env)
         assert proc.stdout is not None
         proc.stdout.readline()  # the first write is under way
+        # The second: the first write is done (each waits for the last), so every attempt has a checkpoint to find,
+        # however long a loaded machine takes to write it; the kill comes at a random moment of the later ones.
+        proc.stdout.readline()
         time.sleep(rng.uniform(0.0, 0.6))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
