@@ -15,6 +15,11 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+# The serving tests' imported checkpoint (tests/dipaco/serve/conftest.py's imported_run): more positions than the run
+# trains on (data.seq_len=64), and as many as lm-eval's default max_length. Here, not in that conftest: `from conftest
+# import` finds whichever conftest module pytest imported first.
+IMPORTED_POSITIONS = 2048
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                "original_max_position_embeddings": 64}
 SAMPLE_TEXT = ("Shares in the bank rose after the results. The film won three awards at the ceremony. "

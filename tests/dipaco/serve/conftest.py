@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from open_model import build_checkpoint
+from open_model import IMPORTED_POSITIONS, build_checkpoint
 from tiny import corpus_source_missing, write_corpus_slice
 
 from dipaco.config import Config
 
-# More positions than the run trains on (data.seq_len=64), and as many as lm-eval's default max_length.
-IMPORTED_POSITIONS = 2048
 IMPORTED = ["data.seq_len=64", "data.prefix_tokens=16", "topology.preset=dense", "pretrain.steps=2",
             "pretrain.optim.batch_size=4", "pretrain.optim.warmup_steps=1", "train.optim.batch_size=4",
             "train.optim.warmup_steps=1", "train.rounds=1", "train.inner_steps=2", "run.progress=false",

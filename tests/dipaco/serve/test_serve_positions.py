@@ -3,7 +3,7 @@ own positions (its ``max_position_embeddings``), not the ``data.seq_len`` it tra
 scratch keeps ``data.seq_len``. The caps, the 4xx of a request past them, ``/healthz`` and the start-up line."""
 
 import pytest
-from conftest import IMPORTED_POSITIONS
+from open_model import IMPORTED_POSITIONS
 from test_serve import PROMPTS, call, health, running
 
 from dipaco.checkpoint.spec import Positions
