@@ -153,6 +153,18 @@ def _fake_payloads(bank, rank: int, round_index: int):
     return out
 
 
+def _arrive_together(store: str, rank: int, world_size: int = 2) -> None:
+    """Returns once every rank has started. The spawned ranks import torch and dipaco side by side, which takes
+    a loaded machine tens of seconds, and one may then reach the process group more than its 3 s timeout after
+    the other; from here on they run the same short steps."""
+    Path(f"{store}.started{rank}").touch()
+    deadline = time.monotonic() + 600
+    while not all(Path(f"{store}.started{r}").exists() for r in range(world_size)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other ranks did not start in 600 s")
+        time.sleep(0.01)
+
+
 def _worker(rank: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -164,6 +176,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     from dipaco.sync.deltas import outer_gradient
     from dipaco.sync.nesterov import ModuleNesterov
 
+    _arrive_together(store, rank)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=3))
     world = World(env=DistEnv(rank=rank, world_size=2), backend="gloo", timeout_s=3.0)
