@@ -5,54 +5,73 @@ both sides, the calibration, and the profile of a side. The whole comparison run
 from __future__ import annotations
 
 import json
-import time
+import math
 
+import pytest
 import torch
 
 from bench import throughput as bt
 
-STEP_S = {"dipaco_path": 0.004, "best_handwritten": 0.002}  # fake sides: a sleep per step
+STEP_S = {"dipaco_path": 0.004, "best_handwritten": 0.002}  # fake sides: seconds per step, on a fake clock
 
 
-def fake_sides(calls: dict[str, list[int]]) -> dict:
+class FakeClock:
+    """bench.throughput's clock (its ``time``), moved only by the fake sides' steps: the timing logic is checked
+    with durations a loaded machine cannot stretch (real sleeps overslept there and changed what ran)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(bt, "time", fake)
+    return fake
+
+
+def fake_sides(calls: dict[str, list[int]], clock: FakeClock) -> dict:
     def side(name: str):
         def run(n: int) -> None:
             calls[name].append(n)
-            time.sleep(n * STEP_S[name])
+            clock.now += n * STEP_S[name]
         return run
 
     return {name: side(name) for name in STEP_S}
 
 
-def test_a_block_shorter_than_the_minimum_runs_again_longer_on_both_sides():
+def test_a_block_shorter_than_the_minimum_runs_again_longer_on_both_sides(clock):
     calls: dict[str, list[int]] = {name: [] for name in STEP_S}
-    timing = bt.run_blocks(fake_sides(calls), torch.device("cpu"), blocks=2, steps=2, min_block_s=0.05)
-    # 2 steps of the faster side last 4 ms: that block runs again with enough steps for 0.05 s, and so do the rest
-    # (once on an idle machine; a loaded one oversleeps the short blocks, which can take another rerun)
-    assert 1 <= timing["reruns"] <= 3 and calls["dipaco_path"] == calls["best_handwritten"]
+    timing = bt.run_blocks(fake_sides(calls, clock), torch.device("cpu"), blocks=2, steps=2, min_block_s=0.05)
+    # 2 steps of the faster side last 4 ms: that block runs again, once, with enough steps for 0.05 s (and a
+    # margin), and so do the rest
+    assert timing["reruns"] == 1 and calls["dipaco_path"] == calls["best_handwritten"]
     steps = timing["steps_per_block"]
     calls_made = calls["best_handwritten"]
-    assert len(steps) == 2 and steps[0] == steps[1] > 2 and calls_made[0] == 2 and calls_made[-2:] == steps
-    assert len(calls_made) == 2 + timing["reruns"]
-    assert steps[0] * STEP_S["best_handwritten"] >= 0.05 or timing["reruns"] == 3
-    for took in timing["seconds"].values():
-        assert len(took) == 2 and (min(took) >= 0.05 or timing["reruns"] == 3)
+    assert steps == [math.ceil(2 * bt.BLOCK_MARGIN * 0.05 / 0.004)] * 2 and calls_made == [2, *steps]
+    assert steps[0] * STEP_S["best_handwritten"] >= 0.05
+    for name, took in timing["seconds"].items():
+        assert took == pytest.approx([steps[0] * STEP_S[name]] * 2)
 
 
-def test_without_a_minimum_the_blocks_are_the_given_steps():
+def test_without_a_minimum_the_blocks_are_the_given_steps(clock):
     calls: dict[str, list[int]] = {name: [] for name in STEP_S}
-    timing = bt.run_blocks(fake_sides(calls), torch.device("cpu"), blocks=3, steps=2, min_block_s=0.0)
+    timing = bt.run_blocks(fake_sides(calls, clock), torch.device("cpu"), blocks=3, steps=2, min_block_s=0.0)
     assert timing["steps_per_block"] == [2, 2, 2] and timing["reruns"] == 0
     assert calls["dipaco_path"] == calls["best_handwritten"] == [2, 2, 2]
 
 
-def test_calibration_measures_each_sides_step():
+def test_calibration_measures_each_sides_step(clock):
     calls: dict[str, list[int]] = {name: [] for name in STEP_S}
-    step_s = bt.calibrate(fake_sides(calls), torch.device("cpu"), first_steps=1, min_block_s=0.1)
+    step_s = bt.calibrate(fake_sides(calls, clock), torch.device("cpu"), first_steps=1, min_block_s=0.1)
     for name, seconds in step_s.items():
-        assert STEP_S[name] <= seconds < 10 * STEP_S[name]  # a sleep only oversleeps, more on a loaded machine
-        # ran a quarter of the block length at least, as timed (a loaded machine oversleeps: fewer steps get there)
-        assert sum(calls[name]) * seconds >= 0.1 / 4
+        assert seconds == pytest.approx(STEP_S[name])
+        # doubled what ran until a quarter of the block length had run, and no further
+        assert sum(calls[name]) * seconds >= 0.1 / 4 > sum(calls[name][:-1]) * seconds
+        assert calls[name] == [1] + [2**k for k in range(len(calls[name]) - 1)]
 
 
 def test_the_profile_of_a_side_ranks_its_ops():
