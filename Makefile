@@ -15,12 +15,11 @@ DENSE := train.name=dense_1x topology.preset=dense outer.lr=1.0 outer.momentum=0
 .PHONY: install demo test lint clean-demo
 
 # Two stamps: the demo installs only what it runs (dipaco and the BBC corpus); test and lint add the dev stack.
-# --no-compile: Python compiles only the modules a job imports, when it first imports them, not all of them up front.
 $(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -e ".[demo]"
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[demo]"
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.demo-installed
