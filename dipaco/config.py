@@ -269,7 +269,9 @@ class DistConfig:
     """Multi-worker training under torchrun (ignored by a single process): see dipaco.comm."""
 
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, else gloo
-    timeout_s: float = 1800.0  # a collective waiting longer fails clearly (> the slowest rank's lag)
+    timeout_s: float = 1800.0  # start-up and each attempt's first round: a collective waiting longer fails clearly
+    round_timeout_factor: float = 3.0  # later rounds: x the slowest round so far (0: always timeout_s)
+    round_timeout_min_s: float = 60.0  # ... but at least this (dipaco.comm.liveness)
     comm_dtype: CommDtype = "fp32"  # outer-gradient payload; fp4 is E2M1
     chunk_size: int = 1024  # int8, int4, fp4: elements per absmax scale (even for the 4-bit codecs)
     adaptive: bool = False  # per-module codec from its outer-gradient statistics (dipaco.comm.adaptive)
@@ -530,7 +532,7 @@ RESUME_MUTABLE = (
     "run.dir", "run.progress", "run.device", "train.keep_checkpoints", "train.checkpoint_every",
     "train.checkpoint_background", "train.log_every", "pretrain.checkpoint_every", "eval.",
     "route.",  # re-routing between rounds is the point of `dipaco reroute`
-    "dist.backend", "dist.timeout_s", "dist.check_replicas",  # how ranks talk, not what they compute
+    "dist.backend", "dist.timeout_s", "dist.round_timeout_", "dist.check_replicas",  # how ranks talk, not what they compute
     "train.compile", "train.offload_inactive", "model.activation_checkpointing",  # how fast, not what
     "train.diagnostics",  # what is logged, not what is computed
     "ray.address", "ray.num_cpus",  # where the Ray workers run, not what they compute

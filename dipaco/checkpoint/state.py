@@ -108,6 +108,18 @@ class TrainingState:
         saved.same_placement = state.get("paths_by_rank") == [list(ps) for ps in self.by_rank]
         self.sync.load_state_dict(saved)
         if "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.scheduler.load_state_dict(_with_every_segment(state["scheduler"], saved))
         set_rng_state(state["rng"])
         return state
+
+
+def _with_every_segment(scheduler: dict, saved: SavedCheckpoint) -> dict:
+    """A step checkpoint keeps, per rank, the steps each of its paths did in the stopped round. When the paths
+    moved to other ranks (a lost site, a late joiner), a rank gathers its paths' steps from every rank's file."""
+    stopped = scheduler.get("stopped_at")
+    if stopped is None or saved.same_placement:
+        return scheduler
+    segments: dict = {}
+    for other in saved.every_state():
+        segments.update((other.get("scheduler") or {}).get("stopped_at", {}).get("segments", {}))
+    return {**scheduler, "stopped_at": {**stopped, "segments": segments}}

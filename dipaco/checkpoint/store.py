@@ -379,6 +379,10 @@ class SavedCheckpoint:
         own = rank_dir(self.root, self.rank) / TRAINER_STATE
         return load_state(own if own.is_file() else self.root / TRAINER_STATE)
 
+    def every_state(self) -> list[dict]:
+        """The trainer state of every rank that wrote one (rank 0 first)."""
+        return [load_state(path) for path in rank_files(self.root, TRAINER_STATE).values()]
+
     @property
     def config(self) -> Path:
         return self.root / CONFIG

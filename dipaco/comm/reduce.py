@@ -186,6 +186,7 @@ class Transport:
             else:
                 with world.collective(f"new_group({list(group.ranks)})"):
                     handle = dist.new_group(list(group.ranks), timeout=timedelta(seconds=timeout_s))
+                world.groups.append(handle)
             if world.rank in group.ranks:
                 self.mine.append((group, handle))
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dipaco.comm.liveness import Heartbeat, RoundTimeout
 from dipaco.config import DistConfig
 from dipaco.errors import CheckpointError, ConfigError, DataError, DistributedError, check_range
 from dipaco.runtime import resolve_device
@@ -41,6 +42,11 @@ def check_dist(dist: DistConfig) -> None:
     """The ``dist`` section: a timeout, and codec settings the transport can use."""
     if not (math.isfinite(dist.timeout_s) and dist.timeout_s > 0):
         raise ConfigError(f"dist.timeout_s: must be a finite number > 0, got {dist.timeout_s}")
+    if not (math.isfinite(dist.round_timeout_factor) and dist.round_timeout_factor >= 0):
+        raise ConfigError(f"dist.round_timeout_factor: must be a finite number >= 0 (0: always dist.timeout_s), "
+                          f"got {dist.round_timeout_factor}")
+    if not (math.isfinite(dist.round_timeout_min_s) and dist.round_timeout_min_s > 0):
+        raise ConfigError(f"dist.round_timeout_min_s: must be a finite number > 0, got {dist.round_timeout_min_s}")
     if dist.chunk_size <= 0:
         raise ConfigError(f"dist.chunk_size: must be > 0, got {dist.chunk_size}")
     if dist.comm_dtype in ("int4", "fp4") and dist.chunk_size % 2:
@@ -127,6 +133,18 @@ class World:
     token: str = field(default_factory=lambda: str(os.getpid()))  # rank 0's pid: names shared temp dirs
     group: Any = None  # the process group of the collectives (None: the default group)
     writer_group: Any = None  # a gloo group of its own for the background checkpoint writers (several ranks)
+    heartbeat: Heartbeat | None = None  # names the lost peer when a collective fails (dipaco.comm.liveness)
+    hosts: list[str] = field(default_factory=list)  # rank -> its host, from the config check
+    groups: list[Any] = field(default_factory=list)  # the transport's process groups, whose timeout follows rounds
+    round_timeout: RoundTimeout | None = None  # dist.round_timeout_*: the timeout once a round is timed
+    restarts: int = 0  # the most restarts of any rank's agent (the config check): > 0 continues the run
+    _writers: World | None = field(default=None, repr=False)  # writers(): its timeout follows set_timeout's
+
+    @property
+    def restarted(self) -> bool:
+        """Whether this worker group is a restart: of this rank's agent, or of any peer's. A node that joins
+        late is at its own agent's first attempt, while the others restarted to take it in."""
+        return max(self.restarts, self.env.restart_count) > 0
 
     @property
     def rank(self) -> int:
@@ -147,10 +165,47 @@ class World:
             yield
         except RuntimeError as exc:  # torch.distributed.DistError and gloo/nccl errors are RuntimeErrors
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            lost = self._who_is_lost()
             raise DistributedError(
-                f"rank {self.rank}: {what} failed: {detail} (a peer rank that died or stopped answering "
-                f"makes this fail; collectives time out after dist.timeout_s={self.timeout_s:g}s)"
+                f"rank {self.rank}: {lost}{what} failed: {detail} (collectives wait at most "
+                f"{self.timeout_s:g}s: dist.timeout_s, then dist.round_timeout_* once a round is timed)"
             ) from exc
+
+    def _who_is_lost(self) -> str:
+        """The lead of a failed collective's error: the peers whose heartbeat stopped, or that this rank
+        cannot reach the job's store (it is the one cut off, or the store's host is lost)."""
+        if self.heartbeat is None:
+            return ""
+        lost = self.heartbeat.lost_ranks()
+        if lost is None:
+            addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            return (f"lost contact: the job's store at {addr} does not answer either, so this host's link is down "
+                    f"or the store's host is lost; ")
+        if not lost:
+            return ""
+        named = ", ".join(f"rank {r}" + (f" ({self.hosts[r]})" if r < len(self.hosts) else "") for r in lost)
+        return f"lost {named}: no heartbeat for {3 * self.heartbeat.interval_s:g}s; "
+
+    def timed_round(self, slowest_round_s: float) -> None:
+        """Rounds as slow as ``slowest_round_s`` have run: collectives now wait what ``round_timeout`` allows."""
+        if self.round_timeout is not None:
+            self.set_timeout(self.round_timeout.after(slowest_round_s))
+
+    def untimed(self) -> None:
+        """Work no round timed comes next (re-routing): collectives wait up to ``dist.timeout_s`` again."""
+        if self.round_timeout is not None:
+            self.set_timeout(self.round_timeout.ceiling_s)
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long the collectives still to be issued wait, on every process group of this rank."""
+        if self.size == 1 or seconds == self.timeout_s:
+            return
+        self.timeout_s = seconds
+        if self._writers is not None:
+            self._writers.timeout_s = seconds
+        delta = timedelta(seconds=seconds)
+        for group in {id(g): g for g in [None, *self.groups, self.writer_group]}.values():
+            dist.distributed_c10d._set_pg_timeout(delta, group)
 
     def barrier(self, what: str) -> None:
         if self.size == 1:
@@ -172,8 +227,10 @@ class World:
         the training collectives go on in the default group from another thread."""
         if self.size == 1:
             return self
-        return World(env=self.env, backend="gloo", timeout_s=self.timeout_s, device=torch.device("cpu"),
-                     token=self.token, group=self.writer_group)
+        if self._writers is None:
+            self._writers = World(env=self.env, backend="gloo", timeout_s=self.timeout_s, device=torch.device("cpu"),
+                                  token=self.token, group=self.writer_group, heartbeat=self.heartbeat, hosts=self.hosts)
+        return self._writers
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raises on every rank when ``what`` failed on any rank: the rank's own error, or the first one."""
@@ -190,6 +247,8 @@ class World:
                 raise _ERRORS.get(name, DistributedError)(f"rank {r} failed {what}: {message}")
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -209,7 +268,17 @@ def _attempt_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(addr, port, env.world_size, is_master=not agent_hosts_store and env.rank == 0,
                           timeout=timeout)
-    return dist.PrefixStore(f"dipaco/attempt_{env.restart_count}", store)
+    return dist.PrefixStore(attempt_prefix(env), store)
+
+
+def attempt_prefix(env: DistEnv) -> str:
+    """The store keys of this attempt. A store torchrun's agent hosts outlives the attempts, so they are keyed by
+    the restart count. A store rank 0 hosts (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or no agent) is new with
+    every attempt, and the restart count would split it: a node that joins late is at its own agent's attempt 0
+    while the others are at theirs."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"dipaco/attempt_{env.restart_count}"
+    return "dipaco/attempt"
 
 
 def init_world(cfg: DistConfig, env: DistEnv, device: torch.device) -> World:
@@ -219,13 +288,16 @@ def init_world(cfg: DistConfig, env: DistEnv, device: torch.device) -> World:
     backend = resolve_backend(cfg.backend, device)
     if backend == "nccl":
         torch.cuda.set_device(device)
-    world = World(env=env, backend=backend, timeout_s=cfg.timeout_s, device=device)
+    world = World(env=env, backend=backend, timeout_s=cfg.timeout_s, device=device,
+                  round_timeout=RoundTimeout(cfg.timeout_s, cfg.round_timeout_factor, cfg.round_timeout_min_s))
     timeout = timedelta(seconds=cfg.timeout_s)
     with world.collective("joining the process group"):
         dist.init_process_group(
             backend, store=_attempt_store(env, timeout), timeout=timeout, rank=env.rank, world_size=env.world_size
         )
         world.writer_group = dist.new_group(backend="gloo", timeout=timeout)
+    world.heartbeat = Heartbeat.to_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                         attempt_prefix(env), env.rank, env.world_size).start()
     return world
 
 
@@ -236,9 +308,12 @@ def check_same_config(world: World, config: Mapping[str, Any], args: Mapping[str
     Also agrees on ``world.token`` (rank 0's pid), used to name the shared temporary checkpoint dir.
     """
     flat = {k: v for k, v in config.items() if not k.startswith(RANK_LOCAL_KEYS)}
-    mine = {"config": flat, "args": dict(args), "pid": os.getpid(), "host": socket.gethostname()}
+    mine = {"config": flat, "args": dict(args), "pid": os.getpid(), "host": socket.gethostname(),
+            "restarts": world.env.restart_count}
     everyone = world.all_gather_object(mine, "config check")
     world.token = str(everyone[0]["pid"])
+    world.restarts = max(e["restarts"] for e in everyone)
+    world.hosts = [f"{e['host']}, pid {e['pid']}" for e in everyone]
     ref = {**everyone[0]["config"], **{f"--{k}": v for k, v in everyone[0]["args"].items()}}
     for r, other in enumerate(everyone[1:], start=1):
         theirs = {**other["config"], **{f"--{k}": v for k, v in other["args"].items()}}

@@ -109,7 +109,7 @@ def train_em(plan: EMPlan, world: World, resume: bool, resume_from: str | None, 
     points, exp_dir = list(plan.points), plan.exp_dir
     stop = plan.rounds if until_round is None else min(until_round, plan.rounds)
     checkpoints = CheckpointManager(exp_dir / "checkpoints")
-    restarted = world.env.restart_count > 0 and not (resume or resume_from)
+    restarted = world.restarted and not (resume or resume_from)
     ckpt = Path(resume_from) if resume_from else checkpoints.latest() if (resume or restarted) else None
     start, done, error = None, [], None
     try:
@@ -162,6 +162,7 @@ def reshard(plan: EMPlan, world: World, point: int, ckpt: Path) -> None:
     """Rank 0 re-routes from ``ckpt`` (the checkpoint of round ``point``) and records it; every rank
     waits for it, so all of them resume on the new routing."""
     error = None
+    world.untimed()  # re-routing takes longer than a round, and no round timed it
     if world.rank == 0:
         try:
             _reroute(plan, point, ckpt)

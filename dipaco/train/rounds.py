@@ -67,9 +67,16 @@ class RoundScheduler:
         return f"{self.rounds} rounds x {self.inner_steps} inner steps"
 
     def run(self, start: int, until_round: int) -> Iterator[Progress]:
-        """Rounds ``start`` .. ``until_round`` - 1; yields each one's reports, gathered from every rank."""
+        """Rounds ``start`` .. ``until_round`` - 1; yields each one's reports, gathered from every rank.
+
+        Once a round is timed, the collectives of the next ones wait what ``dist.round_timeout_*`` allows
+        (:class:`dipaco.comm.liveness.RoundTimeout`), so a lost site is noticed within a few rounds' time."""
+        slowest = 0.0
         for r in range(start, until_round):
-            yield Progress(r + 1, self.world.all_gather_object(self.run_round(r), f"round {r + 1} report"))
+            reports = self.world.all_gather_object(self.run_round(r), f"round {r + 1} report")
+            slowest = max(slowest, *(rep["comm"]["round_seconds"] for rep in reports))
+            self.world.timed_round(slowest)  # every rank gathered the same reports: the same timeout everywhere
+            yield Progress(r + 1, reports)
 
     def run_round(self, round_index: int) -> dict:
         """This rank's paths, advanced in segments up to each sync point of the round; returns what rank 0 logs.
@@ -88,6 +95,8 @@ class RoundScheduler:
         if resume is not None:
             syncs_done = resume["syncs_done"]
             for p, parts in resume["segments"].items():
+                if int(p) not in segments:  # another rank's path: the step checkpoint holds every rank's
+                    continue
                 segments[int(p)] = [InnerStats(**{**part, "loss_curve": tuple(part["loss_curve"]),
                                                  "loss_curve_steps": tuple(part["loss_curve_steps"])})
                                     for part in parts]

@@ -259,12 +259,12 @@ class Trainer:
         """The index to start from and the checkpoint it comes from (None: a fresh start); every rank agrees."""
         world = self.world
         start, resumed, error = 0, None, None
-        restarted = world.env.restart_count > 0 and not (resume or resume_from)
+        restarted = world.restarted and not (resume or resume_from)
         try:
             latest = self.checkpoints.latest() or self.step_checkpoints.latest()
             if resume or resume_from or (restarted and latest is not None):
                 if restarted and world.rank == 0 and latest is not None:
-                    echo(f"[train] restart {world.env.restart_count} of the worker group: continuing from {latest.name}")
+                    echo(f"[train] restart {world.restarts} of the worker group: continuing from {latest.name}")
                 check_routing(self.experiment.run_dir, self.dir, self.experiment.routed)
                 start, resumed = self.restore(resume_from)
             elif latest is not None:
