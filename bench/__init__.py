@@ -14,6 +14,7 @@ serve         `dipaco serve`: a path against dense, HTTP load per batching mode,
 routing       the routing package: k-means against scikit-learn, routing NMI of every featurizer on the shared corpora
 corpus_scale  time, peak memory and disk of prepare, route and train as the corpus grows to 10M documents (issue 33)
 throughput    one path's inner loop against the best hand-written loop: tokens/s, MFU, profile, round overhead (issue 48)
+sites         DiPaCo and DiLoCo against a real DDP across network-namespace sites on shaped links (issue 72)
 
 No benchmark module imports another (import-linter checks it). Run them through ``python -m bench``; never
 put bench/ itself on ``sys.path``: ``bench/tokenize.py`` and ``bench/codecs.py`` would shadow the standard
@@ -33,4 +34,5 @@ BENCHMARKS: dict[str, str] = {
     "routing": "the routing package: k-means against scikit-learn, routing NMI of every featurizer on the shared corpora",
     "corpus_scale": "time, peak memory and disk of prepare, route and train as the corpus grows to 10M documents (issue 33)",
     "throughput": "one path's inner loop against the best hand-written loop: tokens/s, MFU, profile, round overhead (issue 48)",
+    "sites": "DiPaCo and DiLoCo against a real DDP across network-namespace sites on shaped links (issue 72)",
 }

@@ -39,11 +39,12 @@ class LinkProfile:
     limit: str = "2mb"  # bytes queued before tbf drops
     delay_ms: float = 0.0  # one-way, netem only
 
-    def describe(self) -> str:
+    def describe(self, netem: bool = False) -> str:
+        """The qdiscs as applied: the delay only where netem is there to add it."""
         if self.rate is None:
             return "unshaped"
         return f"tbf rate {self.rate} burst {self.burst} limit {self.limit}" + (
-            f", netem delay {self.delay_ms:g}ms" if self.delay_ms else "")
+            f", netem delay {self.delay_ms:g}ms" if netem and self.delay_ms else "")
 
 
 PROFILES: dict[str, LinkProfile] = {
@@ -234,5 +235,5 @@ class Sites:
                              *program])
 
     def describe(self) -> dict[str, Any]:
-        return {"sites": self.n, "links": [link.describe() for link in self.links],
+        return {"sites": self.n, "links": [link.describe(self.netem) for link in self.links],
                 "netem": self.netem, "shaping": "tbf + netem" if self.netem else "tbf (no netem in this kernel)"}
