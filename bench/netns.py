@@ -210,6 +210,16 @@ class Sites:
         """Site ``i`` loses its link (``ip link set ... down`` on its end): packets vanish, nothing resets."""
         _run(["ip", "-n", self.sites[i].netns, "link", "set", self.sites[i].device, "down"])
 
+    def kill(self, i: int) -> None:
+        """Every process on site ``i`` is SIGKILLed (``ip netns pids``): a lost machine, its sockets reset. Killing
+        torchrun's process group is not enough: its workers run in sessions of their own."""
+        pids = subprocess.run(["ip", "netns", "pids", self.sites[i].netns], capture_output=True, text=True).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def restore(self, i: int) -> None:
         """Site ``i``'s link comes back."""
         _run(["ip", "-n", self.sites[i].netns, "link", "set", self.sites[i].device, "up"])

@@ -65,6 +65,9 @@ def test_sites_talk_over_shaped_links_a_cut_link_carries_nothing_and_all_is_remo
         assert _echo(sites).returncode != 0
         sites.restore(1)
         assert _echo(sites).stdout == "ping"
+        sleeper = subprocess.Popen(sites[1].command(["sleep", "600"]), start_new_session=True)
+        sites.kill(1)  # every process in the site's namespace, whatever its session
+        assert sleeper.wait(timeout=10) == -9
     assert _namespaces() == before
 
 
