@@ -147,9 +147,9 @@ def missing_corpora(data_dir: Path, sources: Sequence[str]) -> None:
 
 
 def write_corpus(path: Path, docs_per_source: int | None, sources: Sequence[str] = SOURCES,
-                 data_dir: Path | None = None) -> Path:
+                 data_dir: Path | None = None, max_chars: int | None = None) -> Path:
     """The shared corpora (in ``data_dir``, by default SHARED) as one jsonl, labels prefixed by source,
-    20NG headers stripped."""
+    20NG headers stripped, each text cut to ``max_chars`` when given."""
     data_dir = SHARED if data_dir is None else data_dir
     n = 0
     with path.open("w", encoding="utf-8") as out:
@@ -160,7 +160,8 @@ def write_corpus(path: Path, docs_per_source: int | None, sources: Sequence[str]
                         break
                     doc = json.loads(line)
                     text = strip_header(doc["text"]) if doc["source"].startswith("20news") else doc["text"]
-                    row = {"id": f"{doc['source']}/{doc['id']}", "label": f"{doc['source']}:{doc['label']}", "text": text}
+                    row = {"id": f"{doc['source']}/{doc['id']}", "label": f"{doc['source']}:{doc['label']}",
+                           "text": text[:max_chars]}
                     out.write(json_text.dumps(row) + "\n")
                     n += 1
     echo(f"[bench] corpus: {n} documents from {', '.join(sources)}")

@@ -27,10 +27,10 @@ Needs root (it makes namespaces); refuses in one line otherwise. Resumable: ``--
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from bench import lm_training as lm
 from bench.harness import REPO, Column, Results, argument_parser, command_line, environment, markdown_table
 from bench.netns import PROFILES, Sites, SitesUnavailable, netem_available, profile, unavailable
 
@@ -80,28 +81,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- the run every row starts from
 
 
-def write_corpus(data: Path, out: Path, per_source: int) -> Path:
-    from dipaco.data.corpus import strip_header
-
-    rows = []
-    for name in ("20news_bydate.jsonl.gz", "bbc_news.jsonl.gz", "brown_genres.jsonl.gz"):
-        with gzip.open(data / name, "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i >= per_source:
-                    break
-                doc = json.loads(line)
-                text = strip_header(doc["text"]) if name.startswith("20news") else doc["text"]
-                if text.strip():
-                    rows.append({"id": f"{doc['source']}/{doc['id']}", "label": doc["label"], "text": text[:4000]})
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return out
-
-
 def base_overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
     return [f"run.dir={work / 'run'}", f"data.corpus={corpus}", "run.progress=false", "run.device=cpu",
             f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
             f"model.intermediate_size={3 * args.hidden}", f"model.num_heads={max(1, args.hidden // 32)}",
-            f"tokenizer.vocab_size={args.vocab}", "data.seq_len=64", "data.prefix_tokens=16",
+            f"tokenizer.vocab_size={args.vocab}", "data.seq_len=64", "data.prefix_tokens=16", "data.empty_docs=skip",
             "pretrain.steps=100", "pretrain.optim.warmup_steps=10", "pretrain.optim.batch_size=16",
             f"train.rounds={args.rounds}", f"train.inner_steps={args.inner_steps}",
             f"train.optim.batch_size={args.batch}", "train.optim.warmup_steps=20",
@@ -118,8 +102,11 @@ def prepare(args: argparse.Namespace, work: Path) -> Path:
     if cfg_file.is_file() and (work / "run" / "pretrain").is_dir():
         return cfg_file
     work.mkdir(parents=True, exist_ok=True)
-    corpus = Path(args.corpus) if args.corpus else write_corpus(Path(args.data), work / "corpus.jsonl",
-                                                                 args.docs_per_source)
+    if args.corpus:
+        corpus = Path(args.corpus)
+    else:
+        lm.missing_corpora(Path(args.data), lm.SOURCES)
+        corpus = lm.write_corpus(work / "corpus.jsonl", args.docs_per_source, data_dir=Path(args.data), max_chars=4000)
     cfg = load_config(None, base_overrides(args, work, corpus))
     Run(cfg).prepare()
     Run(cfg).pretrain()
@@ -153,8 +140,6 @@ def run_row(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Na
         program = ["-m", "dipaco", "train", "--config", str(cfg_file), f"train.name={name}", *overrides]
         exp = work / "run" / "train" / name
         if exp.exists():
-            import shutil
-
             shutil.rmtree(exp)
     before = tx_bytes(sites)
     procs, logs = [], []
@@ -281,7 +266,6 @@ def ddp_worker(argv: list[str]) -> None:
         opt.zero_grad(set_to_none=True)
         step += 1
         clock += time.perf_counter() - begin
-        done = torch.tensor([float(clock >= a.seconds)])
         if step % cfg.train.inner_steps == 0 or step == steps:
             if rank == 0:
                 model.eval()
@@ -289,6 +273,7 @@ def ddp_worker(argv: list[str]) -> None:
                     scores = score_documents(model, docs, scoring)
                 model.train()
                 log(event="eval", step=step, train_seconds=clock, ppl=math.exp(scores.nll.sum() / scores.tokens.sum()))
+            done = torch.tensor([float(clock >= a.seconds)])
             dist.all_reduce(done, op=dist.ReduceOp.MAX)  # every rank stops at the same step
             if done.item():
                 break
@@ -330,7 +315,7 @@ def summarize(results: Results, profiles: list[str], rows: list[str], target_fra
                 continue
             reached = time_to(r["curve"], target)
             extrapolated = False
-            if reached is None and row == "ddp" and steps_needed is not None:
+            if reached is None and row == "ddp":
                 reached, extrapolated = steps_needed * r["seconds_per_step"], True
             table.append({"row": row, "profile": prof, "target_ppl": target, "seconds_to_target": reached,
                           "extrapolated": extrapolated, "final_ppl": r["curve"][-1][1], "wait_share": r.get("wait_share"),

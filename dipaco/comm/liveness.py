@@ -49,6 +49,7 @@ class Heartbeat:
     new one, so a check never waits behind a beat stuck on a connection whose link went down."""
 
     KEY = "alive/rank_{}"
+    WINDOW = 3.0  # beats a peer's count must stand still for before it is called lost
 
     def __init__(self, connect: Callable[[], Any], rank: int, world_size: int, interval_s: float = 1.0) -> None:
         self.connect, self.rank, self.world_size, self.interval_s = connect, rank, world_size, interval_s
@@ -83,13 +84,17 @@ class Heartbeat:
             except Exception:  # the store is unreachable: this rank stops beating, which is what peers see
                 return
 
-    def lost_ranks(self, intervals: float = 3.0) -> list[int] | None:
-        """The peers whose heartbeat stood still for ``intervals`` beats; None when this rank is the one cut off:
+    @property
+    def window_s(self) -> float:
+        return self.WINDOW * self.interval_s
+
+    def lost_ranks(self) -> list[int] | None:
+        """The peers whose heartbeat stood still for ``window_s``; None when this rank is the one cut off:
         the store does not answer, or this rank's own beats did not reach it."""
         try:
             store = self.connect()
             before = [int(store.add(self.KEY.format(r), 0)) for r in range(self.world_size)]
-            time.sleep(intervals * self.interval_s)
+            time.sleep(self.window_s)
             after = [int(store.add(self.KEY.format(r), 0)) for r in range(self.world_size)]
         except Exception:
             return None

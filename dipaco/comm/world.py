@@ -184,7 +184,7 @@ class World:
         if not lost:
             return ""
         named = ", ".join(f"rank {r}" + (f" ({self.hosts[r]})" if r < len(self.hosts) else "") for r in lost)
-        return f"lost {named}: no heartbeat for {3 * self.heartbeat.interval_s:g}s; "
+        return f"lost {named}: no heartbeat for {self.heartbeat.window_s:g}s; "
 
     def timed_round(self, slowest_round_s: float) -> None:
         """Rounds as slow as ``slowest_round_s`` have run: collectives now wait what ``round_timeout`` allows."""
@@ -265,8 +265,7 @@ def _attempt_store(env: DistEnv, timeout: timedelta) -> dist.Store:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except (KeyError, ValueError):
         raise ConfigError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT; launch with torchrun") from None
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(addr, port, env.world_size, is_master=not agent_hosts_store and env.rank == 0,
+    store = dist.TCPStore(addr, port, env.world_size, is_master=not _agent_hosts_store() and env.rank == 0,
                           timeout=timeout)
     return dist.PrefixStore(attempt_prefix(env), store)
 
@@ -276,9 +275,12 @@ def attempt_prefix(env: DistEnv) -> str:
     the restart count. A store rank 0 hosts (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or no agent) is new with
     every attempt, and the restart count would split it: a node that joins late is at its own agent's attempt 0
     while the others are at theirs."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return f"dipaco/attempt_{env.restart_count}"
-    return "dipaco/attempt"
+    return f"dipaco/attempt_{env.restart_count}" if _agent_hosts_store() else "dipaco/attempt"
+
+
+def _agent_hosts_store() -> bool:
+    """Whether torchrun's agent hosts the job's store (else rank 0 does)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def init_world(cfg: DistConfig, env: DistEnv, device: torch.device) -> World:
