@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,6 +40,15 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+def _wait_until_inside(netns: str, pid: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if str(pid) in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} never entered {netns}")
+
+
 def _echo(sites: Sites) -> subprocess.CompletedProcess:
     server = subprocess.Popen(sites[0].command([sys.executable, "-c", SERVER.format(addr=sites[0].address)]),
                               stdout=subprocess.PIPE, text=True)
@@ -66,6 +76,7 @@ def test_sites_talk_over_shaped_links_a_cut_link_carries_nothing_and_all_is_remo
         sites.restore(1)
         assert _echo(sites).stdout == "ping"
         sleeper = subprocess.Popen(sites[1].command(["sleep", "600"]), start_new_session=True)
+        _wait_until_inside(sites[1].netns, sleeper.pid)  # `ip netns exec` enters the namespace, then execs
         sites.kill(1)  # every process in the site's namespace, whatever its session
         assert sleeper.wait(timeout=10) == -9
     assert _namespaces() == before
