@@ -11,6 +11,7 @@ import pytest
 from test_lm_eval import offline  # noqa: F401 (a fixture: nothing may leave the machine)
 from test_serve import PROMPTS, needs_web, running
 
+import dipaco.serve.http as http_module
 from dipaco.data.packing import eval_windows
 from dipaco.model.scoring import Scoring, score_documents, window_nll
 from dipaco.serve.http import AppOptions, create_app
@@ -103,7 +104,17 @@ def test_seeded_sampling_repeats(client, pipe):
     assert len({sample(s) for s in range(6)}) > 1  # the seed matters (6 seeds of 8 tokens cannot all agree by chance)
 
 
-def test_streaming_sends_the_same_text_then_done(client, pipe, server):
+def test_streaming_sends_the_same_text_then_done(client, pipe, server, monkeypatch):
+    # Tokens that come faster than the event loop wakes coalesce into one event (by design): on a loaded machine
+    # all 10 came before the first wake-up. Pausing the decoding thread after each token gives the loop time to
+    # send the first ones while the rest are still to come.
+    poke = http_module.Wakeup.poke
+
+    def slow_poke(self) -> None:
+        poke(self)
+        time.sleep(0.03)
+
+    monkeypatch.setattr(http_module.Wakeup, "poke", slow_poke)
     whole = client.completions.create(model=pipe.experiment, prompt=PROMPTS[3], max_tokens=10, temperature=0)
     chunks = list(client.completions.create(model=pipe.experiment, prompt=PROMPTS[3], max_tokens=10, temperature=0,
                                             stream=True))
