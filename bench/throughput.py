@@ -459,7 +459,7 @@ def build_grid(size: Size, device: torch.device, precision: Precision, compile: 
                           seq_len=size.seq_len, prefix_tokens=0, sharding=ShardingRef("iid", "", 0, None),
                           precision={"train": precision.name})
     experiment = BuiltExperiment(spec, to_yaml(cfg), Path("."), Path("."), cfg.train.rounds, cfg.train.inner_steps,
-                                 topology, world, by_rank, weights, bank, path_loops, loops)
+                                 topology, world, by_rank, weights, bank, path_loops, lambda: path_loops, loops)
     sync_ = build_sync(SyncContext(cfg.outer, cfg.dist, cfg.train.inner_steps, cfg.train.rounds, cfg.run.seed,
                                    topology, bank, weights, by_rank, world))
     scheduler = RoundScheduler(experiment, sync_, RoundOptions(progress=False))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from dipaco.checkpoint.state import TrainingState
 from dipaco.checkpoint.store import CheckpointManager
 from dipaco.comm.placement import module_writers, paths_by_rank
 from dipaco.comm.world import World
-from dipaco.config import Config, EvalConfig, TrainConfig, to_yaml
+from dipaco.config import Config, EvalConfig, TrainConfig, parse_config, to_yaml
 from dipaco.data.corpus import numpy_column
 from dipaco.data.packing import DocumentTokens, PackedShard
 from dipaco.data.prepare import Prepared
@@ -70,8 +71,7 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     llama = path_llama_config(cfg.model, prepared.tokenizer, cfg.data.seq_len)
     init = dense_init(llama, train.init, RunDir(cfg.run.dir), seed)
     bank = ModuleBank(topology, init.to(device), modules={m for p in mine for m in topology.path_modules(p)})
-    settings = LoopSettings.from_config(train, cfg.model, train.rounds * train.inner_steps, "train")
-    path_loops = PathLoops(dict(enumerate(sharding.shards)), settings, seed)
+    path_loops = loops_factory(cfg, sharding)
     loops = {p: path_loops.build(p, bank.compose(p, build_model(llama, device=device)), device) for p in mine}
 
     sections = ExperimentSections(cfg.run, cfg.data, cfg.model, train, cfg.eval)
@@ -80,7 +80,9 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     experiment = BuiltExperiment(spec=spec, config_yaml=to_yaml(cfg), run_dir=Path(cfg.run.dir),
                                  dir=RunDir(cfg.run.dir).experiment(train.name), rounds=train.rounds,
                                  inner_steps=train.inner_steps, topology=topology, world=world, by_rank=by_rank,
-                                 weights=sharding.weights, bank=bank, path_loops=path_loops, loops=loops)
+                                 weights=sharding.weights, bank=bank, path_loops=path_loops,
+                                 load_path_loops=partial(path_loops_of, to_yaml(cfg), str(Path(cfg.run.dir).resolve())),
+                                 loops=loops)
 
     scheduler: RoundScheduler | TaskScheduler
     if train.driver == "ray":
@@ -104,6 +106,25 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     checkpoints = CheckpointManager(experiment.dir / "checkpoints", keep=train.keep_checkpoints)
     policy = CheckpointPolicy(every=train.checkpoint_every, background=train.checkpoint_background)
     return Trainer(experiment, scheduler, state, checkpoints, policy=policy)
+
+
+def loops_factory(cfg: Config, sharding: Sharding) -> PathLoops:
+    """Every path's inner-loop factory: its shard, the loop settings, the seed rule."""
+    settings = LoopSettings.from_config(cfg.train, cfg.model, cfg.train.rounds * cfg.train.inner_steps, "train")
+    return PathLoops(dict(enumerate(sharding.shards)), settings, cfg.run.seed)
+
+
+def path_loops_of(config_yaml: str, run_dir: str) -> PathLoops:
+    """:func:`loops_factory` built again from a run's resolved config and its prepared data in ``run_dir``: what
+    a Ray path worker gets (a few kilobytes), where the factory would be the shards' row tables in the object
+    store, which a restarted worker could not get back once the node holding them is gone."""
+    cfg = parse_config(config_yaml, "the run's resolved config")
+    cfg.run.dir = run_dir
+    prepared = routed_data(run_dir, cfg.data, cfg.tokenizer, routed=cfg.train.sharding == "kmeans")
+    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
+    sharding = shard_documents(prepared, topology.num_paths, cfg.train, cfg.run.seed, cfg.route.topk, cfg.data.seq_len,
+                               cfg.outer.weighting)
+    return loops_factory(cfg, sharding)
 
 
 @dataclass(frozen=True)

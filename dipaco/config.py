@@ -297,6 +297,12 @@ class RayConfig:
     checkpoint_every: Optional[int] = None  # completed tasks between run checkpoints (null: the number of paths)
     executor_checkpoint_every: int = 1  # updates between an executor's own checkpoints (1: none is ever lost)
     executors: Optional[int] = None  # outer executor actors, modules dealt round-robin (null: one per module)
+    # CPUs each path worker takes (null: the cluster's CPUs at start, shared by the workers). A number makes the
+    # workers follow the cluster: those it cannot place yet start on a node that joins later
+    worker_cpus: Optional[float] = None
+    # the driver fetches a path's AdamW state after every N of its tasks (1: after each, so checkpoints hold the
+    # newest); between, the state stays on the node of the worker that made it, and that worker takes the path again
+    state_sync_every: int = 1
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from dipaco.errors import ConfigError
@@ -90,17 +91,18 @@ class TaskQueue:
                 return False
         return True
 
-    def dispatch(self, worker: int) -> Task | None:
-        """The next task for ``worker`` (retries first), or None when none may start now."""
+    def dispatch(self, worker: int, among: Container[int] | None = None) -> Task | None:
+        """The next task for ``worker`` (retries first), or None when none may start now; ``among``: only
+        a task of these paths."""
         for task in list(self.retry):
-            if self.admissible(task.path):
+            if (among is None or task.path in among) and self.admissible(task.path):
                 self.retry.remove(task)
                 return self._start(task, worker)
         if self.remaining <= 0:
             return None
         for path in list(self.ready):
             in_round = self.schedule != "rounds" or min(self.next_index.values()) >= self.next_index[path]
-            if in_round and self.admissible(path):
+            if (among is None or path in among) and in_round and self.admissible(path):
                 self.ready.remove(path)
                 task = Task(path, self.next_index[path], min(self.planned_steps(worker), self.remaining))
                 self.reserved += task.steps
@@ -139,6 +141,15 @@ class TaskQueue:
             self.clock[m] += 1
         if tokens_per_s > 0:
             self.speed[task.worker] = tokens_per_s
+
+    def lost(self, task: Task) -> None:
+        """A sent task's deltas were lost before every executor took them (the node holding them is gone): it
+        runs again, first in line (an executor that took its update refuses the same task id again)."""
+        del self.sending[task.id]
+        for m in task.start:
+            self.clock[m] -= 1
+        task.done = 0
+        self.retry.appendleft(task)
 
     def applied(self, task: Task) -> None:
         """Every module took the task's update: the path may run again."""

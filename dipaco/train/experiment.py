@@ -11,6 +11,7 @@ for the lock-step scheduler; the module executors of the task scheduler hold the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ class BuiltExperiment:
     weights: dict[int, float]  # every path's outer weight w_p
     bank: ModuleBank  # the modules this rank's paths go through (all of them in a single process)
     path_loops: PathLoops  # builds any path's inner loop (every shard, the seed rule)
+    load_path_loops: Callable[[], PathLoops]  # builds path_loops again from the run's files (a Ray worker on any node)
     loops: dict[int, InnerLoop]  # this rank's path id -> its inner loop, built by path_loops
 
     @property

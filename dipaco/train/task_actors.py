@@ -4,7 +4,9 @@ wraps with ``ray.remote``: a path worker runs path tasks, a module executor appl
 from __future__ import annotations
 
 import os
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +30,14 @@ class PathWorker:
     """Runs path tasks: compose the path from its modules, run its inner steps, hand back its change.
     One model serves every path: the bank covers all its parameters, so composing overwrites them all."""
 
-    def __init__(self, speed: float, path_loops: PathLoops, llama_config: LlamaConfig, topology: Topology) -> None:
+    def __init__(self, speed: float, path_loops: PathLoops | Callable[[], PathLoops], llama_config: LlamaConfig,
+                 topology: Topology) -> None:
+        """``path_loops``: the factory, or what builds it from files every node sees (the scheduler's choice:
+        then Ray restarts the worker on any node without an object of the lost one)."""
         torch.set_num_threads(1)  # several workers share the machine's cores
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray sets the visible GPU
+        if not isinstance(path_loops, PathLoops):
+            path_loops = path_loops()
         seed_everything(path_loops.seed, self.device)
         self.speed, self.path_loops, self.topology = speed, path_loops, topology
         self.model = build_model(llama_config, seed=0, device=self.device)
@@ -38,6 +45,14 @@ class PathWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        """The address of this worker's node (Ray's, else the host name)."""
+        try:
+            from ray.util import get_node_ip_address
+        except ImportError:
+            return socket.gethostname()
+        return get_node_ip_address()
 
     def stop(self) -> None:
         """The driver got a signal: the task running stops after its step in progress (a threaded actor)."""
@@ -72,7 +87,7 @@ class PathWorker:
                   for part, m in zip(self.topology.parts, module_ids)]
         meta = {"loss": stats.loss, "tokens": stats.tokens, "seconds": seconds, "compute_seconds": stats.seconds,
                 "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0, "lr": stats.lr, "step": loop.step,
-                "steps": stats.steps}
+                "steps": stats.steps, "node": self.node()}
         mid_task = None if stats.steps == steps else {n: v.detach().cpu().clone() for n, v in model.named_parameters()}
         return (meta, _to_cpu(loop.state_dict()), mid_task, *deltas)
 
@@ -102,26 +117,31 @@ class ExecutorSpec:
 
 class ModuleExecutor:
     """The outer executor of a group of modules: their :class:`AsyncNesterov` and update log. It checkpoints
-    itself (the store's format) every ``spec.every`` updates; constructed again by Ray after a crash,
-    it restores its newest checkpoint. ``init`` (each module's parameters) and ``saved`` (tensors by part
-    and counters from a run checkpoint, which win) are arguments of their own: Ray resolves the object
-    references it is given there, not inside a dataclass."""
+    itself (the store's format) every ``spec.every`` updates, and it is constructed from its newest
+    checkpoint, the first one :meth:`write_start` wrote: Ray constructs it again after a crash, on any
+    node, from the spec alone (no argument in the object store, which a lost node could take with it)."""
 
-    def __init__(self, spec: ExecutorSpec, init: dict[int, torch.Tensor], saved: tuple[dict, dict] | None = None) -> None:
+    def __init__(self, spec: ExecutorSpec) -> None:
         torch.set_num_threads(1)
         self.names, self.every, self.config_yaml = dict(spec.names), spec.every, spec.config_yaml
-        self.sync = AsyncNesterov(init, spec.path_weights, spec.lr, spec.momentum, spec.delay, spec.rescale)
         self.checkpoints = CheckpointManager(spec.root, keep=2)
-        self.restored_from = None
-        if self.checkpoints.latest() is not None:
-            ckpt = SavedCheckpoint(resolve_checkpoint(self.checkpoints))
-            parts = {part: ckpt.replicated(part, set(self.names.values())) for part in (PARAMS, *SYNC_PARTS)}
-            self.sync.load(parts, ckpt.state()["counters"], self.names)
-            self.restored_from = ckpt.root.name
-            return
+        if self.checkpoints.latest() is None:
+            raise FileNotFoundError(f"{spec.root}: no executor checkpoint (ModuleExecutor.write_start writes the first)")
+        ckpt = SavedCheckpoint(resolve_checkpoint(self.checkpoints))
+        parts = {part: ckpt.replicated(part, set(self.names.values())) for part in (PARAMS, *SYNC_PARTS)}
+        self.sync = AsyncNesterov({m: parts[PARAMS][n] for m, n in self.names.items()}, spec.path_weights, spec.lr,
+                                  spec.momentum, spec.delay, spec.rescale)
+        self.sync.load(parts, ckpt.state()["counters"], self.names)
+        self.restored_from = ckpt.root.name
+
+    @staticmethod
+    def write_start(spec: ExecutorSpec, init: dict[int, torch.Tensor], saved: tuple[dict, dict] | None = None) -> None:
+        """The executor's first checkpoint, in ``spec.root``: each module's parameters (``init``), or the tensors by
+        part and counters of a restored run checkpoint (``saved``, which win)."""
+        sync = AsyncNesterov(init, spec.path_weights, spec.lr, spec.momentum, spec.delay, spec.rescale)
         if saved is not None:
-            self.sync.load(saved[0], saved[1], self.names)
-        self._checkpoint()
+            sync.load(saved[0], saved[1], spec.names)
+        _save_executor(CheckpointManager(spec.root, keep=2), sync, spec.names, spec.config_yaml)
 
     def pid(self) -> int:
         return os.getpid()
@@ -131,11 +151,10 @@ class ModuleExecutor:
 
     def push(self, task: str, path: int, module: int, start_version: int, delta: torch.Tensor) -> dict | None:
         """Applies one task's delta to ``module`` (None: that task was already applied to it)."""
-        if self.restored_from is not None:
-            # Updates applied after the last checkpoint died with the previous actor and are being sent
-            # again; a task that pulled them may arrive first, naming a version this actor has not
-            # reached yet. Its delta is relative to what it pulled, so it applies as is, at staleness 0.
-            start_version = min(start_version, self.sync.version(module))
+        # After a restart, updates applied after the last checkpoint died with the previous actor and are
+        # being sent again; a task that pulled them may arrive first, naming a version this actor has not
+        # reached yet. Its delta is relative to what it pulled, so it applies as is, at staleness 0.
+        start_version = min(start_version, self.sync.version(module))
         update = self.sync.apply(task, path, module, start_version, delta)
         if update is not None and len(self.sync.log) % self.every == 0:
             self._checkpoint()
@@ -145,10 +164,14 @@ class ModuleExecutor:
         return self.sync.tensors(self.names), self.sync.counters()
 
     def _checkpoint(self) -> None:
-        n = len(self.sync.log)
-        snapshot = Snapshot(parts=self.sync.tensors(self.names), texts={CONFIG: self.config_yaml},
-                            state={"round": n, "counters": self.sync.counters(), "modules": self.names})
-        self.checkpoints.save(n, lambda d: write_snapshot(d, 0, snapshot, n))
+        _save_executor(self.checkpoints, self.sync, self.names, self.config_yaml)
+
+
+def _save_executor(checkpoints: CheckpointManager, sync: AsyncNesterov, names: dict[int, str], config_yaml: str) -> None:
+    n = len(sync.log)
+    snapshot = Snapshot(parts=sync.tensors(names), texts={CONFIG: config_yaml},
+                        state={"round": n, "counters": sync.counters(), "modules": names})
+    checkpoints.save(n, lambda d: write_snapshot(d, 0, snapshot, n))
 
 
 class ExecutorState:

@@ -61,6 +61,7 @@ from dipaco.train.task_actors import (
 from dipaco.train.trainer import Progress
 
 SIGNAL_POLL_S = 0.2  # how often the driver, waiting on Ray, looks for a signal
+WORKER_WAIT_S = 30.0  # how often the driver says it is still waiting for its first worker
 
 
 def _ray() -> Any:
@@ -90,8 +91,12 @@ class InFlight:
     workers: list = field(default_factory=list)  # PathWorker actors
     actors: list = field(default_factory=list)  # ModuleExecutor actors, one per module group
     executors: dict[int, Any] = field(default_factory=dict)  # module -> its group's actor
-    held: list = field(default_factory=list)  # the actors' arguments in the object store, which Ray restarts them with
-    inner: dict[int, Any] = field(default_factory=dict)  # path -> its AdamW state (a ref)
+    inner: dict[int, Any] = field(default_factory=dict)  # path -> its newest AdamW state (a ref, where it was made)
+    holder: dict[int, int] = field(default_factory=dict)  # path -> the worker that made inner[path] (absent: the driver)
+    synced: dict[int, Any] = field(default_factory=dict)  # path -> the newest AdamW state the driver holds (a ref)
+    tasks_of: dict[int, int] = field(default_factory=dict)  # path -> its tasks applied in this run
+    synced_at: dict[int, int] = field(default_factory=dict)  # path -> tasks_of[path] when synced[path] was taken
+    nodes: dict[int, str] = field(default_factory=dict)  # worker -> the address of its node, once it answered
     partial: dict[int, Any] = field(default_factory=dict)  # path a signal stopped mid-task -> its parameters (a ref)
     free: deque[int] = field(default_factory=deque)  # workers without a task
     tasks: dict[Any, Callable[[Any], None]] = field(default_factory=dict)  # a task's first return ref (or a probe) -> handler
@@ -148,18 +153,17 @@ class TaskScheduler:
         yield from self._events()
 
     def _start_actors(self) -> None:
-        """Ray restarts a dead actor with the arguments it was created with; it sends an executor's calls
-        again (the executor restores its own checkpoint), not a worker's: the queue gives its task to any worker."""
+        """Ray restarts a dead actor, on any node, with the arguments it was created with: a spec, and what
+        builds the rest from files every node sees, never an object a lost node could take with it. It sends
+        an executor's calls again (the executor restores its own checkpoint), not a worker's: the queue gives
+        its task to any worker. A worker joins the pool once it answers: the ones the cluster cannot place
+        yet (``ray.worker_cpus``) join when a node does."""
         ray, topo, flight = self.ray, self.topology, self.flight
-        resources = ray.cluster_resources()
-        share = {"num_cpus": min(1.0, resources.get("CPU", 1.0) / len(self.speeds))}
-        if resources.get("GPU", 0) > 0:  # the workers train on the node's GPUs, as lock-step ranks do
-            share["num_gpus"] = min(1.0, resources["GPU"] / len(self.speeds))
         # max_concurrency=2: a stop() call reaches a worker while it runs a task
-        worker_cls = ray.remote(PathWorker).options(**share, max_restarts=-1, max_task_retries=0, max_concurrency=2)
+        worker_cls = ray.remote(PathWorker).options(**self._worker_share(), max_restarts=-1, max_task_retries=0,
+                                                    max_concurrency=2)
         llama = next(iter(self.loops.values())).model.config
-        flight.held.append(ray.put(self.experiment.path_loops))
-        flight.workers += [worker_cls.remote(speed, flight.held[0], llama, topo) for speed in self.speeds]
+        flight.workers += [worker_cls.remote(speed, self.experiment.load_path_loops, llama, topo) for speed in self.speeds]
         executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1)
         root = self.experiment.dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
         for g, group in enumerate(self.groups):
@@ -171,27 +175,49 @@ class TaskScheduler:
                 delay={m: default_delay(len(through[m]), self.outer.nesterov_delay) for m in group},
                 root=str(root / f"executor_{g:03d}"), every=self.ray_cfg.executor_checkpoint_every,
                 config_yaml=self.experiment.config_yaml, rescale=self.outer.rescale)
-            flight.held += [ray.put({m: self.bank.params[m].detach().clone() for m in group}), self._saved(group)]
-            flight.actors.append(executor_cls.remote(spec, *flight.held[-2:]))
+            ModuleExecutor.write_start(spec, {m: self.bank.params[m].detach().clone() for m in group}, self._saved(group))
+            flight.actors.append(executor_cls.remote(spec))
         flight.executors = {m: flight.actors[g] for g, group in enumerate(self.groups) for m in group}
-        ray.get([actor.pid.remote() for actor in (*flight.workers, *flight.actors)])
-        flight.start = time.perf_counter()  # started: the clock starts now
+        ray.get([actor.pid.remote() for actor in flight.actors])
         for old in root.parent.glob("run_*"):  # an earlier run's executors: its checkpoint is the truth now
             if old != root:
                 shutil.rmtree(old, ignore_errors=True)
         flight.inner = {p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}
+        flight.synced = dict(flight.inner)
+        flight.tasks_of, flight.synced_at = dict.fromkeys(self.loops, 0), dict.fromkeys(self.loops, 0)
         flight.partial = {p: ray.put(dict(self.loops[p].model.named_parameters())) for p in self.paused}
-        flight.free.extend(range(len(flight.workers)))
+        for w, worker in enumerate(flight.workers):
+            flight.tasks[worker.node.remote()] = partial(self._on_probe, w)
+        # The clock starts once every worker answered (ray.schedule=rounds is DiLoCo only where a round's
+        # tasks all start before one is applied), or with ray.worker_cpus once one did: the others may be
+        # waiting for a node that joins later.
+        while flight.tasks and (self.ray_cfg.worker_cpus is None or not flight.free):
+            waited = len(flight.tasks)
+            self._next(flight.tasks, WORKER_WAIT_S)
+            if len(flight.tasks) == waited:
+                echo(f"[train] {len(flight.tasks)} of {len(flight.workers)} path workers have not started after "
+                     f"{WORKER_WAIT_S:.0f}s: the cluster has no room for {self._worker_share()} each")
+        flight.start = time.perf_counter()
 
-    def _saved(self, group: list[int]) -> Any:
+    def _worker_share(self) -> dict[str, float]:
+        """The resources of one worker: ``ray.worker_cpus`` each, or the cluster's at start shared by them all."""
+        resources = self.ray.cluster_resources()
+        if self.ray_cfg.worker_cpus is not None:
+            return {"num_cpus": self.ray_cfg.worker_cpus}
+        share = {"num_cpus": min(1.0, resources.get("CPU", 1.0) / len(self.speeds))}
+        if resources.get("GPU", 0) > 0:  # the workers train on the node's GPUs, as lock-step ranks do
+            share["num_gpus"] = min(1.0, resources["GPU"] / len(self.speeds))
+        return share
+
+    def _saved(self, group: list[int]) -> tuple[dict, dict] | None:
         """A group's executor state from the restored run checkpoint (tensors by part, counters), or None."""
         if self.counters is None:
             return None
         names = [self.names[m] for m in group]
         tensors = {PARAMS: {self.names[m]: self.bank.params[m].detach().clone() for m in group},
                    **{part: {n: self.sync.parts[part][n] for n in names} for part in SYNC_PARTS}}
-        return self.ray.put((tensors, {"pending": {m: self.counters[self.names[m]]["pending"] for m in group},
-                                       "log": [u for n in names for u in self.counters[n]["log"]]}))
+        return tensors, {"pending": {m: self.counters[self.names[m]]["pending"] for m in group},
+                         "log": [u for n in names for u in self.counters[n]["log"]]}
 
     def _events(self) -> Iterator[Progress]:
         while not self.flight.queue.done():
@@ -219,26 +245,47 @@ class TaskScheduler:
             self.flight.workers[task.worker].stop.remote()
         while self.flight.queue.running:
             self._next(self.flight.tasks)
+        self._sync_all()
         yield self.checkpoint()
         raise signal()
 
+    def _sync_all(self) -> None:
+        while self.flight.acks:
+            self._next(self.flight.acks)
+        for path in self.flight.synced:
+            self._sync(path)
+
     def _dispatch(self) -> None:
-        while self.flight.free and (task := self.flight.queue.dispatch(self.flight.free[0])) is not None:
-            self.flight.free.popleft()
-            paused = self.paused.get(task.path) if task.done else None
-            modules = paused["base"] if paused else [self.flight.executors[m].pull.remote(m)
-                                                     for m in self.topology.path_modules(task.path)]
-            refs = self.flight.workers[task.worker].run.options(num_returns=3 + len(self.topology.parts)).remote(
-                task.path, task.steps - task.done, self.flight.inner[task.path], *modules,
-                params=self.flight.partial[task.path] if paused else None)
-            self.flight.tasks[refs[0]] = partial(self._on_task, task, refs, modules)
+        """Each free worker first takes a path whose newest AdamW state it made (it stays on its node),
+        then any path that may start."""
+        flight = self.flight
+        for worker in list(flight.free):
+            made = {p for p, w in flight.holder.items() if w == worker}
+            if made and (task := flight.queue.dispatch(worker, made)) is not None:
+                flight.free.remove(worker)
+                self._send(task)
+        while flight.free and (task := flight.queue.dispatch(flight.free[0])) is not None:
+            flight.free.popleft()
+            self._send(task)
+
+    def _send(self, task: Task) -> None:
+        paused = self.paused.get(task.path) if task.done else None
+        modules = paused["base"] if paused else [self.flight.executors[m].pull.remote(m)
+                                                 for m in self.topology.path_modules(task.path)]
+        refs = self.flight.workers[task.worker].run.options(num_returns=3 + len(self.topology.parts)).remote(
+            task.path, task.steps - task.done, self.flight.inner[task.path], *modules,
+            params=self.flight.partial[task.path] if paused else None)
+        self.flight.tasks[refs[0]] = partial(self._on_task, task, refs, modules)
 
     def _on_task(self, task: Task, refs: list, modules: list, ref: Any) -> None:
         try:
             meta = self.ray.get(ref)
-        except self.ray.exceptions.RayTaskError:
-            raise  # the task itself failed (a bug or bad data): not something a retry heals
         except self.ray.exceptions.RayError as exc:
+            if self._lost_object(exc):  # the path's state, an argument, was on a node that is gone
+                self._fall_back(task.path)
+                return self._requeue(task, exc)
+            if isinstance(exc, self.ray.exceptions.RayTaskError):
+                raise  # the task itself failed (a bug or bad data): not something a retry heals
             return self._requeue(task, exc)
         self.flight.free.append(task.worker)
         if meta["steps"] < task.steps - task.done:
@@ -250,6 +297,10 @@ class TaskScheduler:
             push = self.flight.executors[m].push.remote(task.id, task.path, m, task.start[m], delta)
             self.flight.acks[push] = partial(self._on_push, task, m, waiting, result)
 
+    def _lost_object(self, exc: Exception) -> bool:
+        lost = self.ray.exceptions.ObjectLostError
+        return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
+
     def _pause(self, task: Task, steps: int, refs: list, modules: list) -> None:
         """A signal stopped the task after ``steps`` more of its steps. Nothing of it is applied: its AdamW state,
         parameters and the modules it started from are kept, and the checkpoint continues it after a resume."""
@@ -258,14 +309,37 @@ class TaskScheduler:
         self.paused[task.path] = {"index": task.index, "steps": task.steps, "done": task.done, "start": dict(task.start),
                                   "attempt": task.attempt, "base": base}
         self.flight.inner[task.path], self.flight.partial[task.path] = refs[1], refs[2]
+        self._sync(task.path)
         self.flight.queue.paused(task)
         echo(f"[train] {task.id} stopped after {task.done} of its {task.steps} steps; --resume continues it there")
 
+    def _sync(self, path: int) -> None:
+        """The driver takes the path's newest AdamW state (from the node that made it, once)."""
+        flight = self.flight
+        if flight.synced[path] is not flight.inner[path]:
+            flight.synced[path] = self.ray.put(self.ray.get(flight.inner[path]))
+        flight.synced_at[path] = flight.tasks_of[path]
+
+    def _fall_back(self, path: int) -> None:
+        """The path's newest AdamW state may be gone with its worker's node: the path continues from the
+        driver's (``state_age``: its tasks since then, whose AdamW steps are lost; its parameters are not)."""
+        flight = self.flight
+        if flight.holder.pop(path, None) is None:
+            return
+        age = flight.tasks_of[path] - flight.synced_at[path]
+        flight.inner[path] = flight.synced[path]
+        flight.records.append(("state_lost", None, {"path": path, "state_age": age}))
+        if age:
+            echo(f"[train] path {path} continues from the AdamW state of {age} of its tasks ago (ray.state_sync_every)")
+
     def _requeue(self, task: Task, exc: Exception) -> None:
-        """The task's worker died (killed, preempted, out of memory): the task goes back to the queue with the
-        path's previous AdamW state; the worker, which Ray restarts, is free again once it answers a probe."""
+        """The task's worker died (killed, preempted, out of memory, its node gone): the task goes back to the
+        queue; the worker, which Ray restarts where there is room, is free again once it answers a probe.
+        The AdamW states that worker made fall back to the driver's: its node may have taken them along."""
         never_ran = isinstance(exc, self.ray.exceptions.ActorUnavailableError)  # sent while it was restarting
-        probe = self.flight.workers[task.worker].pid.options(max_task_retries=-1).remote()
+        for path in [p for p, w in self.flight.holder.items() if w == task.worker and not never_ran]:
+            self._fall_back(path)
+        probe = self.flight.workers[task.worker].node.options(max_task_retries=-1).remote()
         self.flight.tasks[probe] = partial(self._on_probe, task.worker)
         if not never_ran and task.attempt >= self.ray_cfg.task_retries:
             raise DistributedError(f"task {task.id} lost its worker {task.attempt + 1} times "
@@ -277,24 +351,52 @@ class TaskScheduler:
                                                "attempt": task.attempt, "reason": "worker"}))
 
     def _on_probe(self, worker: int, ref: Any) -> None:
+        """A worker answered (started, or restarted by Ray): it joins the pool."""
         try:
-            self.ray.get(ref)
+            node = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
             raise DistributedError(f"worker {worker} died and Ray could not restart it: {exc}") from None
+        if self.flight.nodes.get(worker) != node:
+            if self.flight.start and node not in self.flight.nodes.values():
+                echo(f"[train] node {node} joined: worker {worker} takes tasks there")
+            self.flight.records.append(("worker", None, {"worker": worker, "node": node}))
+        self.flight.nodes[worker] = node
         self.flight.free.append(worker)
 
     def _on_push(self, task: Task, module: int, waiting: set[int], result: dict, ref: Any) -> None:
-        if (update := self.ray.get(ref)) is not None:  # None: the executor had applied it before it restarted
+        try:
+            update = self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            if not self._lost_object(exc):
+                raise
+            update = None
+            if not result.get("lost"):  # the deltas were on a node that is gone: the task runs again
+                result["lost"] = True
+                self.flight.queue.lost(task)
+                echo(f"[train] {task.id}'s changes were lost with their node: re-queued")
+                self.flight.records.append(("requeue", None, {"task": task.id, "path": task.path, "worker": task.worker,
+                                                       "attempt": task.attempt, "reason": "deltas"}))
+        if result.get("lost"):
+            return
+        if update is not None:  # None: the executor had applied it before it restarted
             self.flight.staleness.append(update["staleness"])
             result["staleness"][self.names[module]] = update["staleness"]
         waiting.discard(module)
         if waiting:
             return
-        self.flight.inner[task.path] = result["inner"]
+        path, flight = task.path, self.flight
+        flight.inner[path], flight.holder[path] = result["inner"], task.worker
+        flight.tasks_of[path] += 1
+        if flight.tasks_of[path] - flight.synced_at[path] >= self.ray_cfg.state_sync_every:
+            self._sync(path)
         self.flight.queue.applied(task)
+        if self.flight.queue.done():  # the last checkpoint holds every path's newest AdamW state
+            for p in flight.synced:
+                self._sync(p)
         self.flight.records.append(("task", self.flight.queue.completed, {
             "task": task.id, "path": task.path, "worker": task.worker, "steps": task.steps, "attempt": task.attempt,
-            **{k: result[k] for k in ("loss", "tokens", "seconds", "compute_seconds", "tokens_per_s", "lr", "staleness")},
+            **{k: result[k] for k in ("loss", "tokens", "seconds", "compute_seconds", "tokens_per_s", "lr", "staleness",
+                                      "node")},
             "steps_done": self.flight.queue.steps_done, "elapsed": time.perf_counter() - self.flight.start}))
         every = self.ray_cfg.checkpoint_every or self.topology.num_paths
         self.flight.checkpoint_due = self.flight.checkpoint_due or self.flight.queue.completed % every == 0
@@ -305,7 +407,8 @@ class TaskScheduler:
         while self.flight.acks:
             self._next(self.flight.acks)
         states = self.ray.get([actor.state.remote() for actor in self.flight.actors])
-        inner = dict(zip(self.flight.inner, self.ray.get(list(self.flight.inner.values()))))
+        inner = dict(zip(self.flight.synced, self.ray.get(list(self.flight.synced.values()))))
+        state_age = max(self.flight.tasks_of[p] - self.flight.synced_at[p] for p in self.flight.synced)
         self.counters = {}
         with torch.no_grad():
             for group, (tensors, counter) in zip(self.groups, states):
@@ -329,7 +432,7 @@ class TaskScheduler:
         self.flight.checkpoint_due, self.flight.last_checkpoint = False, self.flight.queue.completed
         records, self.flight.records = self.flight.records, []
         info = {"tasks": self.flight.queue.completed, "inner_steps": self.flight.queue.steps_done,
-                "elapsed": time.perf_counter() - self.flight.start}
+                "elapsed": time.perf_counter() - self.flight.start, "state_age": state_age}
         return Progress(self.flight.queue.completed, records, info)
 
     def logged(self, records: list[dict], index: int) -> bool:
@@ -389,11 +492,14 @@ def check_ray(ray: RayConfig, train: TrainConfig, outer: OuterConfig, dist: Dist
     if is_async and train.driver != "ray":
         raise ConfigError(f"outer.sync: {outer.sync} has no rounds to run under torchrun; set train.driver=ray")
     for key, least in (("num_cpus", 1), ("num_workers", 1), ("executors", 1), ("checkpoint_every", 1),
-                       ("executor_checkpoint_every", 1), ("max_staleness", 0), ("task_retries", 0)):
+                       ("executor_checkpoint_every", 1), ("max_staleness", 0), ("task_retries", 0),
+                       ("state_sync_every", 1)):
         value, nullable = getattr(ray, key), getattr(RayConfig(), key) is None
         if value is not None and value < least:
             raise ConfigError(f"ray.{key}: must be {'> 0' if least else '>= 0'}{' or null' if nullable else ''}, "
                               f"got {value}")
+    if ray.worker_cpus is not None and not (math.isfinite(ray.worker_cpus) and ray.worker_cpus > 0):
+        raise ConfigError(f"ray.worker_cpus: must be > 0 or null, got {ray.worker_cpus}")
     speeds = ray.simulate_speeds
     if speeds is not None:
         if not speeds:

@@ -24,7 +24,11 @@ from dipaco.train.task_actors import ExecutorSpec, ModuleExecutor  # noqa: E402
 
 
 def executor(init: dict, **spec) -> ModuleExecutor:
-    return ModuleExecutor(ExecutorSpec(**spec), init)
+    """Constructed as Ray constructs it, from its spec: from its first checkpoint, or the newest after a crash."""
+    spec_ = ExecutorSpec(**spec)
+    if not Path(spec_.root).exists():
+        ModuleExecutor.write_start(spec_, init)
+    return ModuleExecutor(spec_)
 
 ASYNC = ["train.driver=ray", "outer.sync=async_nesterov", "run.progress=false", "ray.executors=2"]
 
