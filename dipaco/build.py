@@ -34,7 +34,7 @@ from dipaco.model.bank import ModuleBank
 from dipaco.model.llama import build_model
 from dipaco.model.pretrained import load_pretrained, path_llama_config
 from dipaco.model.scoring import Scoring
-from dipaco.model.topology import topology_from_config
+from dipaco.model.topology import Topology, topology_from_config
 from dipaco.paths.early_stopping import PathEarlyStopping, early_stopping_holdout
 from dipaco.paths.factory import LoopSettings, PathLoops
 from dipaco.paths.validation import PathValidation
@@ -61,10 +61,7 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     Ray task scheduler before its first task (``train.driver=ray``)."""
     train, device, seed = cfg.train, world.device, cfg.run.seed
     check_train(train)
-    prepared = routed_data(cfg.run.dir, cfg.data, cfg.tokenizer, routed=train.sharding == "kmeans")
-    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
-    sharding = shard_documents(prepared, topology.num_paths, train, seed, cfg.route.topk, cfg.data.seq_len,
-                               cfg.outer.weighting)
+    prepared, topology, sharding = sharded_data(cfg)
     by_rank = paths_by_rank([s.numel() for s in sharding.shards], world.size)
     mine = by_rank[world.rank]
 
@@ -108,6 +105,15 @@ def build_trainer(cfg: Config, world: World, on_start: Callable[[TaskScheduler],
     return Trainer(experiment, scheduler, state, checkpoints, policy=policy)
 
 
+def sharded_data(cfg: Config) -> tuple[Prepared, Topology, Sharding]:
+    """The run's prepared data, the topology, and the training documents split into the paths' shards."""
+    prepared = routed_data(cfg.run.dir, cfg.data, cfg.tokenizer, routed=cfg.train.sharding == "kmeans")
+    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
+    sharding = shard_documents(prepared, topology.num_paths, cfg.train, cfg.run.seed, cfg.route.topk, cfg.data.seq_len,
+                               cfg.outer.weighting)
+    return prepared, topology, sharding
+
+
 def loops_factory(cfg: Config, sharding: Sharding) -> PathLoops:
     """Every path's inner-loop factory: its shard, the loop settings, the seed rule."""
     settings = LoopSettings.from_config(cfg.train, cfg.model, cfg.train.rounds * cfg.train.inner_steps, "train")
@@ -120,11 +126,7 @@ def path_loops_of(config_yaml: str, run_dir: str) -> PathLoops:
     store, which a restarted worker could not get back once the node holding them is gone."""
     cfg = parse_config(config_yaml, "the run's resolved config")
     cfg.run.dir = run_dir
-    prepared = routed_data(run_dir, cfg.data, cfg.tokenizer, routed=cfg.train.sharding == "kmeans")
-    topology = topology_from_config(cfg.topology, cfg.model.num_layers)
-    sharding = shard_documents(prepared, topology.num_paths, cfg.train, cfg.run.seed, cfg.route.topk, cfg.data.seq_len,
-                               cfg.outer.weighting)
-    return loops_factory(cfg, sharding)
+    return loops_factory(cfg, sharded_data(cfg)[2])
 
 
 @dataclass(frozen=True)

@@ -391,8 +391,7 @@ class TaskScheduler:
             self._sync(path)
         self.flight.queue.applied(task)
         if self.flight.queue.done():  # the last checkpoint holds every path's newest AdamW state
-            for p in flight.synced:
-                self._sync(p)
+            self._sync_all()
         self.flight.records.append(("task", self.flight.queue.completed, {
             "task": task.id, "path": task.path, "worker": task.worker, "steps": task.steps, "attempt": task.attempt,
             **{k: result[k] for k in ("loss", "tokens", "seconds", "compute_seconds", "tokens_per_s", "lr", "staleness",
