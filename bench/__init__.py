@@ -15,6 +15,7 @@ routing       the routing package: k-means against scikit-learn, routing NMI of 
 corpus_scale  time, peak memory and disk of prepare, route and train as the corpus grows to 10M documents (issue 33)
 throughput    one path's inner loop against the best hand-written loop: tokens/s, MFU, profile, round overhead (issue 48)
 sites         DiPaCo and DiLoCo against a real DDP across network-namespace sites on shaped links (issue 72)
+ray_sites     the Ray driver across two sites: bytes per path task over a site's link by ray.state_sync_every (issue 72)
 
 No benchmark module imports another (import-linter checks it). Run them through ``python -m bench``; never
 put bench/ itself on ``sys.path``: ``bench/tokenize.py`` and ``bench/codecs.py`` would shadow the standard
@@ -35,4 +36,5 @@ BENCHMARKS: dict[str, str] = {
     "corpus_scale": "time, peak memory and disk of prepare, route and train as the corpus grows to 10M documents (issue 33)",
     "throughput": "one path's inner loop against the best hand-written loop: tokens/s, MFU, profile, round overhead (issue 48)",
     "sites": "DiPaCo and DiLoCo against a real DDP across network-namespace sites on shaped links (issue 72)",
+    "ray_sites": "the Ray driver across two sites: bytes per path task over a site's link by ray.state_sync_every (issue 72)",
 }

@@ -23,11 +23,13 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 SUBNET = "10.213.0"  # a private /24 of the namespaces only: site i is .(i + 1)
 RDZV_PORT = 29400  # the c10d rendezvous on site 0 (each namespace has its own ports)
+RAY_PORT = 6390  # the Ray head's GCS on site 0
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,32 @@ class Sites:
                              "--rdzv-endpoint", f"{self.sites[0].address}:{port}", "--rdzv-id", job,
                              "--rdzv-conf", conf, "--local-addr", site.address, "--max-restarts", str(max_restarts),
                              *program])
+
+    def link_bytes(self, i: int) -> tuple[int, int]:
+        """(sent, received) bytes of site ``i``'s interface so far: everything its link carried."""
+        site = self.sites[i]
+        counts = []
+        for counter in ("tx_bytes", "rx_bytes"):
+            path = f"/sys/class/net/{site.device}/statistics/{counter}"
+            done = subprocess.run(site.command(["cat", path]), capture_output=True, text=True, check=True)
+            counts.append(int(done.stdout))
+        return counts[0], counts[1]
+
+    def ray_start(self, i: int, temp_dir: str, env: dict[str, str], cpus: int = 1) -> None:
+        """``ray start`` on site ``i``, as on a machine of a Ray cluster: site 0 is the head (GCS on
+        :data:`RAY_PORT`), any other site a node that joins it. Its processes stay in the site's namespace, so
+        :meth:`kill` takes them. ``temp_dir``: Ray's session files, one per cluster (short: its socket paths must
+        fit 107 bytes); ``env``: the cluster's, the same on every site (``RAY_AUTH_TOKEN``)."""
+        site = self.sites[i]
+        role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 else \
+            [f"--address={self.sites[0].address}:{RAY_PORT}"]
+        ray = str(Path(sys.executable).parent / "ray")
+        cmd = site.command([ray, "start", *role, "--node-ip-address", site.address, "--num-cpus", str(cpus),
+                            "--object-store-memory", str(200 * 2**20), "--disable-usage-stats",
+                            f"--temp-dir={temp_dir}"])
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        if done.returncode:
+            raise RuntimeError(f"ray start on site {i} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
     def describe(self) -> dict[str, Any]:
         return {"sites": self.n, "links": [link.describe(self.netem) for link in self.links],

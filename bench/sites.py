@@ -119,12 +119,7 @@ def prepare(args: argparse.Namespace, work: Path) -> Path:
 
 def tx_bytes(sites: Sites) -> list[int]:
     """Bytes each site's interface has sent so far."""
-    out = []
-    for site in sites.sites:
-        path = f"/sys/class/net/{site.device}/statistics/tx_bytes"
-        done = subprocess.run(site.command(["cat", path]), capture_output=True, text=True, check=True)
-        out.append(int(done.stdout))
-    return out
+    return [sites.link_bytes(i)[0] for i in range(len(sites))]
 
 
 def run_row(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from dipaco.sync.async_nesterov import PARAMS, default_delay, staleness_summary
 from dipaco.sync.async_schedule import Task, TaskQueue, check_staleness_bound
 from dipaco.sync.nesterov import module_outer_lr
 from dipaco.train.experiment import BuiltExperiment
+from dipaco.train.path_states import ObjectStore, PathStates
 from dipaco.train.task_actors import (
     EXECUTORS_DIR,
     SYNC_PARTS,
@@ -88,14 +89,10 @@ class InFlight:
     queue: TaskQueue
     started_ray: bool  # this run called ray.init, so close() shuts Ray down
     last_checkpoint: int  # tasks completed as of the last checkpoint
+    states: PathStates  # where each path's AdamW state is
     workers: list = field(default_factory=list)  # PathWorker actors
     actors: list = field(default_factory=list)  # ModuleExecutor actors, one per module group
     executors: dict[int, Any] = field(default_factory=dict)  # module -> its group's actor
-    inner: dict[int, Any] = field(default_factory=dict)  # path -> its newest AdamW state (a ref, where it was made)
-    holder: dict[int, int] = field(default_factory=dict)  # path -> the worker that made inner[path] (absent: the driver)
-    synced: dict[int, Any] = field(default_factory=dict)  # path -> the newest AdamW state the driver holds (a ref)
-    tasks_of: dict[int, int] = field(default_factory=dict)  # path -> its tasks applied in this run
-    synced_at: dict[int, int] = field(default_factory=dict)  # path -> tasks_of[path] when synced[path] was taken
     nodes: dict[int, str] = field(default_factory=dict)  # worker -> the address of its node, once it answered
     partial: dict[int, Any] = field(default_factory=dict)  # path a signal stopped mid-task -> its parameters (a ref)
     free: deque[int] = field(default_factory=deque)  # workers without a task
@@ -142,10 +139,14 @@ class TaskScheduler:
         for p, t in self.paused.items():
             queue.resume(Task(p, t["index"], t["steps"], start=dict(t["start"]), attempt=t["attempt"], done=t["done"]))
         self.ray = ray = _ray()
-        self.flight = InFlight(queue, started_ray=not ray.is_initialized(), last_checkpoint=queue.completed)
-        if self.flight.started_ray:
+        started_ray = not ray.is_initialized()
+        if started_ray:
             init_ray(ray, address=cfg.address, include_dashboard=False, log_to_driver=False,
                      **({"num_cpus": cfg.num_cpus} if cfg.address is None else {}))
+        store = ObjectStore(ray.put, ray.get, (ray.exceptions.ObjectLostError,), self._state_lost)
+        states = PathStates({p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}, cfg.state_sync_every,
+                            store)
+        self.flight = InFlight(queue, started_ray, last_checkpoint=queue.completed, states=states)
         self._start_actors()
         echo(f"[train] {queue.budget - queue.steps_done - sum(t['done'] for t in self.paused.values())} inner steps to go")
         if self.on_start is not None:
@@ -164,7 +165,13 @@ class TaskScheduler:
                                                     max_concurrency=2)
         llama = next(iter(self.loops.values())).model.config
         flight.workers += [worker_cls.remote(speed, self.experiment.load_path_loops, llama, topo) for speed in self.speeds]
-        executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # beside the driver, the node a run cannot lose: a worker elsewhere sends its node's link only its own
+        # path's modules and deltas (a 0-CPU actor could otherwise land on any node, and carry everyone's)
+        beside_driver = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1,
+                                                          scheduling_strategy=beside_driver)
         root = self.experiment.dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
         for g, group in enumerate(self.groups):
             through = {m: topo.paths_through(m) for m in group}
@@ -182,9 +189,6 @@ class TaskScheduler:
         for old in root.parent.glob("run_*"):  # an earlier run's executors: its checkpoint is the truth now
             if old != root:
                 shutil.rmtree(old, ignore_errors=True)
-        flight.inner = {p: ray.put(loop.state_dict()) for p, loop in self.loops.items()}
-        flight.synced = dict(flight.inner)
-        flight.tasks_of, flight.synced_at = dict.fromkeys(self.loops, 0), dict.fromkeys(self.loops, 0)
         flight.partial = {p: ray.put(dict(self.loops[p].model.named_parameters())) for p in self.paused}
         for w, worker in enumerate(flight.workers):
             flight.tasks[worker.node.remote()] = partial(self._on_probe, w)
@@ -252,15 +256,14 @@ class TaskScheduler:
     def _sync_all(self) -> None:
         while self.flight.acks:
             self._next(self.flight.acks)
-        for path in self.flight.synced:
-            self._sync(path)
+        self.flight.states.sync_all()
 
     def _dispatch(self) -> None:
         """Each free worker first takes a path whose newest AdamW state it made (it stays on its node),
         then any path that may start."""
         flight = self.flight
         for worker in list(flight.free):
-            made = {p for p, w in flight.holder.items() if w == worker}
+            made = self.flight.states.made_by(worker)
             if made and (task := flight.queue.dispatch(worker, made)) is not None:
                 flight.free.remove(worker)
                 self._send(task)
@@ -273,7 +276,7 @@ class TaskScheduler:
         modules = paused["base"] if paused else [self.flight.executors[m].pull.remote(m)
                                                  for m in self.topology.path_modules(task.path)]
         refs = self.flight.workers[task.worker].run.options(num_returns=3 + len(self.topology.parts)).remote(
-            task.path, task.steps - task.done, self.flight.inner[task.path], *modules,
+            task.path, task.steps - task.done, self.flight.states.newest[task.path], *modules,
             params=self.flight.partial[task.path] if paused else None)
         self.flight.tasks[refs[0]] = partial(self._on_task, task, refs, modules)
 
@@ -282,7 +285,7 @@ class TaskScheduler:
             meta = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
             if self._lost_object(exc):  # the path's state, an argument, was on a node that is gone
-                self._fall_back(task.path)
+                self.flight.states.fall_back(task.path)
                 return self._requeue(task, exc)
             if isinstance(exc, self.ray.exceptions.RayTaskError):
                 raise  # the task itself failed (a bug or bad data): not something a retry heals
@@ -308,27 +311,15 @@ class TaskScheduler:
         task.done += steps
         self.paused[task.path] = {"index": task.index, "steps": task.steps, "done": task.done, "start": dict(task.start),
                                   "attempt": task.attempt, "base": base}
-        self.flight.inner[task.path], self.flight.partial[task.path] = refs[1], refs[2]
-        self._sync(task.path)
+        self.flight.partial[task.path] = refs[2]
+        self.flight.states.stopped(task.path, refs[1])
         self.flight.queue.paused(task)
         echo(f"[train] {task.id} stopped after {task.done} of its {task.steps} steps; --resume continues it there")
 
-    def _sync(self, path: int) -> None:
-        """The driver takes the path's newest AdamW state (from the node that made it, once)."""
-        flight = self.flight
-        if flight.synced[path] is not flight.inner[path]:
-            flight.synced[path] = self.ray.put(self.ray.get(flight.inner[path]))
-        flight.synced_at[path] = flight.tasks_of[path]
-
-    def _fall_back(self, path: int) -> None:
-        """The path's newest AdamW state may be gone with its worker's node: the path continues from the
-        driver's (``state_age``: its tasks since then, whose AdamW steps are lost; its parameters are not)."""
-        flight = self.flight
-        if flight.holder.pop(path, None) is None:
-            return
-        age = flight.tasks_of[path] - flight.synced_at[path]
-        flight.inner[path] = flight.synced[path]
-        flight.records.append(("state_lost", None, {"path": path, "state_age": age}))
+    def _state_lost(self, path: int, age: int) -> None:
+        """The path's newest AdamW state may have gone with a node: it continues from the driver's copy
+        (``state_age``: its tasks since, whose AdamW steps are lost; the parameters are not)."""
+        self.flight.records.append(("state_lost", None, {"path": path, "state_age": age}))
         if age:
             echo(f"[train] path {path} continues from the AdamW state of {age} of its tasks ago (ray.state_sync_every)")
 
@@ -337,8 +328,8 @@ class TaskScheduler:
         queue; the worker, which Ray restarts where there is room, is free again once it answers a probe.
         The AdamW states that worker made fall back to the driver's: its node may have taken them along."""
         never_ran = isinstance(exc, self.ray.exceptions.ActorUnavailableError)  # sent while it was restarting
-        for path in [p for p, w in self.flight.holder.items() if w == task.worker and not never_ran]:
-            self._fall_back(path)
+        if not never_ran:
+            self.flight.states.lost_worker(task.worker)
         probe = self.flight.workers[task.worker].node.options(max_task_retries=-1).remote()
         self.flight.tasks[probe] = partial(self._on_probe, task.worker)
         if not never_ran and task.attempt >= self.ray_cfg.task_retries:
@@ -384,11 +375,7 @@ class TaskScheduler:
         waiting.discard(module)
         if waiting:
             return
-        path, flight = task.path, self.flight
-        flight.inner[path], flight.holder[path] = result["inner"], task.worker
-        flight.tasks_of[path] += 1
-        if flight.tasks_of[path] - flight.synced_at[path] >= self.ray_cfg.state_sync_every:
-            self._sync(path)
+        self.flight.states.applied(task.path, result["inner"], task.worker)
         self.flight.queue.applied(task)
         if self.flight.queue.done():  # the last checkpoint holds every path's newest AdamW state
             self._sync_all()
@@ -406,8 +393,7 @@ class TaskScheduler:
         while self.flight.acks:
             self._next(self.flight.acks)
         states = self.ray.get([actor.state.remote() for actor in self.flight.actors])
-        inner = dict(zip(self.flight.synced, self.ray.get(list(self.flight.synced.values()))))
-        state_age = max(self.flight.tasks_of[p] - self.flight.synced_at[p] for p in self.flight.synced)
+        inner, state_age = self.flight.states.gathered(), self.flight.states.oldest()
         self.counters = {}
         with torch.no_grad():
             for group, (tensors, counter) in zip(self.groups, states):

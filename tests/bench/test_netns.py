@@ -70,7 +70,10 @@ def test_sites_talk_over_shaped_links_a_cut_link_carries_nothing_and_all_is_remo
                                capture_output=True, text=True).stdout
         assert "tbf" in shown and "10Mbit" in shown
         assert sites.describe()["netem"] is False or "netem" in shown
+        sent, received = sites.link_bytes(1)
         assert _echo(sites).stdout == "ping"
+        after = sites.link_bytes(1)
+        assert after[0] > sent and after[1] > received  # the echo went out over site 1's link and came back
         sites.cut(1)
         assert _echo(sites).returncode != 0
         sites.restore(1)

@@ -156,6 +156,34 @@ def test_rounds_schedule_is_lock_step():
     assert queue.dispatch(0).index == 1
 
 
+def test_dispatch_among_a_workers_own_paths_then_any():
+    """Path affinity (issue 72): a worker asks first for a path whose AdamW state it made."""
+    topo = Topology.from_preset("grid:2x2", 2)
+    queue = TaskQueue(topo, inner_steps=5, budget=5 * 4 * 2)
+    assert queue.dispatch(0, among={2}).path == 2
+    assert queue.dispatch(1, among={2}) is None  # path 2 is running: nothing else of "its own"
+    assert queue.dispatch(1, among=set()) is None
+    assert queue.dispatch(1).path != 2
+
+
+def test_lost_deltas_run_the_task_again_first_in_line():
+    """A sent task whose deltas went with their node: the module clocks go back and the same task id runs
+    again, before new work (an executor that took it refuses it then)."""
+    topo = Topology.from_preset("grid:2x2", 2)
+    queue = TaskQueue(topo, inner_steps=5, budget=5 * 4 * 2)
+    task = queue.dispatch(0)
+    before = dict(queue.clock)
+    queue.sent(task, 1.0)
+    assert queue.clock != before
+    queue.lost(task)
+    assert queue.clock == before and not queue.sending and queue.completed == 0
+    again = queue.dispatch(1)
+    assert again is task and again.id == task.id and again.worker == 1
+    queue.sent(again, 1.0)
+    queue.applied(again)
+    assert queue.completed == 1 and queue.steps_done == 5
+
+
 def test_a_round_of_arrivals_in_path_order_is_the_lock_step_step_bit_for_bit():
     """The executors' outer step is the lock-step kernel: a 2x2 grid's round of arrivals (every path once,
     in path order, token weights, outer.rescale and a larger embedding/head step) gives the bank and the

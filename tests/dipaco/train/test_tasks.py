@@ -104,9 +104,9 @@ def test_async_run_stops_resumes_and_evaluates(ray_session, run_cfg):
 
 def test_more_rounds_on_resume_extend_the_task_budget(ray_session, run_cfg):
     # Issue 48: `--resume train.rounds=N` with a larger N continues the run, under the Ray driver too.
-    exp = Run(with_overrides(run_cfg)).train()
+    exp = Run(with_overrides(run_cfg, "ray.num_workers=2")).train()
     assert sum(t["steps"] for t in completed_tasks(exp.dir)) == 2 * 5 * 4
-    exp = Run(with_overrides(run_cfg, "train.rounds=3")).train(resume=True)
+    exp = Run(with_overrides(run_cfg, "ray.num_workers=2", "train.rounds=3")).train(resume=True)
     tasks = completed_tasks(exp.dir)
     assert sum(t["steps"] for t in tasks) == 3 * 5 * 4  # one more round's worth, nothing counted twice
     assert len({t["task"] for t in tasks}) == len(tasks)
@@ -184,7 +184,7 @@ def test_a_signal_stops_each_task_after_its_step_in_progress_and_resume_loses_no
     from dipaco.checkpoint.store import SavedCheckpoint
 
     steps = 60  # long enough tasks that the signal finds one mid-way
-    cfg = with_overrides(run_cfg, f"train.inner_steps={steps}")
+    cfg = with_overrides(run_cfg, f"train.inner_steps={steps}", "ray.num_workers=2")  # 2 actors fewer to start
     stopped_by(signal.SIGTERM, cfg)
     out = capsys.readouterr().out
     assert "stopped after" in out and "--resume continues it there" in out and "checkpoint is" in out
@@ -278,7 +278,7 @@ def test_killed_worker_and_executor_lose_no_update(ray_session, run_cfg):
 def test_an_executor_killed_as_a_run_checkpoint_starts_loses_nothing(ray_session, run_cfg):
     """An executor restarting while the driver reads the executors' states for a run checkpoint is asked
     again once it is back (CI found ActorUnavailableError raised out of checkpoint() instead)."""
-    cfg = with_overrides(run_cfg, "train.rounds=2")
+    cfg = with_overrides(run_cfg, "train.rounds=2", "ray.num_workers=2")
     killed: list[str] = []
 
     def drill(run) -> None:
