@@ -220,21 +220,21 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-class CanonicalOpenAIPaths:
-    """ASGI middleware: an OpenAI path with a trailing slash (``/v1/completions/``) is served as the route
-    without it, as OpenAI serves it, where FastAPI would redirect (a 307 that clients do not follow with the
-    body) and the token check, the errors and the access log would not know the path as OpenAI's."""
+class CanonicalPaths:
+    """ASGI middleware: a path with a trailing slash (``/v1/completions/``, ``/healthz/``) is served as the route
+    without it, as OpenAI serves its own, where FastAPI would redirect (a 307 that clients do not follow with the
+    body) and the token check, the errors and the access log would not know the path."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            path = oa.canonical_path(scope["path"])
+            path = scope["path"].rstrip("/") or "/"
             if path != scope["path"]:
                 scope = {**scope, "path": path}
                 if scope.get("raw_path"):
-                    scope["raw_path"] = scope["raw_path"].rstrip(b"/")
+                    scope["raw_path"] = scope["raw_path"].rstrip(b"/") or b"/"
         await self.app(scope, receive, send)
 
 
@@ -488,7 +488,8 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
         await run_in_threadpool(batcher.close)  # joins the workers: not on the event loop
         planner.shutdown(wait=False)
 
-    app = FastAPI(title="dipaco", summary="DiPaCo single-path inference: route a prompt, run one path", lifespan=lifespan)
+    app = FastAPI(title="dipaco", summary="DiPaCo single-path inference: route a prompt, run one path", lifespan=lifespan,
+                  redirect_slashes=False)  # CanonicalPaths serves /x/ as /x: nothing is redirected
     app.state.caps = {"max_prompt_tokens": max_prompt_tokens, "max_prompt_chars": max_prompt_chars,
                       "max_new_tokens_cap": max_new_tokens_cap, "max_body_bytes": max_body_bytes}
     app.state.metrics = metrics
@@ -756,7 +757,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     if token is not None:
         app.add_middleware(BearerToken, token=token)
     app.add_middleware(AccessLog, metrics=metrics, endpoints=frozenset(getattr(r, "path", "") for r in app.routes))
-    app.add_middleware(CanonicalOpenAIPaths)
+    app.add_middleware(CanonicalPaths)
     return app
 
 

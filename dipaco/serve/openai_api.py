@@ -58,13 +58,6 @@ def is_openai_path(path: str) -> bool:
     return path == COMPLETIONS or path == MODELS or path.startswith(MODELS + "/")
 
 
-def canonical_path(path: str) -> str:
-    """An OpenAI path without its trailing slashes (``/v1/completions/`` is ``/v1/completions``, as OpenAI
-    answers it); any other path as it is."""
-    bare = path.rstrip("/")
-    return bare if bare != path and is_openai_path(bare) else path
-
-
 def error_type(status: int) -> str:
     if status == 401:
         return "authentication_error"

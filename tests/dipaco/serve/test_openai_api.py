@@ -463,6 +463,13 @@ def test_a_trailing_slash_is_the_route_without_it(server, pipe):
     assert post(server, None, path=f"/v1/models/{pipe.experiment}/", method="GET")[1]["id"] == pipe.experiment
     status, data = post(server, None, path="/v1/models/gpt-4/", method="GET")
     assert status == 404 and data["error"]["code"] == "model_not_found"
+    # dipaco's own routes too: FastAPI answered /healthz/ with a 307 to /healthz (issue 76)
+    healthy = post(server, None, path="/healthz", method="GET", token=None)
+    assert healthy[0] == 200 and post(server, None, path="/healthz/", method="GET", token=None) == healthy  # open
+    assert post(server, None, path="/v1/paths/", method="GET")[0] == 200
+    routed = {"text": PROMPTS[4]}
+    assert post(server, routed, path="/v1/route/") == post(server, routed, path="/v1/route")
+    assert post(server, None, path="/nowhere/", method="GET")[0] == 404
     for path, method in (("/v1/completions/", "POST"), ("/v1/completions//", "POST"), ("/v1/models/", "GET")):
         status, data = post(server, body, path=path, token=None, method=method)
         assert status == 401 and data == {"error": {"message": "missing or wrong token: send 'Authorization: Bearer <token>'",

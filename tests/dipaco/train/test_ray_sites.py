@@ -79,7 +79,7 @@ def test_a_node_that_joins_takes_tasks_and_its_loss_loses_no_update(prepared_run
             _until("a task on the joiner", lambda: any(t["node"] == joiner for t in _tasks(exp)), driver, log)
             sites.kill(1)  # the machine is gone: its raylet, its object store, the worker and the states it made
             lost_at = len(_tasks(exp))
-            _until("8 more tasks", lambda: len(_tasks(exp)) >= lost_at + 8, driver, log)
+            _until("6 more tasks", lambda: len(_tasks(exp)) >= lost_at + 6, driver, log)
             driver.send_signal(signal.SIGTERM)
             driver.wait(timeout=180)
         finally:
