@@ -47,12 +47,7 @@ class PathWorker:
         return os.getpid()
 
     def node(self) -> str:
-        """The address of this worker's node (Ray's, else the host name)."""
-        try:
-            from ray.util import get_node_ip_address
-        except ImportError:
-            return socket.gethostname()
-        return get_node_ip_address()
+        return node_address()
 
     def stop(self) -> None:
         """The driver got a signal: the task running stops after its step in progress (a threaded actor)."""
@@ -90,6 +85,15 @@ class PathWorker:
                 "steps": stats.steps, "node": self.node()}
         mid_task = None if stats.steps == steps else {n: v.detach().cpu().clone() for n, v in model.named_parameters()}
         return (meta, _to_cpu(loop.state_dict()), mid_task, *deltas)
+
+
+def node_address() -> str:
+    """The address of this actor's node (Ray's, else the host name)."""
+    try:
+        from ray.util import get_node_ip_address
+    except ImportError:
+        return socket.gethostname()
+    return get_node_ip_address()
 
 
 def _to_cpu(state: Any) -> Any:
@@ -143,8 +147,8 @@ class ModuleExecutor:
             sync.load(saved[0], saved[1], spec.names)
         _save_executor(CheckpointManager(spec.root, keep=2), sync, spec.names, spec.config_yaml)
 
-    def pid(self) -> int:
-        return os.getpid()
+    def node(self) -> str:
+        return node_address()
 
     def pull(self, module: int) -> torch.Tensor:
         return self.sync.params[module].clone()

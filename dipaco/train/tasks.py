@@ -168,8 +168,9 @@ class TaskScheduler:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # beside the driver, the node a run cannot lose: a worker elsewhere sends its node's link only its own
-        # path's modules and deltas (a 0-CPU actor could otherwise land on any node, and carry everyone's)
-        beside_driver = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # path's modules and deltas (a 0-CPU actor could otherwise land on any node, and carry everyone's). Not
+        # soft: that gave way to another node while the driver's was busy starting a worker.
+        beside_driver = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         executor_cls = ray.remote(ModuleExecutor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1,
                                                           scheduling_strategy=beside_driver)
         root = self.experiment.dir / EXECUTORS_DIR / f"run_{int(time.time() * 1000)}"
@@ -185,7 +186,8 @@ class TaskScheduler:
             ModuleExecutor.write_start(spec, {m: self.bank.params[m].detach().clone() for m in group}, self._saved(group))
             flight.actors.append(executor_cls.remote(spec))
         flight.executors = {m: flight.actors[g] for g, group in enumerate(self.groups) for m in group}
-        ray.get([actor.pid.remote() for actor in flight.actors])
+        for g, node in enumerate(ray.get([actor.node.remote() for actor in flight.actors])):
+            flight.records.append(("executor", None, {"executor": g, "node": node}))
         for old in root.parent.glob("run_*"):  # an earlier run's executors: its checkpoint is the truth now
             if old != root:
                 shutil.rmtree(old, ignore_errors=True)

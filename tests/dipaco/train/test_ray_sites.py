@@ -100,3 +100,32 @@ def test_a_node_that_joins_takes_tasks_and_its_loss_loses_no_update(prepared_run
     assert "re-queued" in text or read_metrics(exp / "metrics.jsonl", "state_lost"), text[-4000:]
     check_exactly_once(exp, modules_by_path(cfg))
     assert "actor restart will fail" not in text  # ray-project/ray#53727: no constructor argument in the store
+
+
+def test_the_module_executors_run_beside_the_driver(prepared_run, tmp_path):
+    """Both nodes up before the run, the head's one CPU taken by the path worker: Ray placed the 0-CPU executors on
+    the other node (the least used), where they made every other node's tasks cross its link. They are pinned to the
+    driver's node (found by python -m bench ray_sites: a path's parameters more per task than the count)."""
+    shutil.copytree(prepared_run.run.dir, tmp_path / "run")
+    cfg = replace(prepared_run, run=replace(prepared_run.run, dir=str(tmp_path / "run")))
+    save_config(cfg, tmp_path / "cfg.yaml")
+    exp, log = tmp_path / "run" / "train" / "beside", tmp_path / "driver.log"
+    temp = Path(tempfile.mkdtemp(prefix="dpray", dir="/tmp"))
+    with Sites(2, PROFILES["wan"]) as sites:
+        head = sites[0].address
+        try:
+            for i in range(len(sites)):
+                sites.ray_start(i, str(temp), _env(sites, i))
+            cmd = sites[0].command([sys.executable, "-m", "dipaco", "train", "--config", str(tmp_path / "cfg.yaml"),
+                                    "train.name=beside", "train.rounds=1", "train.driver=ray", "outer.sync=async_nesterov",
+                                    "ray.executors=2", "ray.num_workers=1", "ray.worker_cpus=1",
+                                    f"ray.address={head}:{RAY_PORT}"])
+            with log.open("w") as out:
+                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_env(sites, 0), timeout=300)
+        finally:
+            for i in range(len(sites)):
+                sites.kill(i)
+            shutil.rmtree(temp, ignore_errors=True)
+    assert done.returncode == 0, log.read_text(errors="replace")[-4000:]
+    placed = {e["executor"]: e["node"] for e in read_metrics(exp / "metrics.jsonl", "executor")}
+    assert placed == {0: head, 1: head}, placed
