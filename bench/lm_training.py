@@ -31,11 +31,11 @@ from omegaconf import OmegaConf
 from bench.harness import REPO, Results, RowSyntaxError, parse_row, safe_name
 from dipaco import json_text
 from dipaco.checkpoint.store import CheckpointManager
-from dipaco.config import Config, config_diff
+from dipaco.config import Config, config_diff, save_config
 from dipaco.data.corpus import strip_header
 from dipaco.metrics import echo
 from dipaco.route.shards import assign_paths
-from dipaco.run import Run, apply_overrides
+from dipaco.run import Run, apply_overrides, load_config
 from dipaco.run_dir import RunDir
 from routing.quality import routing_report
 
@@ -193,6 +193,27 @@ def prepare(cfg: Config) -> dict:
 def pretrain(cfg: Config) -> None:
     """`dipaco pretrain`: the init every row of the base run starts from."""
     Run(cfg).pretrain()
+
+
+def prepared_once(work: Path, overrides: Callable[[Path], list[str]], corpus: str | None, data_dir: Path,
+                  docs_per_source: int) -> Path:
+    """A benchmark's one prepared and pretrained run (``work/cfg.yaml``, its run dir in ``work``), made by the first
+    invocation and reused by later ones: on ``corpus`` when given, else on ``docs_per_source`` documents of each
+    shared corpus in ``data_dir`` (texts cut to 4,000 characters). ``overrides(corpus)``: the run's config."""
+    cfg_file = work / "cfg.yaml"
+    if cfg_file.is_file() and (work / "run" / "pretrain").is_dir():
+        return cfg_file
+    work.mkdir(parents=True, exist_ok=True)
+    if corpus:
+        source = Path(corpus)
+    else:
+        missing_corpora(data_dir, SOURCES)
+        source = write_corpus(work / "corpus.jsonl", docs_per_source, data_dir=data_dir, max_chars=4000)
+    cfg = load_config(None, overrides(source))
+    prepare(cfg)
+    pretrain(cfg)
+    save_config(cfg, cfg_file)
+    return cfg_file
 
 
 def prepared_init(base: Config) -> float:

@@ -17,11 +17,13 @@ these namespaces stand in for them in ``python -m bench sites`` and in the 2-sit
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -256,22 +258,46 @@ class Sites:
             counts.append(int(done.stdout))
         return counts[0], counts[1]
 
-    def ray_start(self, i: int, temp_dir: str, env: dict[str, str], cpus: int = 1) -> None:
-        """``ray start`` on site ``i``, as on a machine of a Ray cluster: site 0 is the head (GCS on
-        :data:`RAY_PORT`), any other site a node that joins it. Its processes stay in the site's namespace, so
-        :meth:`kill` takes them. ``temp_dir``: Ray's session files, one per cluster (short: its socket paths must
-        fit 107 bytes); ``env``: the cluster's, the same on every site (``RAY_AUTH_TOKEN``)."""
-        site = self.sites[i]
-        role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 else \
-            [f"--address={self.sites[0].address}:{RAY_PORT}"]
-        ray = str(Path(sys.executable).parent / "ray")
-        cmd = site.command([ray, "start", *role, "--node-ip-address", site.address, "--num-cpus", str(cpus),
-                            "--object-store-memory", str(200 * 2**20), "--disable-usage-stats",
-                            f"--temp-dir={temp_dir}"])
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-        if done.returncode:
-            raise RuntimeError(f"ray start on site {i} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-
     def describe(self) -> dict[str, Any]:
         return {"sites": self.n, "links": [link.describe(self.netem) for link in self.links],
                 "netem": self.netem, "shaping": "tbf + netem" if self.netem else "tbf (no netem in this kernel)"}
+
+
+class RayCluster:
+    """``with RayCluster(sites, env) as cluster:`` a Ray cluster on the sites, as a lab runs one on its machines:
+    :meth:`start` site 0 as the head (GCS on :data:`RAY_PORT`), any other site as a node that joins it, before the
+    run or during it. Every machine shares one token (Ray's token auth, which Ray 2.60's head turns on) and, here,
+    one session directory. Leaving the block kills every process on the sites (Ray's stay in their namespaces) and
+    removes the session directory."""
+
+    def __init__(self, sites: Sites, env: Mapping[str, str]) -> None:
+        self.sites = sites
+        self.env = {**env, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        self.temp_dir = ""
+        self.address = f"{sites[0].address}:{RAY_PORT}"  # what ray.address names
+
+    def __enter__(self) -> RayCluster:
+        self.temp_dir = tempfile.mkdtemp(prefix="dpray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for i in range(len(self.sites)):
+            self.sites.kill(i)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def environment(self, i: int) -> dict[str, str]:
+        """What a process on site ``i`` needs: the cluster's token and the site's own (:meth:`Sites.environment`)."""
+        return {**self.env, **self.sites.environment(i)}
+
+    def start(self, i: int, cpus: int = 1) -> None:
+        """``ray start`` on site ``i`` with ``cpus`` CPUs and a small object store."""
+        site = self.sites[i]
+        role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 else [f"--address={self.address}"]
+        ray = str(Path(sys.executable).parent / "ray")
+        cmd = site.command([ray, "start", *role, "--node-ip-address", site.address, "--num-cpus", str(cpus),
+                            "--object-store-memory", str(200 * 2**20), "--disable-usage-stats",
+                            f"--temp-dir={self.temp_dir}"])
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=self.environment(i))
+        if done.returncode:
+            raise RuntimeError(f"ray start on site {i} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

@@ -23,18 +23,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench import lm_training as lm
 from bench.harness import REPO, Column, Results, argument_parser, command_line, environment, markdown_table
-from bench.netns import RAY_PORT, Sites, SitesUnavailable, profile, unavailable
+from bench.netns import RayCluster, Sites, SitesUnavailable, profile, unavailable
 
 IDLE_S = 10.0  # how long the idle link is measured before the driver starts
 
@@ -57,31 +55,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def prepare(args: argparse.Namespace, work: Path) -> Path:
-    """Prepares and pretrains the tiny run once (``work/cfg.yaml``): a 2x2 grid of 2-layer paths."""
-    from dipaco.config import save_config
-    from dipaco.run import Run, load_config
-
-    cfg_file = work / "cfg.yaml"
-    if cfg_file.is_file() and (work / "run" / "pretrain").is_dir():
-        return cfg_file
-    work.mkdir(parents=True, exist_ok=True)
-    if args.corpus:
-        corpus = Path(args.corpus)
-    else:
-        lm.missing_corpora(Path(args.data), lm.SOURCES)
-        corpus = lm.write_corpus(work / "corpus.jsonl", args.docs_per_source, data_dir=Path(args.data), max_chars=4000)
-    cfg = load_config(None, [
-        f"run.dir={work / 'run'}", f"data.corpus={corpus}", "run.progress=false", "run.device=cpu",
-        "model.num_layers=2", f"model.hidden_size={args.hidden}", f"model.intermediate_size={3 * args.hidden}",
-        f"model.num_heads={max(1, args.hidden // 32)}", f"tokenizer.vocab_size={args.vocab}", "data.seq_len=64",
-        "data.prefix_tokens=16", "data.empty_docs=skip", "pretrain.steps=50", "pretrain.optim.batch_size=16",
-        "pretrain.optim.warmup_steps=10", "topology.preset=grid:2x2", f"train.rounds={args.rounds}",
-        f"train.inner_steps={args.inner_steps}", "train.optim.batch_size=8", "train.optim.warmup_steps=20"])
-    Run(cfg).prepare()
-    Run(cfg).pretrain()
-    save_config(cfg, cfg_file)
-    return cfg_file
+def overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[str]:
+    """The tiny run: a 2x2 grid of 2-layer paths."""
+    return [f"run.dir={work / 'run'}", f"data.corpus={corpus}", "run.progress=false", "run.device=cpu",
+            "model.num_layers=2", f"model.hidden_size={args.hidden}", f"model.intermediate_size={3 * args.hidden}",
+            f"model.num_heads={max(1, args.hidden // 32)}", f"tokenizer.vocab_size={args.vocab}", "data.seq_len=64",
+            "data.prefix_tokens=16", "data.empty_docs=skip", "pretrain.steps=50", "pretrain.optim.batch_size=16",
+            "pretrain.optim.warmup_steps=10", "topology.preset=grid:2x2", f"train.rounds={args.rounds}",
+            f"train.inner_steps={args.inner_steps}", "train.optim.batch_size=8", "train.optim.warmup_steps=20"]
 
 
 def path_parameters(run_dir: Path) -> int:
@@ -107,31 +88,25 @@ def run_row(sites: Sites, sync_every: int, name: str, cfg_file: Path, args: argp
 
     exp = work / "run" / "train" / name
     shutil.rmtree(exp, ignore_errors=True)
-    temp = tempfile.mkdtemp(prefix="dpray", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     log = work / f"{name}.driver.log"
     try:
-        for i in range(len(sites)):
-            sites.ray_start(i, temp, {**env, **sites.environment(i)})
-        idle_from = link_total(sites, 1)
-        time.sleep(IDLE_S)
-        idle_rate = (link_total(sites, 1) - idle_from) / IDLE_S
-        cmd = sites[0].command([sys.executable, "-m", "dipaco", "train", "--config", str(cfg_file),
-                                f"train.name={name}", "train.driver=ray", "outer.sync=async_nesterov",
-                                f"ray.address={sites[0].address}:{RAY_PORT}", "ray.num_workers=2", "ray.worker_cpus=1",
-                                "ray.executors=2", f"ray.state_sync_every={sync_every}"])
-        before, start = link_total(sites, 1), time.perf_counter()
-        with log.open("w") as out:
-            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env={**env, **sites.environment(0)},
-                                  timeout=args.row_timeout)
-        wall, carried = time.perf_counter() - start, link_total(sites, 1) - before
+        with RayCluster(sites, {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}) as cluster:
+            for i in range(len(sites)):
+                cluster.start(i)
+            idle_from = link_total(sites, 1)
+            time.sleep(IDLE_S)
+            idle_rate = (link_total(sites, 1) - idle_from) / IDLE_S
+            cmd = sites[0].command([sys.executable, "-m", "dipaco", "train", "--config", str(cfg_file),
+                                    f"train.name={name}", "train.driver=ray", "outer.sync=async_nesterov",
+                                    f"ray.address={cluster.address}", "ray.num_workers=2", "ray.worker_cpus=1",
+                                    "ray.executors=2", f"ray.state_sync_every={sync_every}"])
+            before, start = link_total(sites, 1), time.perf_counter()
+            with log.open("w") as out:
+                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=cluster.environment(0),
+                                      timeout=args.row_timeout)
+            wall, carried = time.perf_counter() - start, link_total(sites, 1) - before
     except subprocess.TimeoutExpired:
         raise SystemExit(f"{name}: still running after --row-timeout={args.row_timeout:g}s; its log: {log}") from None
-    finally:
-        for i in range(len(sites)):
-            sites.kill(i)
-        shutil.rmtree(temp, ignore_errors=True)
     if done.returncode:
         raise SystemExit(f"{name}: the driver failed ({done.returncode}):\n{log.read_text(errors='replace')[-3000:]}")
     tasks = read_metrics(exp / "metrics.jsonl", "task")
@@ -178,7 +153,8 @@ def main(argv: list[str]) -> int | None:
         raise SystemExit(f"--sync-every: each must be >= 1, got {args.sync_every!r}")
     link = profile(args.profile)
     work = Path(args.work)
-    cfg_file = prepare(args, work)
+    cfg_file = lm.prepared_once(work, lambda corpus: overrides(args, work, corpus), args.corpus, Path(args.data),
+                                args.docs_per_source)
     results = Results.load(args.out or work / "results.json", "ray_sites", args.resume)
     results.meta = {"meta": {"command": command_line("ray_sites", argv), "machine": environment("cpu"),
                              "sites": 2, "link": link.describe(False)}}

@@ -95,23 +95,8 @@ def base_overrides(args: argparse.Namespace, work: Path, corpus: Path) -> list[s
 
 def prepare(args: argparse.Namespace, work: Path) -> Path:
     """Prepares and pretrains the run once (``work/cfg.yaml``); every row and profile trains from it."""
-    from dipaco.config import save_config
-    from dipaco.run import Run, load_config
-
-    cfg_file = work / "cfg.yaml"
-    if cfg_file.is_file() and (work / "run" / "pretrain").is_dir():
-        return cfg_file
-    work.mkdir(parents=True, exist_ok=True)
-    if args.corpus:
-        corpus = Path(args.corpus)
-    else:
-        lm.missing_corpora(Path(args.data), lm.SOURCES)
-        corpus = lm.write_corpus(work / "corpus.jsonl", args.docs_per_source, data_dir=Path(args.data), max_chars=4000)
-    cfg = load_config(None, base_overrides(args, work, corpus))
-    Run(cfg).prepare()
-    Run(cfg).pretrain()
-    save_config(cfg, cfg_file)
-    return cfg_file
+    return lm.prepared_once(work, lambda corpus: base_overrides(args, work, corpus), args.corpus, Path(args.data),
+                            args.docs_per_source)
 
 
 # ----------------------------------------------------------------------------- one row on the sites

@@ -19,7 +19,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ObjectStore:
-    """What the states are kept in: ``put`` a value on the driver, ``get`` one from where it is, ``lost``: what
+    """What the states are kept in: ``put`` a value on the driver, ``get`` one (or a list) from where it is, ``lost``: what
     ``get`` raises for an object whose node is gone, and ``on_lost(path, age)``, told of each fall back."""
 
     put: Callable[[Any], Any]
@@ -101,4 +101,4 @@ class PathStates:
 
     def gathered(self) -> dict[int, Any]:
         """Every path's state as the driver holds it, read (what a checkpoint writes)."""
-        return dict(zip(self.synced, map(self.store.get, self.synced.values())))
+        return dict(zip(self.synced, self.store.get(list(self.synced.values()))))  # one call: Ray fetches them together

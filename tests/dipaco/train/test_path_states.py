@@ -29,7 +29,9 @@ class Store:
     def put(self, value: str) -> Ref:
         return Ref(value, "driver")
 
-    def get(self, ref: Ref) -> str:
+    def get(self, ref: Ref | list[Ref]) -> str | list[str]:
+        if isinstance(ref, list):  # as ray.get takes a list
+            return [self.get(r) for r in ref]
         if ref.where in self.gone:
             raise Lost(ref.value)
         if ref.where != "driver":
