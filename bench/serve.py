@@ -169,6 +169,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=300.0, help="soak: RSS growth and slope measured after this many seconds")
     p.add_argument("--sample-every", type=float, default=10.0, help="soak: seconds between RSS / descriptor samples")
     p.add_argument("--batching", choices=("module", "path"), default="module", help="soak: the server's --batching")
+    p.add_argument("--heap-trim-s", type=float, help="soak: the server's --heap-trim-s (default: dipaco serve's)")
     p.add_argument("--out", help="write the figures as JSON here")
     return p.parse_args(argv)
 
@@ -1023,11 +1024,12 @@ def growth(t: np.ndarray, mb: np.ndarray, settle_s: float) -> Json:
 
 def bench_soak(run: Path, experiment: str | None, traffic: VariedTraffic, clients: int, seconds: float, window_s: float,
                settle_s: float, sample_s: float, threads: int | None, max_batch: int, batching: str = "module",
-               seed: int = 0) -> Json:
+               seed: int = 0, heap_trim_s: float | None = None) -> Json:
     """Part 9: one server (``--batching``), ``clients`` closed-loop clients of ``traffic`` for ``seconds``, in windows
     of ``window_s``. Each window is a fresh ``varied_loop`` (its clients reconnect): a gap of a few ms, and latency
     per window."""
-    flags = ("--max-batch", str(max_batch), "--batching", batching)
+    flags = ("--max-batch", str(max_batch), "--batching", batching,
+             *(() if heap_trim_s is None else ("--heap-trim-s", f"{heap_trim_s:g}")))
     rngs = [np.random.default_rng([seed, c]) for c in range(clients)]
     windows = []
     with dipaco_serve(run, experiment, threads, cache_size=4, extra_args=flags) as (port, server):
@@ -1322,7 +1324,7 @@ def batching_parts(args: argparse.Namespace, run: Path, pipe: Pipeline, prompts:
     if args.soak:
         report["soak"] = bench_soak(*served, VariedTraffic.of(pipe, args.new_tokens), args.soak, args.seconds,
                                     args.window, args.settle, args.sample_every, args.threads, args.max_batch,
-                                    args.batching)
+                                    args.batching, heap_trim_s=args.heap_trim_s)
     if args.hold_idle:
         report["hold_idle"] = bench_hold_idle(*served, prompts, args.hold_idle, args.nofile, args.seconds, args.threads)
     return report

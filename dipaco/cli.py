@@ -129,7 +129,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     app = AppOptions(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_cap=args.max_new_tokens_cap,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s, max_batch=args.max_batch,
                      batch_wait_ms=args.batch_wait_ms, decode_workers=args.decode_workers, max_prompts=args.max_prompts,
-                     batching=args.batching)
+                     batching=args.batching, heap_trim_s=args.heap_trim_s)
     serve(args.run, ServeOptions(host=args.host, port=args.port, experiment=args.experiment, checkpoint=args.checkpoint,
                                  cache_size=args.cache_size, device=args.device, precision=args.precision,
                                  token=resolve_token(args.token), allow_unauthenticated=args.allow_unauthenticated,
@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a path's first waiting request waits for others to join its batch")
     p.add_argument("--decode-workers", type=int, default=1,
                    help="threads decoding batches (of different paths) at once")
+    p.add_argument("--heap-trim-s", type=float, default=10.0,
+                   help="hand the C allocator's free memory back to the OS (glibc's malloc_trim) every this many "
+                        "seconds: under varied traffic freed tensors otherwise stay with the process; 0: never")
     p.add_argument("--header-timeout-s", type=float, default=5.0,
                    help="a connection that has not sent a complete request's headers this many seconds after "
                         "opening (or after its last answer) is closed")

@@ -95,6 +95,7 @@ from dipaco.serve.connections import (
     default_max_connections,
     guarded_protocol,
 )
+from dipaco.serve.heap import DEFAULT_HEAP_TRIM_S, HeapTrimmer
 from dipaco.serve.metrics import ACCESS_LOGGER, CLIENT_GONE, AccessLog, ServeMetrics
 from dipaco.serve.pipeline import DEFAULT_CACHE_SIZE, TOKENIZER_COPIES, Pipeline, PlannedGeneration, Scored
 from dipaco.serve.router_passes import RouterOptions, leave_cpus
@@ -342,6 +343,7 @@ class AppOptions:
     decode_workers: int = DEFAULT_DECODE_WORKERS
     max_prompts: int = DEFAULT_MAX_BATCH  # prompts in one completions request (each is a row of a batch)
     batching: str = DEFAULT_BATCHING  # module: rows of any paths together, level by level; path: one path per batch
+    heap_trim_s: float = DEFAULT_HEAP_TRIM_S  # malloc_trim every this many seconds (dipaco.serve.heap); 0: never
 
 
 class RequestError(Exception):
@@ -434,6 +436,8 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
     batcher = PathBatcher(pipeline.run_module_batch if by_module else pipeline.run_batch, max_batch=max_batch,
                           batch_wait_s=batch_wait_ms / 1000.0, workers=decode_workers, observer=metrics,
                           one_queue=by_module)
+    heap = HeapTrimmer(options.heap_trim_s)
+    metrics.watch_heap(heap)
 
     default_new_tokens = min(DEFAULT_NEW_TOKENS, max_new_tokens_cap)
 
@@ -484,8 +488,10 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
 
     @asynccontextmanager
     async def lifespan(app):
+        heap.start()
         yield
         await run_in_threadpool(batcher.close)  # joins the workers: not on the event loop
+        await run_in_threadpool(heap.close)
         planner.shutdown(wait=False)
 
     app = FastAPI(title="dipaco", summary="DiPaCo single-path inference: route a prompt, run one path", lifespan=lifespan,
@@ -494,6 +500,7 @@ def create_app(pipeline: Pipeline, options: AppOptions | None = None, token: str
                       "max_new_tokens_cap": max_new_tokens_cap, "max_body_bytes": max_body_bytes}
     app.state.metrics = metrics
     app.state.batcher = batcher
+    app.state.heap = heap
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -839,7 +846,7 @@ def serve(run_dir: str | Path, options: ServeOptions | None = None) -> None:
              f"caps: prompt {caps['max_prompt_tokens']} tokens, "
              f"{caps['max_new_tokens_cap']} new tokens, body {caps['max_body_bytes']} bytes; {o.app.batching} "
              f"batching, up to {max_batch} rows{' per path' if o.app.batching == 'path' else ''} within "
-             f"{batch_wait_ms:g} ms, {o.app.decode_workers} decoding at once; "
+             f"{batch_wait_ms:g} ms, {o.app.decode_workers} decoding at once; {app.state.heap.describe()}; "
              f"{guard.max_connections} connections, headers within "
              f"{header_timeout_s:g} s; {'bearer token required' if token else 'no token'})")
         _log_access_to_stderr(log_level)

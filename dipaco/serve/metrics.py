@@ -16,6 +16,8 @@ Metrics (each server has its own registry, so several apps in one process do not
     dipaco_routed_requests_total                    requests the server routed (one router pass each)
     dipaco_router_seconds_total{stage}              pass: time in router passes; request: summed over requests,
                                                     from asking for a route to its answer (waiting included)
+    dipaco_heap_trims_total                         malloc_trim calls (dipaco.serve.heap: --heap-trim-s)
+    dipaco_heap_trim_seconds_total                  time in them
 
 The access log (logger ``dipaco.serve.access``, INFO) writes, per request::
 
@@ -88,6 +90,20 @@ class ServeMetrics:
                 return [calls, rows, seconds]
 
         self.registry.register(ModuleBatching())
+
+    def watch_heap(self, trimmer) -> None:
+        """Reports a :class:`~dipaco.serve.heap.HeapTrimmer`'s calls and their time at each scrape."""
+        from prometheus_client.core import CounterMetricFamily
+
+        class Heap:
+            def collect(self):
+                trims = CounterMetricFamily("dipaco_heap_trims", "malloc_trim calls handing free heap memory back")
+                trims.add_metric([], trimmer.trims)
+                seconds = CounterMetricFamily("dipaco_heap_trim_seconds", "Time in malloc_trim calls")
+                seconds.add_metric([], trimmer.seconds)
+                return [trims, seconds]
+
+        self.registry.register(Heap())
 
     def watch_routing(self, stats) -> None:
         """Reports the pipeline's :class:`~dipaco.serve.pipeline.RouterStats` at each scrape."""
