@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 
 from dipaco.serve.decode import DecodeRow
 
@@ -48,6 +49,21 @@ def printable(text: str, limit: int = 200) -> str:
     if len(text) > limit:
         text = text[:limit] + "..."
     return text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
+
+
+def counter(name: str, documentation: str, value: float | Mapping[str, float], label: str | None = None):
+    """A counter family read at scrape time: one sample, or, ``value`` a mapping, one per key as ``label``, sorted."""
+    from prometheus_client.core import CounterMetricFamily
+
+    if not isinstance(value, Mapping):
+        family = CounterMetricFamily(name, documentation)
+        family.add_metric([], value)
+        return family
+    assert label is not None, f"{name}: samples per key need the label's name"
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key, sample in sorted(value.items()):
+        family.add_metric([key], sample)
+    return family
 
 
 class ServeMetrics:
@@ -74,54 +90,35 @@ class ServeMetrics:
 
     def watch_module_batching(self, stats) -> None:
         """Reports a module-batched decoder's :class:`~dipaco.serve.module_batch.ModuleBatchStats` at each scrape."""
-        from prometheus_client.core import CounterMetricFamily
-
-        class ModuleBatching:
-            def collect(self):
-                calls = CounterMetricFamily("dipaco_module_calls", "Level modules run by module batching (one per "
-                                            "module that has rows, per forward pass)")
-                calls.add_metric([], stats.module_calls)
-                rows = CounterMetricFamily("dipaco_module_rows", "Rows the level modules of module batching ran on")
-                rows.add_metric([], stats.module_rows)
-                seconds = CounterMetricFamily("dipaco_module_seconds", "Time module batching spent per stage",
-                                              labels=["stage"])
-                for stage, value in sorted(dict(stats.seconds).items()):
-                    seconds.add_metric([stage], value)
-                return [calls, rows, seconds]
-
-        self.registry.register(ModuleBatching())
+        self._scraped(lambda: [
+            counter("dipaco_module_calls", "Level modules run by module batching (one per module that has rows, per "
+                    "forward pass)", stats.module_calls),
+            counter("dipaco_module_rows", "Rows the level modules of module batching ran on", stats.module_rows),
+            counter("dipaco_module_seconds", "Time module batching spent per stage", dict(stats.seconds), "stage")])
 
     def watch_heap(self, trimmer) -> None:
         """Reports a :class:`~dipaco.serve.heap.HeapTrimmer`'s calls and their time at each scrape."""
-        from prometheus_client.core import CounterMetricFamily
-
-        class Heap:
-            def collect(self):
-                trims = CounterMetricFamily("dipaco_heap_trims", "malloc_trim calls handing free heap memory back")
-                trims.add_metric([], trimmer.trims)
-                seconds = CounterMetricFamily("dipaco_heap_trim_seconds", "Time in malloc_trim calls")
-                seconds.add_metric([], trimmer.seconds)
-                return [trims, seconds]
-
-        self.registry.register(Heap())
+        self._scraped(lambda: [
+            counter("dipaco_heap_trims", "malloc_trim calls handing free heap memory back", trimmer.trims),
+            counter("dipaco_heap_trim_seconds", "Time in malloc_trim calls", trimmer.seconds)])
 
     def watch_routing(self, stats) -> None:
         """Reports the pipeline's :class:`~dipaco.serve.pipeline.RouterStats` at each scrape."""
-        from prometheus_client.core import CounterMetricFamily
+        self._scraped(lambda: [
+            counter("dipaco_routed_requests", "Requests the server routed", stats.requests),
+            counter("dipaco_router_passes", "Router passes (each scores the prompts waiting)", stats.passes),
+            counter("dipaco_router_seconds", "Time in router passes (pass), and summed over requests from asking for a "
+                    "route to its answer (request)", {"pass": stats.pass_seconds, "request": stats.request_seconds},
+                    "stage")])
 
-        class Routing:
+    def _scraped(self, families: Callable[[], list]) -> None:
+        """Registers a collector whose metric families ``families()`` builds afresh at each scrape."""
+
+        class Scraped:
             def collect(self):
-                routed = CounterMetricFamily("dipaco_routed_requests", "Requests the server routed")
-                routed.add_metric([], stats.requests)
-                passes = CounterMetricFamily("dipaco_router_passes", "Router passes (each scores the prompts waiting)")
-                passes.add_metric([], stats.passes)
-                seconds = CounterMetricFamily("dipaco_router_seconds", "Time in router passes (pass), and summed over "
-                                              "requests from asking for a route to its answer (request)", labels=["stage"])
-                seconds.add_metric(["pass"], stats.pass_seconds)
-                seconds.add_metric(["request"], stats.request_seconds)
-                return [routed, passes, seconds]
+                return families()
 
-        self.registry.register(Routing())
+        self.registry.register(Scraped())
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

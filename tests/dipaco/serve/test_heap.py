@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import threading
 import time
 
 import numpy as np
@@ -19,7 +18,6 @@ from dipaco.serve.http import AppOptions, create_app
 from dipaco.serve.pipeline import Pipeline
 
 TRIM_S = 0.2
-CLIENTS = 8
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +34,7 @@ def wait_for(check, within: float = 20.0) -> None:
 
 
 def test_the_trimmer_calls_trim_every_interval_until_closed():
-    calls = threading.Semaphore(0)
-    trimmer = HeapTrimmer(0.01, trim=lambda: calls.release() or True)
+    trimmer = HeapTrimmer(0.01, trim=lambda: True)
     trimmer.start()
     wait_for(lambda: trimmer.trims >= 3)
     trimmer.close()
@@ -77,7 +74,7 @@ def fragment_the_heap(total_mb: int = 96) -> list:
     mmap threshold, so they come from the heap), all freed but one in 64 and the last one, which pins the heap's top
     so that free() alone returns nothing. Returns the survivors (keep them alive)."""
     rng = np.random.default_rng(0)
-    made, kept, size = [], [], 0
+    made, size = [], 0
     while size < total_mb * 2**20:
         n = int(rng.integers(1_000, 15_000))  # float32 elements: 4-60 KB
         made.append(torch.ones(n))
@@ -92,7 +89,7 @@ def test_the_server_hands_freed_heap_memory_back(pipe):
     server trims every --heap-trim-s (the growth of issue 76's per-path soak; malloc_trim gave it all back)."""
     if glibc_malloc_trim() is None:
         pytest.skip("not glibc")
-    app = create_app(pipe, AppOptions(batching="path", heap_trim_s=float(os.environ.get("HEAP_TRIM_S", TRIM_S))))
+    app = create_app(pipe, AppOptions(batching="path", heap_trim_s=TRIM_S))
     with running(app):
         heap = app.state.heap
         wait_for(lambda: heap.trims >= 1)
