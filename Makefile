@@ -7,10 +7,6 @@ PY := $(VENV)/bin/python
 DIPACO := $(VENV)/bin/dipaco
 CONFIG ?= configs/demo.yaml
 RUN_DIR ?= runs/demo
-# The dense baseline: one path, every part shared, trained for as many steps as each DiPaCo path.
-# With outer lr 1 and no momentum the outer step hands the path's weights back unchanged, so this
-# is plain continued training.
-DENSE := train.name=dense_1x topology.preset=dense outer.lr=1.0 outer.momentum=0.0 train.sharding=iid
 
 .PHONY: install demo test lint clean-demo
 
@@ -31,16 +27,7 @@ install: $(VENV)/.installed
 demo: $(VENV)/.demo-installed
 	@echo "== demo run directory: $(RUN_DIR) (starts fresh) =="
 	rm -rf $(RUN_DIR)
-	$(DIPACO) prepare  --config $(CONFIG) run.dir=$(RUN_DIR)
-	$(DIPACO) pretrain --config $(CONFIG) run.dir=$(RUN_DIR)
-	$(DIPACO) eval     --config $(CONFIG) run.dir=$(RUN_DIR) --pretrained
-	$(DIPACO) route    --config $(CONFIG) run.dir=$(RUN_DIR)
-	$(DIPACO) train    --config $(CONFIG) run.dir=$(RUN_DIR)
-	$(DIPACO) eval     --config $(CONFIG) run.dir=$(RUN_DIR)
-	$(DIPACO) train    --config $(CONFIG) run.dir=$(RUN_DIR) $(DENSE)
-	$(DIPACO) eval     --config $(CONFIG) run.dir=$(RUN_DIR) $(DENSE)
-	@echo "== validation perplexity (routing prefix excluded) =="
-	$(DIPACO) report   --config $(CONFIG) run.dir=$(RUN_DIR)
+	$(DIPACO) pipeline --config $(CONFIG) run.dir=$(RUN_DIR) --baseline
 
 # -rs lists every skipped test with its reason. .ci/run sets DIPACO_REQUIRE_E2E=1, which turns a
 # skipped end-to-end test into a failure (tests/e2e_guard.py). The suite runs in 2 pytest-xdist workers, a
@@ -48,9 +35,10 @@ demo: $(VENV)/.demo-installed
 # its time is single-threaded (imports, subprocess start-up), so 2 workers on 2 cores took 644 s where one
 # took 905 s. `python -m pytest -n 0` runs it in one process. --max-worker-restart=0: a worker that dies fails
 # the run at once, naming its test; restarted, pytest-xdist 3.8's loadfile scheduler could wait forever for it.
+# --durations=15 ends the output with the slowest tests: CI's 20 minutes are spent there first.
 # pyproject.toml's `timeout` (pytest-timeout) fails a test that hangs, with its traceback, and the run goes on.
 test: install
-	$(PY) -m pytest -q -rs -n 2 --dist loadfile --max-worker-restart=0
+	$(PY) -m pytest -q -rs -n 2 --dist loadfile --max-worker-restart=0 --durations=15
 
 # ruff (lint, import order), mypy (types), import-linter (the layers in pyproject.toml, lazy imports included)
 lint: install

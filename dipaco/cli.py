@@ -7,6 +7,7 @@
     dipaco train    --config configs/demo.yaml [--resume] rounds of inner steps + per-module outer step
     dipaco eval     --config configs/demo.yaml            per-path validation perplexity -> eval.json
     dipaco report   --config configs/demo.yaml            table of every evaluated model of the run
+    dipaco pipeline --config configs/demo.yaml --baseline every job above in one process (what `make demo` runs)
     dipaco eval     --config ... --reroute-every 128,64,32 test-time re-routing every W tokens
     dipaco eval     --config ... --corpus news.jsonl      per-path perplexity on any corpus -> eval_news.json
     dipaco generate --run runs/demo "prompt"             route the prompt, run its one path
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,6 +83,34 @@ def _cmd_eval(run: Run, args: argparse.Namespace) -> None:
         run.evaluate_pretrained()
     else:
         run.evaluate(checkpoint=args.checkpoint)
+
+
+# The dense baseline of `dipaco pipeline --baseline` (the demo's table): one path, every part shared, trained for as
+# many steps as each DiPaCo path. With outer lr 1 and no momentum the outer step hands the path's weights back
+# unchanged, so this is plain continued training.
+DENSE_BASELINE = ("train.name=dense_1x", "topology.preset=dense", "outer.lr=1.0", "outer.momentum=0.0",
+                  "train.sharding=iid")
+
+
+def _cmd_pipeline(run: Run, args: argparse.Namespace) -> None:
+    """Every job of the run in one process, each the function its own command calls, so the files and
+    perplexities are those of the commands one by one; torch and transformers are imported once."""
+    from dipaco.run import Run, apply_overrides
+
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("prepare", run.prepare), ("pretrain", run.pretrain), ("eval --pretrained", run.evaluate_pretrained)]
+    if run.cfg.train.sharding == "kmeans":
+        steps.append(("route", run.route))
+    steps += [("train", run.train), ("eval", run.evaluate)]
+    if args.baseline:
+        dense = Run(apply_overrides(run.cfg, list(DENSE_BASELINE)))  # a baseline that does not fit fails first
+        steps += [(f"train {' '.join(DENSE_BASELINE)}", dense.train),
+                  (f"eval train.name={dense.cfg.train.name}", dense.evaluate)]
+    for name, job in steps:
+        print(f"== dipaco {name} ==", flush=True)
+        job()
+    print("== dipaco report: validation perplexity (routing prefix excluded) ==")
+    print(run.report())
 
 
 def _cmd_report(args: argparse.Namespace) -> None:
@@ -240,7 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "report", "print a table of every evaluated model in the run directory")
     p.set_defaults(func=_cmd_report)
 
-    for name in ("prepare", "pretrain", "route", "reroute", "train", "eval", "report"):
+    p = _command(sub, "pipeline", "run every job in one process: prepare, pretrain, eval --pretrained, route "
+                                  "(train.sharding=kmeans), train, eval, then the report (the imports load once)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also train and evaluate the dense baseline: train.name=dense_1x, one path, as many steps "
+                        "per path (what make demo compares with)")
+    p.set_defaults(func=_cmd_pipeline)
+
+    for name in ("prepare", "pretrain", "route", "reroute", "train", "eval", "report", "pipeline"):
         _add_config_args(sub.choices[name])
 
     p = _command(sub, "generate", "route a prompt to its path and continue it with that path alone")

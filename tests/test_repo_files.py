@@ -59,6 +59,9 @@ def test_make_demo_installs_only_what_the_demo_runs():
     assert proc.returncode == 0, proc.stderr
     installs = [line for line in proc.stdout.splitlines() if "pip install" in line]
     assert [re.findall(r'-e "\.\[([\w,]+)\]"', line) for line in installs if " -e " in line] == [["demo"]]
+    # its jobs run in one process (dipaco pipeline): each `dipaco <job>` imported torch and transformers again
+    jobs = [line for line in proc.stdout.splitlines() if "/bin/dipaco " in line]
+    assert len(jobs) == 1 and " pipeline " in jobs[0] and "--baseline" in jobs[0], jobs
     proc = subprocess.run(["make", "-n", "-C", str(REPO), "test", "VENV=/nonexistent-venv"], capture_output=True,
                           text=True, timeout=60)
     assert '-e ".[dev,demo,bench]"' in proc.stdout  # the suite gets the dev stack

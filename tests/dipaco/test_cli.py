@@ -250,3 +250,26 @@ def test_null_and_empty_values_on_the_command_line_are_one_line(tmp_path, capsys
     assert run(tmp_path, "prepare", corpus(tmp_path), override) == 2
     assert capsys.readouterr().err.strip().splitlines() == [line]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_pipeline_runs_every_job_in_one_process_as_the_jobs_one_by_one(served_run, tmp_path, capsys):
+    """`dipaco pipeline --baseline` (what make demo runs): the served run's fixture ran its jobs one by one on
+    the same config; the one process gives the same perplexities, and the dense baseline as many steps a path."""
+    shape = [*TINY, f"data.corpus={served_run.data.corpus}", "train.sharding=kmeans", "route.featurizer=lm_prefix",
+             "route.n_init=1"]
+    assert main(["pipeline", *shape, f"run.dir={tmp_path / 'run'}", "--baseline"]) == 0
+    out = capsys.readouterr().out
+    jobs = [line for line in out.splitlines() if line.startswith("== dipaco ")]
+    assert [j.split()[2] for j in jobs] == ["prepare", "pretrain", "eval", "route", "train", "eval", "train", "eval",
+                                            "report:"]
+
+    def overall(run_dir: str | Path, sub: str) -> dict:
+        return json.loads((Path(run_dir) / sub / "eval.json").read_text())
+
+    weights = "pretrain/model.safetensors"
+    assert (tmp_path / "run" / weights).read_bytes() == (Path(served_run.run.dir) / weights).read_bytes()
+    assert overall(tmp_path / "run", "train/dipaco")["overall"] == overall(served_run.run.dir, "train/dipaco")["overall"]
+    dense, dipaco = overall(tmp_path / "run", "train/dense_1x"), overall(tmp_path / "run", "train/dipaco")
+    assert (dense["num_paths"], dipaco["num_paths"]) == (1, 4)
+    assert dense["steps_per_path"] == dipaco["steps_per_path"] > 0
+    assert all(name in out for name in ("pretrained", "dense_1x", "dipaco"))
