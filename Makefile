@@ -11,15 +11,21 @@ RUN_DIR ?= runs/demo
 .PHONY: install demo test lint clean-demo
 
 # Two stamps: the demo installs only what it runs (dipaco and the BBC corpus); test and lint add the dev stack.
+# --no-compile: pip would compile every module of torch, transformers, pandas... to bytecode, where the demo imports
+# a fraction of them, which Python compiles (and caches) at their first import (docs/results.md, "The demo"). The test
+# suite starts hundreds of interpreters, and some setups forbid writing bytecode at import
+# (PYTHONDONTWRITEBYTECODE), so `make install` compiles the whole venv once; compileall's failures are those of a
+# few files for other Python versions, which pip skips as well.
 $(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[demo]"
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile -e ".[demo]"
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.demo-installed
 	$(PY) -m pip install --quiet -e ".[dev,demo,bench]"
+	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $@
 
 install: $(VENV)/.installed
