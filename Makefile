@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 DIPACO := $(VENV)/bin/dipaco
 CONFIG ?= configs/demo.yaml
 RUN_DIR ?= runs/demo
+# torch threads of the demo's jobs: on 2 cores a second thread shortened the wall time by less than it added CPU
+# time (docs/results.md, "The demo"); `make demo DEMO_THREADS=2` for the shorter wall time
+DEMO_THREADS ?= 1
 
 .PHONY: install demo test lint clean-demo
 
@@ -33,7 +36,7 @@ install: $(VENV)/.installed
 demo: $(VENV)/.demo-installed
 	@echo "== demo run directory: $(RUN_DIR) (starts fresh) =="
 	rm -rf $(RUN_DIR)
-	$(DIPACO) pipeline --config $(CONFIG) run.dir=$(RUN_DIR) --baseline
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(DIPACO) pipeline --config $(CONFIG) run.dir=$(RUN_DIR) --baseline
 
 # -rs lists every skipped test with its reason. .ci/run sets DIPACO_REQUIRE_E2E=1, which turns a
 # skipped end-to-end test into a failure (tests/e2e_guard.py). The suite runs in 2 pytest-xdist workers, a
