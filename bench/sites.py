@@ -9,7 +9,11 @@ link profile, and runs every row as ``torchrun --nnodes N`` with one node per si
   split over the N ranks), the same AdamW and schedule, for as many steps as a path does;
 * ``diloco``: N replicas of the dense model, one per site (``topology.preset=diloco:N``);
 * ``dipaco``: the N x N grid, N paths per site; ``dipaco_streaming`` (Streaming DiLoCo, 2 fragments, 2 overlapped
-  steps, fp4) and ``dipaco_delayed_int8`` (the one-step-delay sync, int8).
+  steps, fp4) and ``dipaco_delayed_int8`` (the one-step-delay sync, int8);
+* ``torchft_diloco`` (issue 75): the peer, torchft's own ``local_sgd.DiLoCo`` (the ``peers`` extra), one replica group
+  per site joined by its Lighthouse on site 0, doing ``diloco``'s work (:mod:`bench.torchft_peer`); and
+  ``diloco_uniform``, dipaco's DiLoCo averaging the replicas uniformly as torchft does (dipaco's default weights
+  them by shard tokens): the fairness check compares these two at equal steps.
 
 Per row and profile: training wall-clock to the target validation perplexity (DiPaCo rows: the rounds' own seconds,
 slowest rank, eval.every=1; DDP: rank 0's step time, its evaluation excluded), the share of the time spent waiting
@@ -20,6 +24,7 @@ time extrapolated from its measured step time and the steps it needed on the bes
 
     python -m bench sites --out docs/bench_sites.json                  # 4 sites, unshaped + lan, wan, poor
     python -m bench sites --sites 2 --profiles wan,poor --rows ddp,dipaco
+    python -m bench sites --sites 2 --profiles lan --rows diloco,diloco_uniform,torchft_diloco   # torchft beside
 
 Needs root (it makes namespaces); refuses in one line otherwise. Resumable: ``--resume`` keeps finished rows.
 """
@@ -51,13 +56,19 @@ ROWS: dict[str, list[str]] = {
     "dipaco_streaming": ["topology.preset=grid:{n}x{n}", "outer.sync=streaming", "outer.streaming.num_fragments=2",
                          "outer.streaming.overlap_steps=2", "outer.streaming.pattern=balanced", "dist.comm_dtype=fp4"],
     "dipaco_delayed_int8": ["topology.preset=grid:{n}x{n}", "outer.sync=delayed", "dist.comm_dtype=int8"],
+    # torchft averages the replicas' changes uniformly; dipaco's default weights them by shard tokens (issue 75)
+    "diloco_uniform": ["topology.preset=diloco:{n}", "outer.weighting=uniform"],
+    "torchft_diloco": [],  # torchft's own DiLoCo, one replica group per site (bench/torchft_peer.py)
 }
+LIGHTHOUSE_PORT = 29510  # torchft's Lighthouse on site 0 (its default port)
+TORCHFT_API = ("torchft.Manager", "torchft.ProcessGroupGloo", "torchft.local_sgd.DiLoCo")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argument_parser("sites", __doc__)
     p.add_argument("--sites", type=int, default=4)
-    p.add_argument("--profiles", default="lan,wan,poor", help="link profiles (bench.netns.PROFILES) or tc rates")
+    p.add_argument("--profiles", default="lan,wan,poor",
+                   help="link profiles (bench.netns.PROFILES) or tc rates, beside the unshaped links ('': those alone)")
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--work", default="/tmp/dipaco_bench_sites")
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
@@ -107,10 +118,53 @@ def tx_bytes(sites: Sites) -> list[int]:
     return [sites.link_bytes(i)[0] for i in range(len(sites))]
 
 
+def torchft_version() -> str:
+    """The installed torchft's version, once every name the peer rows use is there; else one line saying what lacks."""
+    import importlib
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torchft-nightly")
+    except metadata.PackageNotFoundError:
+        try:
+            version = metadata.version("torchft")
+        except metadata.PackageNotFoundError:
+            raise SystemExit('the torchft rows need torchft: pip install -e ".[peers]"') from None
+    for name in TORCHFT_API:
+        module, _, attr = name.rpartition(".")
+        if not hasattr(importlib.import_module(module), attr):
+            raise SystemExit(f"the torchft rows need {name}, which torchft {version} lacks")
+    return version
+
+
+def lighthouse(sites: Sites, log: Path) -> subprocess.Popen:
+    """torchft's Lighthouse (the wheel's ``torchft_lighthouse``) on site 0, for a quorum of every site."""
+    exe = Path(sys.executable).with_name("torchft_lighthouse")
+    cmd = sites[0].command([str(exe), "--min_replicas", str(len(sites)), "--bind",
+                            f"{sites[0].address}:{LIGHTHOUSE_PORT}", "--join_timeout_ms", "600000"])
+    with log.open("w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def peer_commands(sites: Sites, name: str, cfg_file: Path, work: Path) -> list[list[str]]:
+    """A torchft replica per site: a process of its own (a replica group of one needs no launcher), joined by the
+    Lighthouse on site 0."""
+    url = f"http://{sites[0].address}:{LIGHTHOUSE_PORT}"
+    return [sites[i].command([sys.executable, "-m", "bench.torchft_peer", "--config", str(cfg_file), "--replicas",
+                              str(len(sites)), "--replica", str(i), "--address", sites[i].address, "--lighthouse", url,
+                              "--out", str(work / f"{name}.replica{i}.jsonl")])
+            for i in range(len(sites))]
+
+
 def run_row(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One row as N torchrun nodes, one per site; its figures (see :func:`dipaco_figures`, :func:`ddp_figures`)."""
+    """One row as N torchrun nodes, one per site (the torchft rows: a replica per site); its figures (see
+    :func:`dipaco_figures`, :func:`ddp_figures`, :func:`torchft_figures`)."""
     n = len(sites)
-    if row == "ddp":
+    commands = None
+    if row == "torchft_diloco":
+        commands = peer_commands(sites, name, cfg_file, work)
+        program: list[str] = []
+    elif row == "ddp":
         out = work / f"{name}.jsonl"
         out.unlink(missing_ok=True)
         program = ["-m", "bench.sites", "--ddp-worker", "--config", str(cfg_file), "--paths", str(n * n),
@@ -123,13 +177,14 @@ def run_row(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Na
             shutil.rmtree(exp)
     before = tx_bytes(sites)
     procs, logs = [], []
+    helper = lighthouse(sites, work / f"{name}.lighthouse.log") if row == "torchft_diloco" else None
     start = time.perf_counter()
     for i in range(n):
         log = work / f"{name}.site{i}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **sites.environment(i)}
+        cmd = commands[i] if commands else sites.torchrun(i, program, nnodes=str(n), job=name, max_restarts=0)
         with log.open("w") as f:
-            procs.append(subprocess.Popen(sites.torchrun(i, program, nnodes=str(n), job=name, max_restarts=0),
-                                          stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                           start_new_session=True))
         logs.append(log)
     try:
@@ -138,15 +193,21 @@ def run_row(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Na
     except subprocess.TimeoutExpired:
         raise SystemExit(f"{row} on {name}: still running after --row-timeout={args.row_timeout:g}s; logs in {work}") from None
     finally:
-        for proc in procs:
+        for proc in [*procs, *([helper] if helper else [])]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     wall = time.perf_counter() - start
     failed = [i for i, p in enumerate(procs) if p.returncode]
     if failed:
         raise SystemExit(f"{row} on {name}: site {failed[0]} failed:\n{logs[failed[0]].read_text()[-3000:]}")
     sent = [after - b for after, b in zip(tx_bytes(sites), before)]
-    figures = ddp_figures(work / f"{name}.jsonl") if row == "ddp" else dipaco_figures(work / "run" / "train" / name)
+    if row == "torchft_diloco":
+        figures = torchft_figures([work / f"{name}.replica{i}.jsonl" for i in range(n)])
+    elif row == "ddp":
+        figures = ddp_figures(work / f"{name}.jsonl")
+    else:
+        figures = dipaco_figures(work / "run" / "train" / name)
     return {**figures, "wall_seconds": wall, "bytes_per_site": statistics.mean(sent), "bytes_sent": sent}
 
 
@@ -166,6 +227,27 @@ def dipaco_figures(exp: Path) -> dict[str, Any]:
         last = min(by_round[rnd], key=lambda r: r["comm_seconds"])  # the last rank to arrive: no peer's lag
         waits.append(last["comm_seconds"] / last["round_seconds"])
     return {"curve": curve, "wait_share": statistics.median(waits), "train_seconds": clock}
+
+
+def torchft_figures(outs: list[Path]) -> dict[str, Any]:
+    """A torchft row's curve, as :func:`dipaco_figures` reads a DiPaCo row's: each sync's slowest replica's round
+    seconds (its scoring included, as dipaco's rounds include theirs), and the perplexity of the replicas' validation
+    documents summed; the wait share is the sync step's time (quorum, allreduce, outer step) over the round's."""
+    replicas = [[json.loads(line) for line in out.read_text().splitlines()] for out in outs]
+    syncs = [[r for r in records if r["event"] == "sync"] for records in replicas]
+    if len({len(s) for s in syncs}) != 1 or not syncs[0]:
+        raise SystemExit(f"torchft replicas logged {[len(s) for s in syncs]} syncs: {outs}")
+    uncommitted = [(i, r["round"]) for i, s in enumerate(syncs) for r in s if r["committed"] != r["round"]]
+    if uncommitted:  # a sync torchft did not commit leaves the weights where they were: not the same work
+        raise SystemExit(f"torchft did not commit every sync (replica, round): {uncommitted[:5]}")
+    clock, curve, waits = 0.0, [], []
+    for rnd in zip(*syncs):
+        clock += max(r["round_seconds"] for r in rnd)
+        curve.append([clock, math.exp(sum(r["nll"] for r in rnd) / sum(r["tokens"] for r in rnd))])
+        last = min(rnd, key=lambda r: r["sync_seconds"])  # the last replica to arrive: no peer's lag
+        waits.append(last["sync_seconds"] / last["round_seconds"])
+    return {"curve": curve, "wait_share": statistics.median(waits), "train_seconds": clock,
+            "participants": sorted({r["participants"] for s in syncs for r in s})}
 
 
 def ddp_figures(out: Path) -> dict[str, Any]:
@@ -313,6 +395,28 @@ def summarize(results: Results, profiles: list[str], rows: list[str], target_fra
     return table
 
 
+def fairness(results: Results) -> list[dict[str, Any]]:
+    """Issue 75's fairness check, per link: torchft's DiLoCo against dipaco's on the same work, round by round (the
+    same steps): the largest relative difference in validation perplexity, against ``diloco_uniform`` (the same
+    averaging) and ``diloco`` (dipaco's default, token-weighted)."""
+    by = {r["name"]: r for r in results.rows}
+    out = []
+    for name, peer in sorted(by.items()):
+        row, _, prof = name.partition("@")
+        if row != "torchft_diloco":
+            continue
+        for mine in ("diloco_uniform", "diloco"):
+            r = by.get(f"{mine}@{prof}")
+            if r is None:
+                continue
+            pairs = list(zip((p for _, p in r["curve"]), (p for _, p in peer["curve"])))
+            diffs = [abs(theirs / ours - 1) for ours, theirs in pairs]
+            out.append({"profile": prof, "dipaco_row": mine, "rounds": len(pairs), "max_rel_diff": max(diffs),
+                        "final_dipaco": pairs[-1][0], "final_torchft": pairs[-1][1],
+                        "within_half_percent": max(diffs) <= 0.005})
+    return out
+
+
 def _secs(t: Mapping[str, Any]) -> str | None:
     s = t["seconds_to_target"]
     return None if s is None else f"{s:.1f}" + (" (extrapolated)" if t["extrapolated"] else "")
@@ -337,18 +441,19 @@ def main(argv: list[str]) -> int | None:
         print(f"python -m bench sites: {reason}; run it as root on a machine that can make network namespaces",
               file=sys.stderr)
         return 2
-    profiles = args.profiles.split(",")
+    profiles = [p for p in args.profiles.split(",") if p]  # "": the unshaped links alone
     links = {name: profile(name) for name in profiles}
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise SystemExit(f"--rows: unknown {unknown}; one of {', '.join(ROWS)}")
     work = Path(args.work)
+    peers = {"torchft": torchft_version()} if any(r.startswith("torchft") for r in rows) else {}
     cfg_file = prepare(args, work)
     results = Results.load(args.out or work / "results.json", "sites", args.resume)
     netem = netem_available()
     results.meta = {"meta": {"command": command_line("sites", argv), "machine": environment("cpu"),
-                             "netem": netem, "sites": args.sites,
+                             "netem": netem, "sites": args.sites, "peers": peers,
                              "links": {name: link.describe(netem) for name, link in links.items()}}}
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("out", "resume", "profiles", "rows", "target_fraction", "row_timeout")}
@@ -368,8 +473,13 @@ def main(argv: list[str]) -> int | None:
                       f"{record['curve'][-1][1]:.2f}, {record['bytes_per_site'] / 1e6:.1f} MB per site", flush=True)
     table = summarize(results, profiles, rows, args.target_fraction)
     results.meta["table"] = table
+    results.meta["fairness"] = fair = fairness(results)
     results.write()
     print(markdown_table(table, TABLE))
+    for f in fair:
+        print(f"[sites] fairness @ {f['profile']}: torchft_diloco against {f['dipaco_row']} over {f['rounds']} rounds: "
+              f"at most {100 * f['max_rel_diff']:.3f}% apart (final ppl {f['final_torchft']:.3f} against "
+              f"{f['final_dipaco']:.3f}; bound 0.5%)")
     return None
 
 

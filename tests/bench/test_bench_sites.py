@@ -48,3 +48,60 @@ def test_without_namespaces_it_refuses_in_one_line(monkeypatch, capsys):
     assert sites.main(["--sites", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "need root" in err[0]
+
+
+def _replica(path, syncs, committed=None):
+    import json
+
+    rows = [{"event": "sync", "round": r, "committed": r if committed is None else committed[r - 1], "participants": 2,
+             "nll": nll, "tokens": tokens, "round_seconds": secs, "sync_seconds": wait}
+            for r, (nll, tokens, secs, wait) in enumerate(syncs, 1)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, {"event": "end"}]))
+    return path
+
+
+def test_a_torchft_row_reads_as_a_dipaco_row_the_slowest_replica_and_the_summed_scores(tmp_path):
+    import math
+
+    a = _replica(tmp_path / "a.jsonl", [(100.0, 20, 2.0, 0.2), (80.0, 20, 2.0, 0.5)])
+    b = _replica(tmp_path / "b.jsonl", [(60.0, 10, 3.0, 0.1), (50.0, 10, 1.0, 0.3)])
+    fig = sites.torchft_figures([a, b])
+    assert [t for t, _ in fig["curve"]] == [3.0, 5.0]  # each sync's slowest replica, summed
+    assert fig["curve"][0][1] == pytest.approx(math.exp(160.0 / 30))  # every replica's documents together
+    assert fig["curve"][1][1] == pytest.approx(math.exp(130.0 / 30))
+    # the last replica to arrive (the shortest sync step) waited on no peer: 0.1 / 3.0 and 0.3 / 1.0
+    assert fig["wait_share"] == pytest.approx((0.1 / 3.0 + 0.3 / 1.0) / 2)
+    assert fig["participants"] == [2]
+
+
+def test_a_torchft_sync_that_did_not_commit_fails_the_row(tmp_path):
+    a = _replica(tmp_path / "a.jsonl", [(1.0, 1, 1.0, 0.1), (1.0, 1, 1.0, 0.1)], committed=[1, 1])
+    b = _replica(tmp_path / "b.jsonl", [(1.0, 1, 1.0, 0.1), (1.0, 1, 1.0, 0.1)])
+    with pytest.raises(SystemExit, match="did not commit every sync"):
+        sites.torchft_figures([a, b])
+    c = _replica(tmp_path / "c.jsonl", [(1.0, 1, 1.0, 0.1)])
+    with pytest.raises(SystemExit, match=r"logged \[2, 1\] syncs"):
+        sites.torchft_figures([b, c])
+
+
+def test_the_torchft_rows_refuse_in_one_line_without_the_apis_they_need(monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    with pytest.raises(SystemExit, match=r'need torchft: pip install -e "\.\[peers\]"'):
+        sites.torchft_version()
+
+
+def test_the_fairness_check_compares_torchft_with_dipaco_round_by_round(tmp_path):
+    results = Results(tmp_path / "r.json", "sites")
+    _row(results, "diloco_uniform@unshaped", [[1.0, 100.0], [2.0, 50.0]])
+    _row(results, "diloco@unshaped", [[1.0, 101.0], [2.0, 52.0]])
+    _row(results, "torchft_diloco@unshaped", [[1.5, 100.2], [3.0, 50.0]])
+    fair = {f["dipaco_row"]: f for f in sites.fairness(results)}
+    assert fair["diloco_uniform"]["max_rel_diff"] == pytest.approx(0.002)
+    assert fair["diloco_uniform"]["within_half_percent"]
+    assert fair["diloco"]["max_rel_diff"] == pytest.approx(2 / 52)  # 50 against 52 in round 2
+    assert not fair["diloco"]["within_half_percent"]
