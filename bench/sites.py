@@ -41,7 +41,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -123,13 +124,15 @@ def torchft_version() -> str:
     import importlib
     from importlib import metadata
 
-    try:
-        version = metadata.version("torchft-nightly")
-    except metadata.PackageNotFoundError:
+    versions = []
+    for package in ("torchft-nightly", "torchft"):
         try:
-            version = metadata.version("torchft")
+            versions.append(metadata.version(package))
         except metadata.PackageNotFoundError:
-            raise SystemExit('the torchft rows need torchft: pip install -e ".[peers]"') from None
+            pass
+    if not versions:
+        raise SystemExit('the torchft rows need torchft: pip install -e ".[peers]"')
+    version = versions[0]
     for name in TORCHFT_API:
         module, _, attr = name.rpartition(".")
         if not hasattr(importlib.import_module(module), attr):
@@ -137,63 +140,73 @@ def torchft_version() -> str:
     return version
 
 
-def lighthouse(sites: Sites, log: Path) -> subprocess.Popen:
+def lighthouse(sites: Sites) -> list[str]:
     """torchft's Lighthouse (the wheel's ``torchft_lighthouse``) on site 0, for a quorum of every site."""
     exe = Path(sys.executable).with_name("torchft_lighthouse")
-    cmd = sites[0].command([str(exe), "--min_replicas", str(len(sites)), "--bind",
-                            f"{sites[0].address}:{LIGHTHOUSE_PORT}", "--join_timeout_ms", "600000"])
-    with log.open("w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return sites[0].command([str(exe), "--min_replicas", str(len(sites)), "--bind",
+                             f"{sites[0].address}:{LIGHTHOUSE_PORT}", "--join_timeout_ms", "600000"])
 
 
-def peer_commands(sites: Sites, name: str, cfg_file: Path, work: Path) -> list[list[str]]:
-    """A torchft replica per site: a process of its own (a replica group of one needs no launcher), joined by the
-    Lighthouse on site 0."""
+def peer_commands(sites: Sites, cfg_file: Path, outs: list[Path]) -> list[list[str]]:
+    """A torchft replica per site, writing to ``outs[i]``: a process of its own (a replica group of one needs no
+    launcher), joined by the Lighthouse on site 0."""
     url = f"http://{sites[0].address}:{LIGHTHOUSE_PORT}"
     return [sites[i].command([sys.executable, "-m", "bench.torchft_peer", "--config", str(cfg_file), "--replicas",
                               str(len(sites)), "--replica", str(i), "--address", sites[i].address, "--lighthouse", url,
-                              "--out", str(work / f"{name}.replica{i}.jsonl")])
-            for i in range(len(sites))]
+                              "--out", str(out)])
+            for i, out in enumerate(outs)]
 
 
-def run_row(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One row as N torchrun nodes, one per site (the torchft rows: a replica per site); its figures (see
-    :func:`dipaco_figures`, :func:`ddp_figures`, :func:`torchft_figures`)."""
+Launch = tuple[dict[str, list[str]], list[list[str]], Callable[[], dict[str, Any]]]
+
+
+def row_launch(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Namespace, work: Path) -> Launch:
+    """What ``row`` runs: the helpers each site's command needs started first (by log name), each site's
+    command, and the reader of the row's figures once they have run."""
     n = len(sites)
-    commands = None
     if row == "torchft_diloco":
-        commands = peer_commands(sites, name, cfg_file, work)
-        program: list[str] = []
-    elif row == "ddp":
+        outs = [work / f"{name}.replica{i}.jsonl" for i in range(n)]
+        return {"lighthouse": lighthouse(sites)}, peer_commands(sites, cfg_file, outs), lambda: torchft_figures(outs)
+    if row == "ddp":
         out = work / f"{name}.jsonl"
         out.unlink(missing_ok=True)
         program = ["-m", "bench.sites", "--ddp-worker", "--config", str(cfg_file), "--paths", str(n * n),
                    "--seconds", str(args.ddp_seconds), "--out", str(out)]
+        figures = partial(ddp_figures, out)
     else:
         overrides = [o.format(n=n) for o in ROWS[row]]
         program = ["-m", "dipaco", "train", "--config", str(cfg_file), f"train.name={name}", *overrides]
         exp = work / "run" / "train" / name
         if exp.exists():
             shutil.rmtree(exp)
+        figures = partial(dipaco_figures, exp)
+    return {}, [sites.torchrun(i, program, nnodes=str(n), job=name, max_restarts=0) for i in range(n)], figures
+
+
+def run_row(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One row on the sites (:func:`row_launch`: torchrun nodes, one per site, or a torchft replica per site); its
+    figures (see :func:`dipaco_figures`, :func:`ddp_figures`, :func:`torchft_figures`)."""
+    helpers, commands, figures = row_launch(sites, row, name, cfg_file, args, work)
     before = tx_bytes(sites)
-    procs, logs = [], []
-    helper = lighthouse(sites, work / f"{name}.lighthouse.log") if row == "torchft_diloco" else None
-    start = time.perf_counter()
-    for i in range(n):
-        log = work / f"{name}.site{i}.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **sites.environment(i)}
-        cmd = commands[i] if commands else sites.torchrun(i, program, nnodes=str(n), job=name, max_restarts=0)
+
+    def start_process(cmd: list[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
         with log.open("w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                          start_new_session=True))
-        logs.append(log)
+            return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+
+    started = [start_process(cmd, work / f"{name}.{helper}.log") for helper, cmd in helpers.items()]
+    procs, logs = [], []
+    start = time.perf_counter()
+    for i, cmd in enumerate(commands):
+        logs.append(work / f"{name}.site{i}.log")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **sites.environment(i)}
+        procs.append(start_process(cmd, logs[-1], env))
     try:
         for proc in procs:
             proc.wait(timeout=max(1.0, args.row_timeout - (time.perf_counter() - start)))
     except subprocess.TimeoutExpired:
         raise SystemExit(f"{row} on {name}: still running after --row-timeout={args.row_timeout:g}s; logs in {work}") from None
     finally:
-        for proc in [*procs, *([helper] if helper else [])]:
+        for proc in [*procs, *started]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -202,13 +215,7 @@ def run_row(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse.Na
     if failed:
         raise SystemExit(f"{row} on {name}: site {failed[0]} failed:\n{logs[failed[0]].read_text()[-3000:]}")
     sent = [after - b for after, b in zip(tx_bytes(sites), before)]
-    if row == "torchft_diloco":
-        figures = torchft_figures([work / f"{name}.replica{i}.jsonl" for i in range(n)])
-    elif row == "ddp":
-        figures = ddp_figures(work / f"{name}.jsonl")
-    else:
-        figures = dipaco_figures(work / "run" / "train" / name)
-    return {**figures, "wall_seconds": wall, "bytes_per_site": statistics.mean(sent), "bytes_sent": sent}
+    return {**figures(), "wall_seconds": wall, "bytes_per_site": statistics.mean(sent), "bytes_sent": sent}
 
 
 def dipaco_figures(exp: Path) -> dict[str, Any]:
@@ -431,6 +438,14 @@ TABLE: list[Column] = [
 ]
 
 
+FAIRNESS: list[Column] = [
+    ("link", "profile"), ("torchft_diloco against", "dipaco_row"), ("rounds", "rounds"),
+    ("largest difference", lambda f: f"{100 * f['max_rel_diff']:.3f}%"),
+    ("final ppl torchft / dipaco", lambda f: f"{f['final_torchft']:.3f} / {f['final_dipaco']:.3f}"),
+    ("within 0.5%", "within_half_percent"),
+]
+
+
 def main(argv: list[str]) -> int | None:
     if argv[:1] == ["--ddp-worker"]:
         ddp_worker(argv[1:])
@@ -476,10 +491,8 @@ def main(argv: list[str]) -> int | None:
     results.meta["fairness"] = fair = fairness(results)
     results.write()
     print(markdown_table(table, TABLE))
-    for f in fair:
-        print(f"[sites] fairness @ {f['profile']}: torchft_diloco against {f['dipaco_row']} over {f['rounds']} rounds: "
-              f"at most {100 * f['max_rel_diff']:.3f}% apart (final ppl {f['final_torchft']:.3f} against "
-              f"{f['final_dipaco']:.3f}; bound 0.5%)")
+    if fair:
+        print(markdown_table(fair, FAIRNESS))
     return None
 
 
