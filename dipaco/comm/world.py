@@ -72,6 +72,9 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
     restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: restarts of the worker group so far
+    # TORCHELASTIC_RUN_ID (torchrun's --rdzv-id): the job, the same in every attempt; "" without one, or "none"
+    # (torchrun's default, which names no job)
+    run_id: str = ""
 
     @property
     def distributed(self) -> bool:
@@ -90,7 +93,9 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         raise ConfigError(f"torchrun environment: {exc}") from None
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"torchrun environment: RANK={rank} is not in [0, WORLD_SIZE={world_size})")
-    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, restart_count=restarts)
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, restart_count=restarts,
+                   run_id="" if run_id == "none" else run_id)
 
 
 def rank_device(name: str, env: DistEnv) -> torch.device:

@@ -91,6 +91,7 @@ class Scheduler(Protocol):
 
 
 STEP_CHECKPOINT = "step_checkpoint"  # <experiment>/step_checkpoint/: a signal's checkpoint of the round in progress
+ELASTIC_JOB = "elastic_job"  # <experiment>/elastic_job: the torchrun job (--rdzv-id) whose workers train it
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ class Trainer:
         if world.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             write_text(self.dir / CONFIG, self.experiment.config_yaml)  # replaced whole: a full disk keeps the old one
+            if world.env.run_id:
+                write_text(self.dir / ELASTIC_JOB, world.env.run_id)
             self.experiment.spec.write(self.dir)
             record_routing(self.experiment.run_dir, self.dir, self.experiment.routed)
         rounds = self.experiment.rounds
@@ -259,12 +262,13 @@ class Trainer:
         """The index to start from and the checkpoint it comes from (None: a fresh start); every rank agrees."""
         world = self.world
         start, resumed, error = 0, None, None
-        restarted = world.restarted and not (resume or resume_from)
+        restarted = (world.restarted or self._same_elastic_job()) and not (resume or resume_from)
         try:
             latest = self.checkpoints.latest() or self.step_checkpoints.latest()
             if resume or resume_from or (restarted and latest is not None):
                 if restarted and world.rank == 0 and latest is not None:
-                    echo(f"[train] restart {world.restarts} of the worker group: continuing from {latest.name}")
+                    what = f"restart {world.restarts}" if world.restarts else "a new attempt (for a node that joined)"
+                    echo(f"[train] {what} of the worker group: continuing from {latest.name}")
                 check_routing(self.experiment.run_dir, self.dir, self.experiment.routed)
                 start, resumed = self.restore(resume_from)
             elif latest is not None:
@@ -278,6 +282,14 @@ class Trainer:
             raise DistributedError(
                 f"ranks would start from different rounds ({starts}); run.dir must be on storage every rank sees")
         return start, resumed
+
+    def _same_elastic_job(self) -> bool:
+        """Whether this experiment was started by this torchrun job: a new attempt of its worker group. torchrun
+        counts only failures in TORCHELASTIC_RESTART_COUNT; a group it restarts because a node joined (a lost site
+        back before the failure was noticed, say) is at count 0 on every rank, and is no new run either."""
+        job = self.world.env.run_id
+        marker = self.dir / ELASTIC_JOB
+        return bool(job) and marker.is_file() and marker.read_text(encoding="utf-8", errors="replace") == job
 
     def restore(self, resume_from: str | None) -> tuple[int, Path]:
         """Loads the newest (or the given) checkpoint; returns its index and the checkpoint.

@@ -108,6 +108,26 @@ def test_checkpoints_keep_last_k_and_refuse_silent_overwrite(run_cfg):
         Run(cfg).train()
 
 
+def test_a_worker_group_torchrun_restarts_for_a_joining_node_continues_its_job(run_cfg, monkeypatch, capsys):
+    # torchrun restarts the group when a node joins without counting a restart (TORCHELASTIC_RESTART_COUNT=0 on
+    # every rank): a site killed and back before its loss was noticed. The experiment is this job's: continue it.
+    cfg = with_train(run_cfg, rounds=3)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    exp = Run(cfg).train(until_round=2)
+    capsys.readouterr()
+    again = Run(cfg).train()
+    assert "a new attempt (for a node that joined) of the worker group: continuing from round_000002" in (
+        capsys.readouterr().out)
+    assert again.checkpoints.latest().name == "round_000003"
+    assert [r["round"] for r in read_metrics(exp.dir / "metrics.jsonl", "outer")] == [1, 2, 3]
+    # another job (or none: torchrun's default id) on the same experiment is still refused
+    for other in ("job-b", "none"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", other)
+        with pytest.raises(ConfigError, match="already has checkpoints"):
+            Run(cfg).train()
+
+
 def test_corrupted_checkpoint_is_named_and_previous_stays_usable(run_cfg):
     cfg = with_train(run_cfg, rounds=3)
     exp = Run(cfg).train(until_round=2)
