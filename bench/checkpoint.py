@@ -1,6 +1,6 @@
 """How long a round blocks on its checkpoint: the background writer against the synchronous one (issue 48).
 
-    python -m bench checkpoint --out docs/bench_checkpoint.json
+    python -m bench checkpoint --out docs/results/bench_checkpoint.json
     python -m bench checkpoint --smoke          # a small state, for CI
 
 The state is what `dipaco train` checkpoints for one path of the 125M class (hidden 768, 12 layers,

@@ -12,7 +12,7 @@ Ray's own control traffic included), over the tasks site 1's worker ran; the sam
 (Ray's control plane, bytes/s); and what the model alone accounts for per task: modules + deltas + 2 x the path's
 parameters / ``state_sync_every`` (fp32).
 
-    python -m bench ray_sites --out docs/bench_ray_sites.json          # state_sync_every 1 and 8 over wan
+    python -m bench ray_sites --out docs/results/bench_ray_sites.json          # state_sync_every 1 and 8 over wan
     python -m bench ray_sites --profile poor --sync-every 1,4,16
 
 Needs root (it makes namespaces); refuses in one line otherwise. Resumable: ``--resume`` keeps finished rows.

@@ -30,7 +30,7 @@ unshaped links (the compute-only limit) and against DDP. The target is the valid
 end of its run on the best link (``lan``). A DDP run that cannot reach it within ``--ddp-seconds`` is stopped and its
 time extrapolated from its measured step time and the steps it needed on the best link.
 
-    python -m bench sites --out docs/bench_sites.json                  # 4 sites, unshaped + lan, wan, poor
+    python -m bench sites --out docs/results/bench_sites.json                  # 4 sites, unshaped + lan, wan, poor
     python -m bench sites --sites 2 --profiles wan,poor --rows ddp,dipaco
     python -m bench sites --sites 2 --profiles lan --rows diloco,diloco_uniform,torchft_diloco   # torchft beside
     python -m bench sites --sites 2 --profiles "" --rounds 16 --down-seconds 2 \

@@ -23,7 +23,7 @@ against the GPU's dense bf16 peak; it is not reported on CPU. ``--round`` also t
 of a 2x2 grid (4 paths: inner steps + outer step + checkpoint) and reports the share that is not
 inner steps.
 
-    python -m bench throughput --out docs/bench_throughput.json                 # CPU, demo size
+    python -m bench throughput --out docs/results/bench_throughput.json                 # CPU, demo size
     python -m bench throughput --device cuda --sizes demo,125m --compile --round --out ...
     python -m bench throughput --device cuda --sizes 125m --compile --min-block-seconds 2 --blocks 4
 

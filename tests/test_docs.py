@@ -91,3 +91,9 @@ def test_every_figure_of_the_readme_summary_is_on_the_results_page():
     assert len(figures) >= 5, figures
     results = RESULTS.read_text(encoding="utf-8")
     assert [f for f in figures if f not in results] == []
+
+
+def test_results_files_live_in_a_folder_of_their_own():
+    # issue 73: the benchmarks' JSON results sat among the pages of docs/ (66 files)
+    assert sorted(p.name for p in DOCS.glob("*.json")) == []
+    assert len(list((DOCS / "results").glob("*.json"))) >= 60

@@ -225,8 +225,8 @@ def stack(parts: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
 
 def kernel_layout(weights: torch.Tensor) -> torch.Tensor:
     """Stacked linear weights [K, out, in] as the batched matmul reads them, [K, in, out]. On a CPU that is a
-    contiguous copy: torch's CPU ``bmm`` on the transposed view runs 2.5-3x slower at a decoding step's widths
-    (docs/notes/2026-11-29-module-batch-kernels.md), so the levels' weights are held twice there. Elsewhere it
+    contiguous copy: torch's CPU ``bmm`` on the transposed view is slower at a decoding step's
+    widths (docs/notes/2026-11-29-module-batch-kernels.md), so the levels' weights are held twice there. Elsewhere it
     is the view: cuBLAS takes a transposed operand as it lies."""
     transposed = weights.transpose(1, 2)
     return transposed.contiguous() if weights.device.type == "cpu" else transposed

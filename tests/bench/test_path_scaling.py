@@ -251,7 +251,7 @@ def test_report_of_a_sweep_in_progress_derives_the_arithmetic_from_its_config(tm
 
 
 def test_report_reads_the_rows_of_the_script_before_the_benchmark(tmp_path, capsys):
-    # docs/bench_scaling.json (issue 36) holds dipaco_16_top2: --report raised ValueError on its name.
+    # docs/results/bench_scaling.json (issue 36) holds dipaco_16_top2: --report raised ValueError on its name.
     rows = [_row("dipaco_16_top2", 7.0, 16), _row("dipaco_16@run.seed=1", 8.0, 16)]
     assert bench.fresh_seed_rows(rows) == {("dipaco", 16): {1: 8.0}}  # a row beside the sweep: not in the curve
     out = report(tmp_path, capsys, rows)

@@ -57,7 +57,7 @@ def test_plot_flags_go_together(capsys):
 def test_the_recorded_results_files_are_read_by_plot_and_report():
     """docs/ holds results files that scripts/bench_quality.py wrote (and merged) before the harness: the
     figures they back stay reproducible from them."""
-    recorded = Path(__file__).resolve().parents[2] / "docs" / "bench_quality_issue14_bbc16.json"
+    recorded = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench_quality_issue14_bbc16.json"
     rows = quality.panel_rows([recorded], ["diloco_4@train.rounds=16"])
     assert rows[0]["name"] == "diloco_4@train.rounds=16" and rows[0]["curve"][-1]["ppl"] == rows[0]["ppl"]
     merged = quality.merge_results([recorded])
