@@ -97,3 +97,12 @@ def test_results_files_live_in_a_folder_of_their_own():
     # issue 73: the benchmarks' JSON results sat among the pages of docs/ (66 files)
     assert sorted(p.name for p in DOCS.glob("*.json")) == []
     assert len(list((DOCS / "results").glob("*.json"))) >= 60
+
+
+def test_the_guide_quotes_no_figure_the_results_page_does_not_have():
+    """The guide gives reasons and links the measurement (issue 73): a percentage or an "N.Nx" ratio in it appears
+    on the results page, where its command and date are."""
+    guide = (DOCS / "guide.md").read_text(encoding="utf-8")
+    figures = re.findall(r"\d+(?:\.\d+)?%|\d+(?:\.\d+)?x\b", guide)
+    results = RESULTS.read_text(encoding="utf-8")
+    assert [f for f in figures if f not in results] == []
