@@ -174,8 +174,8 @@ def path_early_stopping(experiment: BuiltExperiment, prepared: Prepared, shardin
                         scoring: Scoring, llama: LlamaConfig) -> PathEarlyStopping:
     """Early stopping for this rank's paths, each judged on the held-out documents routed to it
     (``train.early_stopping_holdout``: ``fraction``)."""
-    # Only the held-out documents of this rank's paths are read, as int32 arrays (a Python list took
-    # about 9x the memory).
+    # Only the held-out documents of this rank's paths are read, as int32 arrays (a Python list of ints takes
+    # several times the memory).
     tokens = DocumentTokens(prepared.train)
     docs = {p: tokens.documents(np.flatnonzero(sharding.heldout & (sharding.doc_paths == p)), np.int32)
             for p in experiment.paths}

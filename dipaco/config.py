@@ -53,8 +53,9 @@ class DataConfig:
     seq_len: int = 128  # packed training sequence length and eval window length
     prefix_tokens: int = 32  # routing context; never scored at evaluation
     num_proc: Optional[int] = None  # prepare: tokenizer processes; null: 1 (its threads) up to 4 cores, else every core
-    # prepare: keep each document's text beside its tokens. false: the prepared data is 40% of the size (the text
-    # was 60% of its bytes); the doc_topics featurizer then decodes whole documents from their tokens.
+    # prepare: keep each document's text beside its tokens. false: the prepared data shrinks to less than half (the
+    # text is most of its bytes; docs/notes/2026-11-27-corpora-larger-than-memory.md); the doc_topics featurizer
+    # then decodes whole documents from their tokens.
     keep_text: bool = True
 
 

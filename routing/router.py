@@ -273,7 +273,8 @@ class Router:
         returns the sample's balanced labels under the new centroids (to price `assign_balanced_chunked`).
 
         Fitted on a sample, centroids carry its noise: at 256 clusters and 50k fit documents (195 a
-        cluster) the balanced route of 100k documents had 2.5% more inertia than a fit on all of them.
+        cluster) the balanced route of 100k documents had more inertia than a fit on all of them
+        (docs/notes/2026-11-27-corpora-larger-than-memory.md).
         Each round reads the corpus once, in chunks: every document takes its priced cluster
         (argmin of distance - price, with the dual prices of the sample's optimal balanced assignment:
         near the balanced optimum of the whole corpus, see `routing.chunked`), each centroid moves to

@@ -101,9 +101,9 @@ def quantize_fp4(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tenso
     padded, scale = _chunk_scale(x, chunk, 6.0)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = (padded / safe.unsqueeze(1)).view(-1)[:n]
-    # Index = how many midpoints |y| reaches (ties up): seven uint8 comparisons are ~3x faster than
-    # bucketize's int64 binary search on CPU, and it is the codec's hot loop (every sync, every
-    # adaptive observation).
+    # Index = how many midpoints |y| reaches (ties up): seven uint8 comparisons beat bucketize's int64 binary
+    # search on CPU (docs/notes/2026-11-23-streaming-delay-codecs.md), and it is the codec's hot loop (every
+    # sync, every adaptive observation).
     magnitude = y.abs()
     index = (y < 0).to(torch.uint8) << 3
     for midpoint in _E2M1_MIDPOINTS:

@@ -175,8 +175,8 @@ def available_cores() -> int:
 def batch_encoder(tokenizer: transformers.PreTrainedTokenizerBase, threads: int = 1,
                   engine: Literal["auto", "hf"] = "auto") -> tuple[EncodeBatch, str]:
     """The function that gives each text's ids (no special tokens added), and the engine it runs on:
-    tiktoken's, where it provably gives the ids of ``tokenizer`` itself (:mod:`dipaco.data.fast_bpe`;
-    2.5-2.9x as fast on 2 cores), on ``threads`` threads; else (or with ``engine="hf"``) HF `tokenizers`'
+    tiktoken's, where it provably gives the ids of ``tokenizer`` itself (:mod:`dipaco.data.fast_bpe`; faster:
+    docs/results.md, "Corpora larger than memory"), on ``threads`` threads; else (or with ``engine="hf"``) HF `tokenizers`'
     own batch call, on its threads."""
     backend = tokenizer.backend_tokenizer
     fast, why = tiktoken_bpe(backend, threads) if engine == "auto" else (None, 'engine="hf" asked for')
@@ -184,7 +184,8 @@ def batch_encoder(tokenizer: transformers.PreTrainedTokenizerBase, threads: int 
         return fast.encode, "tiktoken's BPE engine (the same ids as the HF tokenizer)"
 
     def hf(texts: list[str]) -> list[list[int]]:
-        # 1,000 texts a call: a batch of 10k encoded 20% slower (the map's batches stay 10k rows: fewer headers)
+        # 1,000 texts a call: a batch of 10k encoded slower (docs/notes/2026-11-27-corpora-larger-than-memory.md;
+        # the map's batches stay 10k rows: fewer headers)
         return [ids for i in range(0, len(texts), ENCODE_TEXTS) for ids in encode_texts(backend, texts[i : i + ENCODE_TEXTS])]
 
     return hf, f"HF tokenizers (tiktoken not used: {why})"

@@ -65,7 +65,7 @@ def lm_prefix_features(model: LlamaForCausalLM, featurizer: dict, prefixes: torc
     with precision.autocast():
         if layers == [-1]:
             # The base model's last_hidden_state (after the final norm) is the causal LM's hidden_states[-1];
-            # skipping the LM head and the per-layer states saves ~10%.
+            # skipping the LM head and the per-layer states saves their compute.
             states = (model.base_model(input_ids=x, attention_mask=mask).last_hidden_state,)
         else:
             states = model(input_ids=x, attention_mask=mask, output_hidden_states=True, logits_to_keep=1).hidden_states

@@ -56,9 +56,9 @@ from dipaco.sync.nesterov import OuterStep
 from dipaco.sync.schedule import Schedule
 from dipaco.sync.transport import Exchange
 
-# The outer momentum of a delayed run when outer.delayed.momentum is null: measured, not derived (the
-# eager variant at H = 96, 6 rounds, docs/notes/2026-11-23-streaming-delay-codecs.md): momentum 0.9 lost 76% perplexity to DiLoCo,
-# 0.8 lost 26%, 0.7 lost 5.5%, 0.5 was 1.1% better, 0 lost 30%.
+# The outer momentum of a delayed run when outer.delayed.momentum is null: measured, not derived. Of the momenta
+# tried with the eager variant (H = 96, 6 rounds), 0.5 was the only one at or better than DiLoCo's perplexity; higher
+# ones overshoot on the round-late gradient, 0 loses the momentum's help (docs/notes/2026-11-23-streaming-delay-codecs.md).
 DELAYED_MOMENTUM = 0.5
 IN_FLIGHT = "delayed"  # the checkpoint part of the outer gradients in flight (and delayed_own: eager's own changes)
 
