@@ -245,7 +245,7 @@ def row_launch(sites: Sites, row: str, name: str, cfg_file: Path, args: argparse
             return Launch(helpers, commands, partial(ddp_figures, outs[0]))
         if not fault:
             return Launch(helpers, commands, partial(torchft_figures, outs))
-        return Launch(helpers, commands, partial(torchft_fault_figures, outs, agains),
+        return Launch(helpers, commands, partial(torchft_fault_figures, outs, agains, args.inner_steps),
                       again=peer_commands(sites, PEERS[row], cfg_file, agains, extra),
                       rounds_done=partial(torchft_rounds_done, outs[0]))
     if row == "ddp":
@@ -359,10 +359,11 @@ def dipaco_rounds_done(exp: Path) -> list[tuple[float, float]]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """A worker's records; a last line without its newline (a killed worker's torn write) is left out."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
+    """A worker's records, read as dipaco reads its own metrics (a killed worker's torn last line is left out);
+    none before the worker wrote its first."""
+    from dipaco.metrics import read_metrics
+
+    return read_metrics(path) if path.exists() else []
 
 
 def torchft_rounds_done(out: Path) -> list[tuple[float, float]]:
@@ -401,7 +402,7 @@ def torchft_figures(outs: list[Path]) -> dict[str, Any]:
     """A torchft row's curve, as :func:`dipaco_figures` reads a DiPaCo row's: each sync's slowest replica's round
     seconds (its scoring included, as dipaco's rounds include theirs), and the perplexity of the replicas' validation
     documents summed; the wait share is the sync step's time (quorum, allreduce, outer step) over the round's."""
-    replicas = [[json.loads(line) for line in out.read_text().splitlines()] for out in outs]
+    replicas = [read_jsonl(out) for out in outs]
     syncs = [[r for r in records if r["event"] == "sync"] for records in replicas]
     if len({len(s) for s in syncs}) != 1 or not syncs[0]:
         raise SystemExit(f"torchft replicas logged {[len(s) for s in syncs]} syncs: {outs}")
@@ -418,7 +419,7 @@ def torchft_figures(outs: list[Path]) -> dict[str, Any]:
             "participants": sorted({r["participants"] for s in syncs for r in s})}
 
 
-def torchft_fault_figures(outs: list[Path], agains: list[Path]) -> dict[str, Any]:
+def torchft_fault_figures(outs: list[Path], agains: list[Path], sync_every: int) -> dict[str, Any]:
     """A torchft fault row: the final perplexity (every replica's last sync, the restarted one's log for the site
     killed), the rounds each sync had, and the inner steps thrown away: steps each process ran whose work went into
     no committed average (a killed replica's round in flight, a restarted one's round before a peer healed it, a
@@ -426,7 +427,6 @@ def torchft_fault_figures(outs: list[Path], agains: list[Path]) -> dict[str, Any
     runs = [read_jsonl(out) for out in [*outs, *agains]]
     steps_run = sum(1 for records in runs for r in records if r["event"] == "step")
     syncs = [r for records in runs for r in records if r["event"] == "sync"]
-    sync_every = syncs[0]["step"] // syncs[0]["round"] if syncs and syncs[0]["round"] else 0
     kept = sync_every * sum(1 for r in syncs if r["advanced"] and not r["healed"])
     healed = sum(1 for r in syncs if r["healed"])
     if not healed:  # it trained alone from the start: a run of its own, not a recovery
@@ -445,7 +445,7 @@ def torchft_fault_figures(outs: list[Path], agains: list[Path]) -> dict[str, Any
 
 
 def ddp_figures(out: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = read_jsonl(out)
     evals = [r for r in records if r["event"] == "eval"]
     end = records[-1]
     return {"curve": [[r["train_seconds"], r["ppl"]] for r in evals], "steps": end["step"],

@@ -143,7 +143,7 @@ def test_a_torchft_fault_counts_the_steps_no_committed_average_kept(tmp_path):
     # killed 6 steps into round 2, a torn last line; back for round 4: 10 steps before the peer healed it
     killed = _jsonl(tmp_path / "r1.jsonl", [*steps(10), _sync(1), *steps(6)], torn='{"event": "st')
     again = _jsonl(tmp_path / "r1.again.jsonl", [*steps(10), _sync(4, healed=True, nll=6.0)])
-    fig = sites.torchft_fault_figures([survivor, killed], [tmp_path / "r0.again.jsonl", again])
+    fig = sites.torchft_fault_figures([survivor, killed], [tmp_path / "r0.again.jsonl", again], 10)
     assert fig["steps_lost"] == 6 + 10  # the round in flight and the round before the heal
     assert fig["steps_missing"] == 2 * 4 * 10 - 50  # replica 1's rounds 2, 3 and 4 never ran on its shard
     assert fig["final_ppl"] == pytest.approx(math.exp(14.0 / 10))
@@ -151,7 +151,7 @@ def test_a_torchft_fault_counts_the_steps_no_committed_average_kept(tmp_path):
     # a restarted replica that never met its peer trained a run of its own: refused
     alone = _jsonl(tmp_path / "alone.jsonl", [x for r in range(1, 5) for x in (*steps(10), _sync(r))])
     with pytest.raises(SystemExit, match="never joined a quorum with its peer"):
-        sites.torchft_fault_figures([survivor, killed], [tmp_path / "r0.again.jsonl", alone])
+        sites.torchft_fault_figures([survivor, killed], [tmp_path / "r0.again.jsonl", alone], 10)
 
 
 def test_the_fault_table_sets_each_killed_row_against_its_uninterrupted_run(tmp_path):
